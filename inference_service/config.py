@@ -1,0 +1,134 @@
+"""Configuration: one frozen dataclass per area, validated on construction.
+
+Values that are only known once the model is loaded (KV blocks, auto limits, EOS ids) are not
+written back here: they live in `engine.outputs.EngineInfo`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how."""
+
+    model_id: str = DEMO_MODEL_ID
+    revision: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    trust_remote_code: bool = False
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    huggingface_hub_cache: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                 f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        _require(self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                 f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        _require(self.num_threads is None or self.num_threads > 0, "--num-threads must be > 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks the pool holds."""
+
+    block_size: int = 16
+    # An explicit capacity in tokens wins over the memory budget.
+    max_batch_total_tokens: int | None = None
+    # A fraction of free device memory ("0.3") or a size ("512MiB", "2GiB"); None = the device default.
+    kv_cache_memory: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0, "block size must be > 0")
+        _require(self.max_batch_total_tokens is None or self.max_batch_total_tokens > 0,
+                 "--max-batch-total-tokens must be > 0")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits per step."""
+
+    max_batch_prefill_tokens: int | None = None  # token budget of one step; None = device default
+    max_batch_size: int | None = None  # requests in one step; None = bounded by the budget only
+    # Accepted for TGI compatibility. With chunked prefill (always on here) TGI ignores both:
+    # new requests join the running batch at every step without pausing it.
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_prefill_tokens is None or self.max_batch_prefill_tokens > 0,
+                 "--max-batch-prefill-tokens must be > 0")
+        _require(self.max_batch_size is None or self.max_batch_size > 0, "--max-batch-size must be > 0")
+        _require(self.waiting_served_ratio >= 0, "--waiting-served-ratio must be >= 0")
+        _require(self.max_waiting_tokens >= 0, "--max-waiting-tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Per-request limits, with TGI's launcher defaults."""
+
+    max_input_tokens: int | None = None  # None = max_total_tokens - 1
+    max_total_tokens: int | None = None  # None = min(model context, KV capacity)
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_best_of: int = 2
+    max_concurrent_requests: int = 128
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_input_tokens is None or self.max_input_tokens > 0, "--max-input-tokens must be > 0")
+        _require(self.max_total_tokens is None or self.max_total_tokens > 1, "--max-total-tokens must be > 1")
+        if self.max_input_tokens is not None and self.max_total_tokens is not None:
+            _require(self.max_input_tokens < self.max_total_tokens,
+                     "`max_input_tokens` must be < `max_total_tokens`")
+        _require(self.max_stop_sequences >= 0, "--max-stop-sequences must be >= 0")
+        _require(self.max_top_n_tokens >= 0, "--max-top-n-tokens must be >= 0")
+        _require(self.max_best_of >= 1, "--max-best-of must be >= 1")
+        _require(self.max_concurrent_requests >= 1, "--max-concurrent-requests must be >= 1")
+        _require(0.0 < self.watermark_gamma < 1.0, "--watermark-gamma must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; the API and gateway have their own configs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str) -> tuple[float | None, int | None]:
+    """Parse `--kv-cache-memory`: returns (fraction, None) for "0.3" or (None, bytes) for "2GiB"."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--kv-cache-memory must be a fraction like 0.3 or a size like 2GiB, not {text!r}")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "" and value <= 1.0:
+        if value <= 0:
+            raise ValueError("--kv-cache-memory must be > 0")
+        return value, None
+    return None, int(value * _UNITS[unit])
+
+
+def default_cache_dir() -> str:
+    """Where converted weights (the demo model, GGUF files) are cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "inference-service")

@@ -1,0 +1,1 @@
+"""The continuous-batching engine: requests, scheduling, KV block accounting, text output."""

@@ -1,0 +1,153 @@
+"""The contracts between the engine's parts, and what the engine hands to the API.
+
+`SchedulerOutput` and `ModelRunnerOutput` hold ints and lists only: the scheduler never sees a
+tensor and the runner never makes policy. `RequestOutput` is what a caller's stream receives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from inference_service.errors import InferenceError
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [num_computed_tokens, +num_new_tokens)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    prompt_logprobs: bool = False  # return logprobs of the prompt tokens in this chunk
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step."""
+
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # the runner drops their state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SampledToken:
+    """One sampled token with its raw logprob (log_softmax of the model's logits)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request id: the sampled token (if sampled) and prompt logprobs (if asked)."""
+
+    sampled: dict[str, SampledToken]
+    # logprob of prompt token i+1 given tokens <= i, for the chunk's tokens; aligned to positions
+    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # per-request failures in this step
+
+
+@dataclass
+class Token:
+    """A generated token as callers see it."""
+
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass
+class PrefillToken:
+    id: int
+    text: str
+    logprob: float | None  # None for the first prompt token
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic seconds (time.perf_counter) of a request's milestones, for metrics and traces."""
+
+    arrival: float
+    queued: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since its last output; the last one has `finished` True."""
+
+    request_id: str
+    tokens: list[Token] = field(default_factory=list)
+    top_tokens: list[list[Token]] = field(default_factory=list)  # parallel to tokens
+    prefill_tokens: list[PrefillToken] | None = None  # first output only, when asked
+    finish_reason: FinishReason | None = None
+    generated_text: str | None = None  # final output only
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    seed: int | None = None  # final output only; None for greedy requests
+    error: InferenceError | None = None  # GenerationError or RequestCancelled
+    timings: RequestTimings | None = None  # final output only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What is only known once the model is loaded."""
+
+    model_id: str
+    model_sha: str | None
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_blocks: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_size: int | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+
+    @property
+    def max_batch_total_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state (for `Info`, metrics and leak checks in tests)."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_steps: int

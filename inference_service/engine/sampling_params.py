@@ -1,0 +1,45 @@
+"""Validated per-request parameters, as the engine uses them (never protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. Defaults mean "off"; see `is_greedy`."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    typical_p: float = 1.0  # 1.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off
+    frequency_penalty: float = 0.0  # 0.0 = off
+    watermark: bool = False
+    seed: int = 0  # always set: drawn at random when the caller gave none
+    top_n_tokens: int = 0  # alternatives reported per generated token
+    prompt_logprobs: bool = False  # TGI's decoder_input_details
+
+    @property
+    def has_warpers(self) -> bool:
+        return (self.temperature != 1.0 or self.top_k != 0 or self.top_p != 1.0
+                or self.typical_p != 1.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        # As TGI: setting any warper turns sampling on even when do_sample is false.
+        return not (self.do_sample or self.has_warpers)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When a request stops."""
+
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens

@@ -1,0 +1,60 @@
+"""Domain errors shared by the engine and the API.
+
+Every error a caller can see is one of these; `api.errors` maps each `error_type` to a gRPC
+status code in one place, and the REST gateway maps it on to TGI's HTTP status.
+"""
+
+
+class InferenceError(Exception):
+    """Base of the errors a request can end with; `error_type` is machine-readable."""
+
+    error_type = "internal"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationError(InferenceError):
+    """Bad input: wrong parameter, too many tokens. TGI's message, TGI's prefix."""
+
+    error_type = "validation"
+
+    def __init__(self, detail: str):
+        super().__init__(f"Input validation error: {detail}")
+        self.detail = detail
+
+
+class OverloadedError(InferenceError):
+    """More requests in flight than `--max-concurrent-requests` allows."""
+
+    error_type = "overloaded"
+
+    def __init__(self, message: str = "Model is overloaded"):
+        super().__init__(message)
+
+
+class GenerationError(InferenceError):
+    """A failure inside generation (the model step, sampling, detokenization)."""
+
+    error_type = "generation"
+
+    def __init__(self, detail: str):
+        super().__init__(f"Request failed during generation: Server error: {detail}")
+        self.detail = detail
+
+
+class RequestCancelled(InferenceError):
+    """The request was aborted (client gone, deadline, shutdown) before it finished."""
+
+    error_type = "cancelled"
+
+
+class UnavailableError(InferenceError):
+    """The engine is not serving (still loading, or draining for shutdown)."""
+
+    error_type = "unavailable"
+
+
+class ModelLoadError(Exception):
+    """The model can't be loaded or served exactly; the message says why in one line."""
