@@ -151,3 +151,19 @@ class EngineStats:
     num_total_blocks: int
     num_preemptions: int
     num_steps: int
+
+
+@dataclass
+class GenerateResult:
+    """A whole generation (unary Generate), best_of already resolved."""
+
+    generated_text: str  # the prompt is prepended when return_full_text was asked
+    finish_reason: FinishReason
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    seed: int | None  # None for greedy requests
+    tokens: list[Token]
+    top_tokens: list[list[Token]]  # one list per generated token; empty lists when not asked
+    prefill_tokens: list[PrefillToken]  # empty unless decoder_input_details
+    best_of_sequences: list[GenerateResult] = field(default_factory=list)  # the losers
+    timings: RequestTimings | None = None
