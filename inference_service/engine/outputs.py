@@ -25,6 +25,7 @@ class ScheduledRequest:
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
+    token_ids: list[int]  # the tokens to run: [num_computed_tokens, +num_new_tokens)
     block_ids: list[int]  # the request's whole block table after this step's allocation
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     prompt_logprobs: bool = False  # return logprobs of the prompt tokens in this chunk

@@ -1,0 +1,71 @@
+"""A request's state inside the engine: counters, not phases."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from inference_service.engine.outputs import FinishReason, RequestTimings
+from inference_service.engine.sampling_params import SamplingParams, StoppingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything above PREEMPTED is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISHED_STATUS = {
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.EOS_TOKEN: RequestStatus.FINISHED_STOPPED,
+    FinishReason.STOP_SEQUENCE: RequestStatus.FINISHED_STOPPED,
+}
+
+
+@dataclass
+class Request:
+    """One generation. Tokens [0, num_computed_tokens) have their K/V in the cache.
+
+    Only the scheduler changes `status` and `num_computed_tokens`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    timings: RequestTimings = field(default_factory=lambda: RequestTimings(arrival=time.perf_counter()))
+    prompt_logprobs_done: bool = False  # recomputation after preemption must not resend them
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]

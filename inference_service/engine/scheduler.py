@@ -1,0 +1,142 @@
+"""Continuous batching with a token budget per step.
+
+There are no prefill or decode phases: each request has `num_computed_tokens` and
+`num_tokens`, and every step hands out a token budget so that the first catches up with the
+second. Running requests go first (a decode costs one token), then waiting requests are
+admitted FIFO; a prompt longer than the remaining budget is prefilled in chunks over several
+steps. When the KV pool runs dry, the newest running request is preempted: its blocks are
+freed and it is recomputed later from its prompt and the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from inference_service.engine.kv_cache_manager import KVCacheManager
+from inference_service.engine.outputs import ScheduledRequest, SchedulerOutput
+from inference_service.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides which requests run in each step; the only writer of request status."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
+                 max_num_seqs: int | None = None):
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- admission and removal ------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        request.timings.queued = time.perf_counter()
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stop, length, abort, error) and free its blocks at once."""
+        if request.status.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+        request.status = status
+        request.timings.finished = time.perf_counter()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            if block_ids is None:  # the request preempted itself: nothing newer is left
+                break
+            scheduled.append(self._schedule_one(request, num_new, block_ids))
+            budget -= num_new
+            index += 1
+
+        # Admitting new work while preempting would only thrash the pool.
+        while not preempted and self.waiting and budget > 0 and self._has_seat():
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            if block_ids is None:
+                break  # FIFO: no skipping ahead of the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            scheduled.append(self._schedule_one(request, num_new, block_ids))
+            budget -= num_new
+
+        scheduled_ids = {item.request_id for item in scheduled}
+        for request in self.running:
+            if request.request_id in scheduled_ids:
+                request.timings.batch_sizes.append(len(scheduled))
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
+
+    def _has_seat(self) -> bool:
+        return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             preempted: list[str]) -> list[int] | None:
+        while True:
+            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.timings.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_one(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.perf_counter()
+        wants_prompt_logprobs = (request.sampling.prompt_logprobs and not request.prompt_logprobs_done
+                                 and start < request.num_prompt_tokens)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            num_computed_tokens=start,
+            num_new_tokens=num_new,
+            token_ids=request.token_ids(start, end),
+            block_ids=block_ids,
+            sample=end == request.num_tokens,
+            prompt_logprobs=wants_prompt_logprobs,
+        )
+
+    # -- after the step -------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Advance the computed counters of everything that ran."""
+        for item in output.scheduled:
+            request = requests[item.request_id]
+            request.num_computed_tokens += item.num_new_tokens
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                request.prompt_logprobs_done = True

@@ -1,0 +1,112 @@
+"""Which architectures the paged engine serves, and the load-time probe that proves it.
+
+Our attention reaches a model only through transformers' attention interface. Some models
+bypass it (falcon, gptj), ignore it silently (bloom), or need masks we don't build (mpt,
+alibi models, encoder-decoders). The probe runs a packed batch through the loaded model, one
+sequence continuing a cached prefix, and requires one attention call per layer and logits equal
+to a plain forward. A model that fails is refused, never served wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference_service.engine.outputs import ScheduledRequest
+from inference_service.errors import ModelLoadError
+from inference_service.worker.attention import ATTENTION_NAME
+from inference_service.worker.kv_cache import PagedKVCache
+from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
+
+# Passed the probe with tiny random configs (tests/unit/test_architectures.py keeps this honest).
+TESTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "opt", "gpt_neox",
+    "gpt_bigcode", "olmo", "stablelm",
+)
+
+# Known not to work, with the reason; refused before loading the weights.
+UNSUPPORTED_ARCHITECTURES = {
+    "bloom": "it uses ALiBi through its own attention and ignores transformers' attention interface",
+    "falcon": "its attention does not go through transformers' attention interface",
+    "gptj": "its attention does not go through transformers' attention interface",
+    "mpt": "it needs an ALiBi mask that the paged attention does not build",
+}
+
+
+def check_architecture(config) -> None:
+    """Refuse what can't work before spending time loading weights."""
+    model_type = getattr(config, "model_type", "unknown")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"architecture '{model_type}' is not supported: encoder-decoder models "
+                             "need a cross-attention cache this engine does not have")
+    if model_type in UNSUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"architecture '{model_type}' is not supported: "
+                             f"{UNSUPPORTED_ARCHITECTURES[model_type]}")
+
+
+def probe_model(model: torch.nn.Module, device: torch.device) -> None:
+    """Check that the paged engine computes exactly what a plain forward does, or raise."""
+    model_type = getattr(model.config, "model_type", "unknown")
+    try:
+        _run_probe(model, device)
+    except ModelLoadError:
+        raise
+    except Exception as error:  # noqa: BLE001 — any failure means "can't serve this model"
+        raise ModelLoadError(f"architecture '{model_type}' failed the paged-attention probe: "
+                             f"{type(error).__name__}: {error}") from error
+
+
+def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
+    model_type = getattr(model.config, "model_type", "unknown")
+    shapes = probe_layer_shapes(model, device)
+    num_layers = len(shapes)
+    dtype = next(model.parameters()).dtype
+    block_size = 4
+    cache = PagedKVCache(shapes, num_blocks=8, block_size=block_size, dtype=dtype, device=device)
+    runner = ModelRunner(model, cache, device)
+    vocab = model.config.get_text_config().vocab_size
+    seq_a = [(7 * i + 3) % vocab for i in range(9)]
+    seq_b = [(11 * i + 5) % vocab for i in range(6)]
+    table_a, table_b = [5, 2, 7], [1, 6]  # shuffled blocks, as a real pool hands them out
+    steps = [
+        [ScheduledRequest("a", 0, 5, seq_a[:5], table_a, True)],
+        [ScheduledRequest("a", 5, 3, seq_a[5:8], table_a, True),
+         ScheduledRequest("b", 0, 5, seq_b[:5], table_b, True)],
+        [ScheduledRequest("a", 8, 1, seq_a[8:9], table_a, True),
+         ScheduledRequest("b", 5, 1, seq_b[5:6], table_b, True)],
+    ]
+    prefixes = {"a": seq_a, "b": seq_b}
+    for step in steps:
+        calls, logits = _counting_execute(runner, step)
+        if calls != num_layers:
+            raise ModelLoadError(f"architecture '{model_type}' is not supported: the paged attention was "
+                                 f"called {calls} times for {num_layers} layers")
+        for row, item in enumerate(step):
+            end = item.num_computed_tokens + item.num_new_tokens
+            expected = _plain_last_logits(model, prefixes[item.request_id][:end], device)
+            _compare(model_type, logits[row], expected, dtype)
+
+
+def _counting_execute(runner: ModelRunner, step: list[ScheduledRequest]) -> tuple[int, torch.Tensor]:
+    meta, input_ids, position_ids = runner._prepare(step)
+    keep_rows, _, _ = runner._rows_to_keep(step)
+    logits = runner.forward(meta, input_ids, position_ids, keep_rows)
+    return meta.num_calls, logits
+
+
+def _plain_last_logits(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> torch.Tensor:
+    """The reference: transformers' own eager attention over one sequence."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([token_ids], device=device), use_cache=False)
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    return out.logits[0, -1].float()
+
+
+def _compare(model_type: str, got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2 * max(1.0, expected.abs().max().item())
+    diff = (got - expected).abs().max().item()
+    if not diff <= tolerance:
+        raise ModelLoadError(f"architecture '{model_type}' is not supported: paged logits differ from a "
+                             f"plain forward by {diff:.3g} (tolerance {tolerance:.3g})")

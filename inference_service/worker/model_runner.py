@@ -1,0 +1,135 @@
+"""Runs one step of the model over a packed, ragged batch and returns the logits to sample.
+
+The runner makes no policy: it packs what the scheduler chose, runs the forward pass with our
+paged attention, and returns logits for the rows that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference_service.engine.outputs import ScheduledRequest
+from inference_service.worker.attention import PrefillChunk, StepMetadata, step_context
+from inference_service.worker.kv_cache import LayerShape, PagedKVCache
+
+
+@dataclass
+class StepLogits:
+    """fp32 logits: one row per request that samples (in scheduled order), and the rows of
+    prompt chunks whose prompt logprobs were asked for."""
+
+    sample_ids: list[str]
+    sample_logits: torch.Tensor  # [S, V]
+    prompt_logits: dict[str, torch.Tensor]  # request id → [num_new_tokens, V]
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache | None, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    # -- one step -------------------------------------------------------------------------
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
+        meta, input_ids, position_ids = self._prepare(scheduled)
+        keep_rows, sample_rows, prompt_rows = self._rows_to_keep(scheduled)
+        logits = self.forward(meta, input_ids, position_ids, keep_rows)  # [K, V]
+        prompt_logits = {request_id: logits[start:end] for request_id, (start, end) in prompt_rows.items()}
+        return StepLogits(
+            sample_ids=[s.request_id for s in scheduled if s.sample],
+            sample_logits=logits[sample_rows] if len(sample_rows) != len(keep_rows) else logits,
+            prompt_logits=prompt_logits,
+        )
+
+    def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                keep_rows: list[int]) -> torch.Tensor:
+        """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V])."""
+        keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), step_context(meta):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=keep)
+        return out.logits[0].float()
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+        block_size = self.kv_cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for item in scheduled:
+            start, count = item.num_computed_tokens, item.num_new_tokens
+            token_start = len(input_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, start + count))
+            table = item.block_ids
+            if count == 1:
+                slots.append(table[start // block_size] * block_size + start % block_size)
+                decode_rows.append(token_start)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                context = _slots_of(table, start + count, block_size)  # [ctx]
+                slots.extend(context[start:].tolist())
+                prefills.append(PrefillChunk(token_start, count, start, context.to(self.device)))
+        num_tokens = len(input_ids)
+        meta = StepMetadata(
+            kv_cache=self.kv_cache,
+            num_tokens=num_tokens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=prefills,
+            decode_only=not prefills,
+        )
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+            meta.decode_token_index = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
+            meta.decode_block_table = torch.tensor(padded, dtype=torch.long, device=self.device)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, T]
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
+        return meta, ids, pos
+
+    @staticmethod
+    def _rows_to_keep(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int], dict[str, tuple[int, int]]]:
+        """Packed rows whose logits we need; indices into them for sampling and prompt logprobs."""
+        keep_rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: dict[str, tuple[int, int]] = {}
+        token_start = 0
+        for item in scheduled:
+            last = token_start + item.num_new_tokens - 1
+            if item.prompt_logprobs:
+                prompt_rows[item.request_id] = (len(keep_rows), len(keep_rows) + item.num_new_tokens)
+                keep_rows.extend(range(token_start, last + 1))
+                if item.sample:
+                    sample_rows.append(len(keep_rows) - 1)
+            elif item.sample:
+                sample_rows.append(len(keep_rows))
+                keep_rows.append(last)
+            token_start += item.num_new_tokens
+        return keep_rows, sample_rows, prompt_rows
+
+
+def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slots of tokens [0, num_tokens) of a sequence: [num_tokens]."""
+    blocks = torch.tensor(block_table[: -(-num_tokens // block_size)], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+    return slots[:num_tokens]
+
+
+def probe_layer_shapes(model: torch.nn.Module, device: torch.device) -> list[LayerShape]:
+    """Run one token through the model to learn each layer's KV heads and head size."""
+    meta = StepMetadata(kv_cache=None, num_tokens=1, slot_mapping=torch.zeros(1, dtype=torch.long),
+                        recorded_shapes={})
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.inference_mode(), step_context(meta):
+        model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+    shapes = meta.recorded_shapes
+    return [LayerShape(num_kv_heads=shapes[i][0], head_dim=shapes[i][1]) for i in sorted(shapes)]
