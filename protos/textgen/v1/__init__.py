@@ -1,0 +1,1 @@
+"""textgen.v1: the TextGeneration service (see generate.proto)."""
