@@ -1,0 +1,56 @@
+# The README's two commands are `make run` and `make test`; the other targets are their parts.
+#
+# Setup is idempotent: the venv is installed once per content of the pyproject files (a stamp
+# keyed on their hash), so a second `make test` goes straight to pytest.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+EXTRAS := gateway,observability,dev
+CLIENT := clients/python
+INSTALL_KEY := $(shell cat pyproject.toml $(wildcard $(CLIENT)/pyproject.toml) | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(INSTALL_KEY)
+
+# `make run ARGS="--max-total-tokens 1024"` passes flags to `inference-service serve`.
+ARGS ?=
+# `make test PYTEST_ARGS="-m 'not slow'"` passes options to pytest.
+PYTEST_ARGS ?=
+
+.PHONY: run test setup protos protos-check demo-model lint clean
+
+run: setup protos demo-model
+	$(VENV)/bin/inference-service serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+# torch first, from the pinned CPU build, so that nothing later can pull a CUDA build.
+# The `text-generation` client pins huggingface-hub<1.0 (transformers needs >=1.0): it goes in
+# with --no-deps, its real needs (pydantic, aiohttp) come with the dev extra.
+$(STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[$(EXTRAS)]"
+	$(PIP) install --quiet --no-deps text-generation==0.7.0
+	if [ -f $(CLIENT)/pyproject.toml ]; then $(PIP) install --quiet --no-deps -e $(CLIENT); fi
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# Stubs, type stubs and the Envoy descriptor set, from protos/ only (the results are committed).
+protos: setup
+	$(PY) protos/generate.py
+
+protos-check: setup
+	$(PY) protos/generate.py --check
+
+demo-model: setup
+	$(PY) -m inference_service.models.demo
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
