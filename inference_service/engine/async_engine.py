@@ -1,0 +1,251 @@
+"""The asyncio front of the engine: one engine thread, one async stream per request.
+
+Model code never runs on the event loop. Callers put commands (add, abort) on a thread-safe
+queue; the engine thread applies them between steps and hands each step's outputs back to the
+callers' event loops in one batch. Closing a stream early (client gone, deadline, `break`)
+aborts its request, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from inference_service.config import EngineConfig
+from inference_service.engine.builder import build_engine, warm_up
+from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput
+from inference_service.engine.validation import GenerateRequest, TokenSpan, ValidatedRequest, Validator, tokenize
+from inference_service.errors import GenerationError, OverloadedError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # the engine thread re-checks for shutdown this often when idle
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Thread-safe, asyncio-facing wrapper around `LLMEngine`."""
+
+    def __init__(self, engine: LLMEngine, max_concurrent_requests: int):
+        self._engine = engine
+        self.info: EngineInfo = engine.info
+        self.tokenizer = engine.tokenizer
+        self._validator = Validator(engine.tokenizer, engine.info)
+        self._max_concurrent = max_concurrent_requests
+        self._num_in_flight = 0
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._draining = False
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model, size the cache and warm up (blocking; raises ModelLoadError)."""
+        engine = build_engine(config)
+        warm_up(engine)
+        return cls(engine, config.limits.max_concurrent_requests)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop admitting, let in-flight requests finish for up to `timeout_s`, abort the rest."""
+        self._draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self._commands.put(("abort", request_id, "server shutting down"))
+        while self._streams and asyncio.get_running_loop().time() < deadline + 5:
+            await asyncio.sleep(0.02)
+        self._stopping.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    def stats(self) -> EngineStats:
+        return self._stats  # refreshed by the engine thread after every step
+
+    # -- requests -------------------------------------------------------------------------
+    async def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
+        """TGI's validation, tokenization included, on a worker thread."""
+        return await asyncio.to_thread(self._validator.validate, request, stream=stream)
+
+    async def tokenize(self, inputs: str) -> list[TokenSpan]:
+        return await asyncio.to_thread(tokenize, self.tokenizer, inputs)
+
+    async def generate_stream(self, request: ValidatedRequest,
+                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; raises the request's error instead of yielding it."""
+        self._admit(1)
+        try:
+            async for output in self._stream(request, request_id or uuid.uuid4().hex):
+                yield output
+        finally:
+            self._release(1)
+
+    async def generate(self, request: ValidatedRequest, request_id: str | None = None) -> GenerateResult:
+        """The whole generation; with best_of > 1 the best mean logprob wins (TGI)."""
+        count = max(1, request.best_of)
+        self._admit(count)
+        try:
+            base_id = request_id or uuid.uuid4().hex
+            if count == 1:
+                return await self._collect(request, base_id)
+            variants = [_with_seed(request, random.getrandbits(64)) for _ in range(count)]
+            results = await asyncio.gather(*(self._collect(v, f"{base_id}-{i}") for i, v in enumerate(variants)))
+        finally:
+            self._release(count)
+        ranked = sorted(results, key=_mean_logprob, reverse=True)
+        best = ranked[0]
+        best.best_of_sequences = ranked[1:]
+        return best
+
+    async def _collect(self, request: ValidatedRequest, request_id: str) -> GenerateResult:
+        tokens, top_tokens, prefill = [], [], []
+        async for output in self._stream(request, request_id):
+            tokens.extend(output.tokens)
+            top_tokens.extend(output.top_tokens)
+            if output.prefill_tokens:
+                prefill = output.prefill_tokens
+            if output.finished:
+                return GenerateResult(
+                    generated_text=output.generated_text, finish_reason=output.finish_reason,
+                    num_generated_tokens=output.num_generated_tokens,
+                    num_prompt_tokens=output.num_prompt_tokens, seed=output.seed, tokens=tokens,
+                    top_tokens=top_tokens, prefill_tokens=prefill, timings=output.timings)
+        raise RuntimeError("request stream ended without a final output")
+
+    async def _stream(self, request: ValidatedRequest, request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._commands.put(("add", request_id, request))
+        finished = False
+        try:
+            while True:
+                output: RequestOutput = await stream.queue.get()
+                if output.error is not None:
+                    finished = True
+                    raise output.error
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id, "request cancelled"))
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def _admit(self, count: int) -> None:
+        with self._lock:
+            if self._draining or self._stopping.is_set():
+                raise UnavailableError("the server is shutting down")
+            if self._num_in_flight + count > self._max_concurrent:
+                raise OverloadedError()
+            self._num_in_flight += count
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._num_in_flight -= count
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._engine
+        while not self._stopping.is_set():
+            try:
+                self._apply_commands(block=not engine.has_unfinished())
+                outputs = engine.step() if engine.has_unfinished() else []
+            except Exception as error:  # noqa: BLE001 — a bug must not kill the engine thread
+                logger.exception("engine step failed")
+                outputs = engine.fail_all(error)
+            self._stats = engine.stats()
+            if outputs:
+                self._deliver(outputs)
+        for request_id in list(engine.live):
+            output = engine.abort_request(request_id, "server shutting down")
+            if output is not None:
+                self._deliver([output])
+
+    def _apply_commands(self, block: bool) -> None:
+        outputs: list[RequestOutput] = []
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                outputs.extend(self._apply(command))
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        if outputs:
+            self._deliver(outputs)
+
+    def _apply(self, command: tuple) -> list[RequestOutput]:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, request = command
+            if request_id not in self._streams:  # its caller is already gone
+                return []
+            try:
+                self._engine.add_request(request_id, request)
+            except Exception as error:  # noqa: BLE001
+                logger.exception("could not add request %s", request_id)
+                return [RequestOutput(request_id, error=GenerationError(f"{type(error).__name__}: {error}"))]
+            return []
+        if kind == "abort":
+            _, request_id, reason = command
+            output = self._engine.abort_request(request_id, reason)
+            return [output] if output is not None else []
+        return []
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand one step's outputs to their callers, one wake-up per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: its callers are gone
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream_queue, output in items:
+        stream_queue.put_nowait(output)
+
+
+def _with_seed(request: ValidatedRequest, seed: int) -> ValidatedRequest:
+    return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
+
+
+def _mean_logprob(result: GenerateResult) -> float:
+    if not result.tokens:
+        return float("-inf")
+    return sum(token.logprob for token in result.tokens) / len(result.tokens)

@@ -1,0 +1,180 @@
+"""Build a ready `LLMEngine` from an `EngineConfig`: load, probe, size the KV cache, warm up.
+
+Everything found here at run time (block count, limits, EOS ids) goes into `EngineInfo`;
+the config stays as the user gave it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from inference_service.config import CacheConfig, EngineConfig, parse_memory
+from inference_service.engine.llm_engine import LLMEngine
+from inference_service.engine.outputs import EngineInfo, ScheduledRequest
+from inference_service.errors import ModelLoadError
+from inference_service.models import loader
+from inference_service.models.registry import check_architecture, probe_model
+from inference_service.sample.sampler import Sampler
+from inference_service.worker import attention
+from inference_service.worker.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
+
+logger = logging.getLogger(__name__)
+
+# A step's token budget when --max-batch-prefill-tokens is not given. On a CPU a 512-token chunk
+# already takes about a second, so bigger budgets only delay the running decodes.
+DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 4096}
+# Share of memory the KV cache takes when --kv-cache-memory is not given.
+DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.85}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    model_id: str
+    model_sha: str | None
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """Load the model named by the config and return an engine ready to serve it."""
+    if config.model.num_threads:
+        torch.set_num_threads(config.model.num_threads)
+    loaded = load(config)
+    shapes = probe_layer_shapes(loaded.model, loaded.device)
+    dtype = next(loaded.model.parameters()).dtype
+    num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
+    kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
+    info = make_info(config, loaded, num_blocks)
+    runner = ModelRunner(loaded.model, kv_cache, loaded.device)
+    sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
+    engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
+                       config.scheduler.max_batch_size)
+    logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_total_tokens=%d",
+                info.model_id, info.architecture, info.dtype, num_blocks, info.block_size,
+                info.max_total_tokens)
+    return engine
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Resolve, check, load and probe the model; every failure is one `ModelLoadError` line."""
+    device = loader.resolve_device(config.model.device)
+    dtype = loader.resolve_dtype(config.model.dtype, device)
+    resolved = loader.resolve_model(config.model)
+    try:
+        hf_config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=config.model.trust_remote_code)
+    except Exception as error:  # noqa: BLE001
+        raise ModelLoadError(f"can't read the model config in {resolved.path}: {error}") from error
+    check_architecture(hf_config)
+    attention.register()
+    model = loader.load_model(resolved.path, dtype=dtype, device=device,
+                              attn_implementation=attention.ATTENTION_NAME,
+                              trust_remote_code=config.model.trust_remote_code)
+    tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
+    probe_model(model, device)
+    return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha)
+
+
+def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """Blocks in the pool: from --max-batch-total-tokens, else from the memory budget."""
+    if cache.max_batch_total_tokens is not None:
+        return -(-cache.max_batch_total_tokens // cache.block_size)
+    fraction, size = parse_memory(cache.kv_cache_memory) if cache.kv_cache_memory else (None, None)
+    if size is None:
+        fraction = fraction or DEFAULT_KV_FRACTION[device.type]
+        size = int(fraction * _available_memory(device))
+    bytes_per_block = PagedKVCache.bytes_per_token(shapes, dtype) * cache.block_size
+    num_blocks = size // bytes_per_block
+    if num_blocks < 1:
+        raise ModelLoadError(f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; "
+                             "raise --kv-cache-memory")
+    return num_blocks
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> EngineInfo:
+    """Resolve the auto limits against the model's context and the KV capacity."""
+    text_config = loaded.model.config.get_text_config()
+    capacity = num_blocks * config.cache.block_size
+    model_context = _model_context(text_config, loaded.tokenizer)
+    limits = config.limits
+    max_total = limits.max_total_tokens or min(model_context, capacity)
+    if max_total > capacity:
+        raise ModelLoadError(f"--max-total-tokens {max_total} is more than the KV cache holds ({capacity} "
+                             "tokens); raise --kv-cache-memory / --max-batch-total-tokens or lower it")
+    max_input = limits.max_input_tokens or max_total - 1
+    if max_input >= max_total:
+        raise ModelLoadError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
+    prefill_tokens = config.scheduler.max_batch_prefill_tokens or DEFAULT_PREFILL_TOKENS[loaded.device.type]
+    return EngineInfo(
+        model_id=loaded.model_id,
+        model_sha=loaded.model_sha,
+        architecture=getattr(text_config, "model_type", "unknown"),
+        dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        device=loaded.device.type,
+        vocab_size=loaded.model.get_output_embeddings().weight.shape[0],
+        eos_token_ids=_eos_token_ids(loaded.model, loaded.tokenizer),
+        block_size=config.cache.block_size,
+        num_blocks=num_blocks,
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_batch_prefill_tokens=prefill_tokens,
+        max_batch_size=config.scheduler.max_batch_size,
+        max_concurrent_requests=limits.max_concurrent_requests,
+        max_best_of=limits.max_best_of,
+        max_stop_sequences=limits.max_stop_sequences,
+        max_top_n_tokens=limits.max_top_n_tokens,
+    )
+
+
+def _model_context(text_config, tokenizer) -> int:
+    context = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    tokenizer_max = getattr(tokenizer, "model_max_length", None)
+    candidates = [c for c in (context, tokenizer_max) if isinstance(c, int) and 0 < c < 10**8]
+    if not candidates:
+        raise ModelLoadError("the model states no context length; pass --max-total-tokens")
+    return min(candidates)
+
+
+def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), model.config.get_text_config().eos_token_id,
+                   tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(i for i in source if isinstance(i, int))
+    return tuple(sorted(ids))
+
+
+def warm_up(engine: LLMEngine, num_tokens: int = 16) -> None:
+    """Run one small prefill and one decode so the first real request pays no first-call costs."""
+    runner, kv = engine.runner, engine.kv
+    num_tokens = min(num_tokens, engine.info.max_input_tokens)
+    table = kv.allocate_slots(_WARMUP_ID, num_tokens + 1)
+    try:
+        runner.execute([ScheduledRequest(_WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True)])
+        runner.execute([ScheduledRequest(_WARMUP_ID, num_tokens, 1, [0], table, True)])
+    finally:
+        kv.free(_WARMUP_ID)
+
+
+_WARMUP_ID = "__warmup__"

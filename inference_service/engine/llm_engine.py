@@ -1,0 +1,244 @@
+"""The synchronous engine: one `step()` = schedule → run the model → sample → text → outputs.
+
+It runs on one thread (the async front owns that thread). Errors are contained: a failed
+forward pass ends the requests of that step with a generation error, a failure in one
+request's post-processing ends only that request, and the engine goes on either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_service.engine.detokenizer import TextState
+from inference_service.engine.kv_cache_manager import KVCacheManager
+from inference_service.engine.outputs import (
+    EngineInfo,
+    EngineStats,
+    FinishReason,
+    PrefillToken,
+    RequestOutput,
+    Token,
+)
+from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
+from inference_service.engine.scheduler import Scheduler
+from inference_service.engine.validation import ValidatedRequest
+from inference_service.errors import GenerationError, InferenceError, RequestCancelled
+from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
+from inference_service.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of one request besides the scheduler's `Request`."""
+
+    request: Request
+    validated: ValidatedRequest
+    sampling: SamplingState
+    text: TextState
+    pending: list[Token] = field(default_factory=list)  # held back: may be the start of a stop sequence
+    pending_top: list[list[Token]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    sent_prefill: bool = False
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV block manager, the model runner and the sampler."""
+
+    def __init__(self, info: EngineInfo, tokenizer, runner: ModelRunner, sampler: Sampler,
+                 max_batch_prefill_tokens: int, max_batch_size: int | None):
+        self.info = info
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.sampler = sampler
+        self.kv = KVCacheManager(info.num_blocks, info.block_size)
+        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size)
+        self.live: dict[str, _Live] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self._eos_ids = frozenset(info.eos_token_ids)
+        self._special_ids = frozenset(tokenizer.all_special_ids) | self._eos_ids
+
+    # -- requests in and out --------------------------------------------------------------
+    def add_request(self, request_id: str, validated: ValidatedRequest) -> None:
+        if request_id in self.live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, list(validated.prompt_token_ids), validated.sampling, validated.stopping)
+        self.live[request_id] = _Live(
+            request=request,
+            validated=validated,
+            sampling=SamplingState(validated.sampling, request.prompt_token_ids, self.info.vocab_size),
+            text=TextState(self.tokenizer, request.prompt_token_ids, validated.stopping.stop_sequences),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str, reason: str = "request cancelled") -> RequestOutput | None:
+        """End a request now and free its blocks; returns its final (cancelled) output."""
+        if request_id not in self.live:
+            return None
+        return self._fail(request_id, RequestCancelled(reason), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        self.num_steps += 1
+        try:
+            step_logits = self.runner.execute(plan.scheduled)
+        except Exception as error:  # noqa: BLE001 — contain it to this step's requests
+            logger.exception("model step failed for %d requests", len(plan.scheduled))
+            return self._fail_all([s.request_id for s in plan.scheduled], error)
+        self.scheduler.update(plan, self.requests)
+
+        outputs: list[RequestOutput] = []
+        for request_id, logits in step_logits.prompt_logits.items():
+            self._record_prompt_logprobs(request_id, plan, logits)
+        if not step_logits.sample_ids:
+            return outputs
+        states = [self.live[request_id].sampling for request_id in step_logits.sample_ids]
+        try:
+            sampled = self.sampler(step_logits.sample_logits, states)
+        except Exception as error:  # noqa: BLE001
+            logger.exception("sampling failed")
+            return self._fail_all(step_logits.sample_ids, error)
+        for row, request_id in enumerate(step_logits.sample_ids):
+            try:
+                output = self._on_token(request_id, sampled, row)
+            except Exception as error:  # noqa: BLE001 — only this request fails
+                logger.exception("post-processing failed for request %s", request_id)
+                output = self._fail(request_id, GenerationError(f"{type(error).__name__}: {error}"),
+                                    RequestStatus.FINISHED_ERROR)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _record_prompt_logprobs(self, request_id: str, plan, logits: torch.Tensor) -> None:
+        """logits [n, V] predict positions start+1 .. start+n; keep those inside the prompt."""
+        live = self.live[request_id]
+        item = next(s for s in plan.scheduled if s.request_id == request_id)
+        start = item.num_computed_tokens
+        end = min(start + item.num_new_tokens, live.request.num_prompt_tokens - 1)
+        if end <= start:
+            return
+        targets = torch.tensor(live.request.prompt_token_ids[start + 1:end + 1], device=logits.device)
+        logprobs = torch.log_softmax(logits[: end - start], dim=-1)  # [m, V]
+        live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
+
+    def _on_token(self, request_id: str, sampled: SamplerOutput, row: int) -> RequestOutput | None:
+        live = self.live[request_id]
+        request = live.request
+        token_id = sampled.token_ids[row]
+        request.output_token_ids.append(token_id)
+        live.sampling.append(token_id)
+        if request.timings.first_token is None:
+            request.timings.first_token = time.perf_counter()
+        special = self._is_special(token_id)
+        added = live.text.add(token_id, special)
+        live.pending.append(Token(token_id, added.text, sampled.logprobs[row], special))
+        live.pending_top.append([
+            Token(i, self._token_text(i), lp, self._is_special(i))
+            for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
+        ])
+        reason = self._finish_reason(request, token_id, added.stop_matched)
+        if reason is not None:
+            return self._finish(request_id, reason)
+        num_held = live.text.num_tokens - live.text.num_releasable_tokens()
+        return self._release(live, len(live.pending) - num_held)
+
+    def _finish_reason(self, request: Request, token_id: int, stop_matched: bool) -> FinishReason | None:
+        if token_id in self._eos_ids and not request.stopping.ignore_eos:
+            return FinishReason.EOS_TOKEN
+        if stop_matched:
+            return FinishReason.STOP_SEQUENCE
+        if (request.num_output_tokens >= request.stopping.max_new_tokens
+                or request.num_tokens >= self.info.max_total_tokens):
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, live: _Live, count: int) -> RequestOutput | None:
+        if count <= 0 and live.sent_prefill:
+            return None
+        output = RequestOutput(
+            request_id=live.request.request_id,
+            tokens=live.pending[:count],
+            top_tokens=live.pending_top[:count],
+            num_generated_tokens=live.request.num_output_tokens,
+            num_prompt_tokens=live.request.num_prompt_tokens,
+        )
+        del live.pending[:count], live.pending_top[:count]
+        if not live.sent_prefill:
+            live.sent_prefill = True
+            if live.validated.sampling.prompt_logprobs:
+                output.prefill_tokens = self._prefill_tokens(live)
+        return output
+
+    def _finish(self, request_id: str, reason: FinishReason) -> RequestOutput:
+        live = self.live[request_id]
+        request = live.request
+        output = self._release(live, len(live.pending)) or RequestOutput(request_id=request_id)
+        text = live.text.final_text()
+        if live.validated.return_full_text:
+            text = live.validated.inputs + text
+        output.finish_reason = reason
+        output.generated_text = text
+        output.num_generated_tokens = request.num_output_tokens
+        output.num_prompt_tokens = request.num_prompt_tokens
+        output.seed = None if request.sampling.is_greedy else request.sampling.seed
+        self.scheduler.finish(request, FINISHED_STATUS[reason])
+        output.timings = request.timings
+        self._forget(request_id)
+        return output
+
+    def _fail(self, request_id: str, error: InferenceError, status: RequestStatus) -> RequestOutput:
+        request = self.live[request_id].request
+        self.scheduler.finish(request, status)
+        self._forget(request_id)
+        return RequestOutput(request_id=request_id, error=error, timings=request.timings,
+                             num_generated_tokens=request.num_output_tokens,
+                             num_prompt_tokens=request.num_prompt_tokens)
+
+    def fail_all(self, error: Exception) -> list[RequestOutput]:
+        """End every live request with a generation error (an unexpected engine failure)."""
+        return self._fail_all(list(self.live), error)
+
+    def _fail_all(self, request_ids: list[str], error: Exception) -> list[RequestOutput]:
+        failure = GenerationError(f"{type(error).__name__}: {error}")
+        return [self._fail(request_id, failure, RequestStatus.FINISHED_ERROR)
+                for request_id in request_ids if request_id in self.live]
+
+    def _forget(self, request_id: str) -> None:
+        self.live.pop(request_id, None)
+        self.requests.pop(request_id, None)
+
+    # -- text helpers ---------------------------------------------------------------------
+    def _prefill_tokens(self, live: _Live) -> list[PrefillToken]:
+        ids = live.request.prompt_token_ids
+        logprobs = [None, *live.prompt_logprobs]
+        return [PrefillToken(i, self._token_text(i), lp) for i, lp in zip(ids, logprobs, strict=False)]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def _is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids

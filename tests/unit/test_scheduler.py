@@ -1,0 +1,154 @@
+"""Scheduler behaviour with fabricated model outputs: no model, no tensors."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inference_service.engine.kv_cache_manager import KVCacheManager
+from inference_service.engine.request import Request, RequestStatus
+from inference_service.engine.sampling_params import SamplingParams, StoppingParams
+from inference_service.engine.scheduler import Scheduler
+
+
+def _request(request_id: str, num_prompt: int, max_new: int = 4) -> Request:
+    return Request(request_id, list(range(1, num_prompt + 1)), SamplingParams(), StoppingParams(max_new))
+
+
+def _run_step(scheduler: Scheduler, requests: dict[str, Request], next_token: int = 7):
+    """One step: schedule, pretend the model ran, append a token to every sampled request."""
+    plan = scheduler.schedule()
+    scheduler.update(plan, requests)
+    for item in plan.scheduled:
+        if item.sample:
+            requests[item.request_id].output_token_ids.append(next_token)
+    return plan
+
+
+def _finish_done(scheduler: Scheduler, requests: dict[str, Request]) -> None:
+    for request in list(scheduler.running):
+        if request.num_output_tokens >= request.stopping.max_new_tokens:
+            scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+
+
+def test_running_decodes_go_first_and_waiting_are_admitted_fifo():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=10)
+    requests = {r.request_id: r for r in (_request("a", 6), _request("b", 3), _request("c", 5))}
+    for request in requests.values():
+        scheduler.add(request)
+    plan = _run_step(scheduler, requests)
+    # a takes 6, b takes 3, c gets the last token of the budget as the start of a chunk
+    assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [
+        ("a", 6, True), ("b", 3, True), ("c", 1, False)]
+    plan = _run_step(scheduler, requests)
+    assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] == [
+        ("a", 6, 1), ("b", 3, 1), ("c", 1, 4)]
+    assert plan.scheduled[2].sample and plan.scheduled[2].token_ids == [2, 3, 4, 5]
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=8)
+    requests = {"short": _request("short", 2, max_new=10), "long": _request("long", 20)}
+    scheduler.add(requests["short"])
+    _run_step(scheduler, requests)
+    scheduler.add(requests["long"])
+    chunks = []
+    while requests["long"].num_output_tokens == 0:
+        plan = _run_step(scheduler, requests)
+        assert plan.scheduled[0].request_id == "short" and plan.scheduled[0].num_new_tokens == 1
+        assert plan.num_tokens <= 8
+        chunks.append(plan.scheduled[1].num_new_tokens)
+    assert chunks == [7, 7, 6]
+
+
+def test_max_batch_size_bounds_running_requests():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=2)
+    requests = {f"r{i}": _request(f"r{i}", 3) for i in range(4)}
+    for request in requests.values():
+        scheduler.add(request)
+    plan = _run_step(scheduler, requests)
+    assert [s.request_id for s in plan.scheduled] == ["r0", "r1"]
+    assert len(scheduler.waiting) == 2
+
+
+def test_newest_request_is_preempted_and_recomputed_with_its_output():
+    kv = KVCacheManager(num_blocks=3, block_size=4)  # 12 slots
+    scheduler = Scheduler(kv, max_num_batched_tokens=100)
+    requests = {"old": _request("old", 4, max_new=6), "new": _request("new", 4, max_new=6)}
+    scheduler.add(requests["old"])
+    scheduler.add(requests["new"])
+    _run_step(scheduler, requests)  # both prefilled: 2 blocks, each request has 1 output token
+    plan = _run_step(scheduler, requests)  # old needs a 2nd block (1 free) → gets it; new needs one → none left
+    assert plan.preempted_ids == ["new"]
+    assert requests["new"].status == RequestStatus.PREEMPTED
+    assert requests["new"].num_computed_tokens == 0 and requests["new"].output_token_ids == [7]
+    assert scheduler.waiting[0] is requests["new"]
+    while scheduler.running:
+        _run_step(scheduler, requests)
+        _finish_done(scheduler, requests)
+    plan = _run_step(scheduler, requests)  # recompute: prompt + the token it had generated
+    assert plan.scheduled[0].request_id == "new"
+    assert plan.scheduled[0].token_ids == [1, 2, 3, 4, 7]
+    assert requests["new"].timings.num_preemptions == 1
+
+
+def test_finish_and_abort_free_blocks_at_once():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=100)
+    requests = {"a": _request("a", 9), "b": _request("b", 2)}
+    for request in requests.values():
+        scheduler.add(request)
+    _run_step(scheduler, requests)
+    scheduler.finish(requests["a"], RequestStatus.FINISHED_ABORTED)
+    assert kv.block_table("a") == []
+    scheduler.add(_request("c", 3))
+    scheduler.finish(scheduler.waiting[0], RequestStatus.FINISHED_ABORTED)  # abort while waiting
+    scheduler.finish(requests["b"], RequestStatus.FINISHED_STOPPED)
+    assert kv.num_free_blocks == 8 and scheduler.num_unfinished == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    arrivals=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=12),
+    aborts=st.lists(st.integers(0, 11), max_size=4),
+    num_blocks=st.integers(6, 20),
+    budget=st.integers(1, 24),
+    max_seqs=st.one_of(st.none(), st.integers(1, 5)),
+)
+def test_random_workloads_finish_every_request_without_leaks(arrivals, aborts, num_blocks, budget, max_seqs):
+    block_size = 4
+    kv = KVCacheManager(num_blocks, block_size)
+    scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    capacity = num_blocks * block_size
+    requests: dict[str, Request] = {}
+    for index, (num_prompt, max_new) in enumerate(arrivals):
+        num_prompt = min(num_prompt, capacity - max_new)  # what validation guarantees
+        if num_prompt < 1:
+            continue
+        request = _request(f"r{index}", num_prompt, max_new)
+        requests[request.request_id] = request
+    pending = list(requests.values())
+    for step in range(2000):
+        if pending:
+            scheduler.add(pending.pop(0))  # staggered arrivals
+        if step in aborts:
+            victims = scheduler.running or list(scheduler.waiting)
+            if victims:
+                scheduler.finish(victims[0], RequestStatus.FINISHED_ABORTED)
+        plan = _run_step(scheduler, requests)
+        for item in plan.scheduled:
+            request = requests[item.request_id]
+            assert len(kv.block_table(item.request_id)) * block_size >= request.num_computed_tokens
+        held = [b for r in kv.holders() for b in kv.block_table(r)]
+        assert len(held) == len(set(held)) and len(held) + kv.num_free_blocks == num_blocks
+        assert set(kv.holders()) <= {r.request_id for r in scheduler.running}
+        _finish_done(scheduler, requests)
+        if not pending and scheduler.num_unfinished == 0:
+            break
+    assert scheduler.num_unfinished == 0, "a request never finished"
+    assert kv.num_free_blocks == num_blocks
+    for request in requests.values():
+        assert request.status.is_finished
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.num_output_tokens == request.stopping.max_new_tokens
