@@ -1,0 +1,1 @@
+"""The public gRPC API: server (health, reflection, shutdown), servicer, conversions, status codes."""

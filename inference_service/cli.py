@@ -1,0 +1,355 @@
+"""`inference-service`: serve the gRPC API, or prefetch a model's weights.
+
+Flags have TGI's launcher names, and each can also come from the SCREAMING_SNAKE_CASE environment
+variable of the same name (`--max-total-tokens` ⇄ `MAX_TOTAL_TOKENS`); a flag wins over its
+variable, and either wins over the config dataclass default. A mistake ends the command with one
+line on stderr and a non-zero exit, never a traceback.
+
+Commands are entries of `COMMANDS`; the gateway adds `launch` there, reusing `add_config_flags`
+and `configs_from_args` for the flags it shares with `serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from inference_service import __version__
+from inference_service.api.config import ServerConfig
+from inference_service.config import (
+    DEMO_MODEL_ID,
+    CacheConfig,
+    EngineConfig,
+    LimitsConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from inference_service.errors import ModelLoadError
+
+PROG = "inference-service"
+EXIT_USAGE = 2  # bad flags or values (argparse's code)
+EXIT_FAILURE = 1  # the model could not be loaded, or the server failed
+
+# Which dataclass each flag group fills.
+AREAS: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "limits": LimitsConfig, "server": ServerConfig,
+}
+
+
+class CliError(Exception):
+    """A user mistake in flags or variables; the message is the whole story."""
+
+
+class CommandFailed(Exception):
+    """The command could not do its job (port taken, ...); the message says why."""
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, not {text!r}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", _parse_bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag, the config field it sets, and its environment variable."""
+
+    name: str  # "--max-total-tokens"
+    target: str  # "limits.max_total_tokens"
+    help: str
+    type: Callable[[str], Any] = str
+    short: str | None = None
+    alias_of: str | None = None  # a legacy name of another flag (both given = error)
+    default_text: str | None = None  # what an unset default (None) means, for --help
+
+    @property
+    def env(self) -> str:
+        return self.name.lstrip("-").replace("-", "_").upper()
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def is_bool(self) -> bool:
+        return self.type is _parse_bool
+
+    def default(self) -> Any:
+        area, field_name = self.target.split(".")
+        fields = {f.name: f for f in dataclasses.fields(AREAS[area])}
+        field = fields[field_name]
+        return field.default if field.default is not dataclasses.MISSING else field.default_factory()
+
+
+MODEL_FLAGS = (
+    Flag("--model-id", "model.model_id",
+         "Model to serve: a hub id (org/name), a local transformers folder or a .gguf file. "
+         "The default is the demo model, fetched and converted on first use."),
+    Flag("--revision", "model.revision", "Hub revision: a commit, branch or tag (hub ids only).",
+         default_text="the default branch"),
+    Flag("--dtype", "model.dtype",
+         "Weights and compute dtype: auto, float32, bfloat16 or float16. "
+         "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA."),
+    Flag("--device", "model.device", "Where the model runs: auto, cpu, cuda or cuda:N."),
+    Flag("--trust-remote-code", "model.trust_remote_code",
+         "Allow model code from the model's repository (only for models you trust).", _parse_bool),
+    Flag("--num-threads", "model.num_threads", "Torch intra-op threads on CPU.", int,
+         default_text="torch's choice"),
+    Flag("--huggingface-hub-cache", "model.huggingface_hub_cache", "Hub cache folder.",
+         default_text="the hub's, e.g. ~/.cache/huggingface/hub"),
+)
+
+ENGINE_FLAGS = (
+    Flag("--max-concurrent-requests", "limits.max_concurrent_requests",
+         "Requests in flight at once (a best_of=n request counts n); more get RESOURCE_EXHAUSTED "
+         "(REST 429).", int),
+    Flag("--max-best-of", "limits.max_best_of", "Largest best_of a request may ask for.", int),
+    Flag("--max-stop-sequences", "limits.max_stop_sequences", "Most stop sequences per request.", int),
+    Flag("--max-top-n-tokens", "limits.max_top_n_tokens", "Largest top_n_tokens per request.", int),
+    Flag("--max-input-tokens", "limits.max_input_tokens", "Longest prompt in tokens.", int,
+         default_text="max-total-tokens - 1"),
+    Flag("--max-input-length", "limits.max_input_tokens",
+         "Legacy name of --max-input-tokens (give only one).", int, alias_of="--max-input-tokens",
+         default_text="max-total-tokens - 1"),
+    Flag("--max-total-tokens", "limits.max_total_tokens", "Longest prompt + generation in tokens.", int,
+         default_text="the model's context, capped by the KV cache"),
+    Flag("--watermark-gamma", "limits.watermark_gamma",
+         "Green-list fraction of the watermark (requests with watermark=true).", float),
+    Flag("--watermark-delta", "limits.watermark_delta", "Logit bias added to green-list tokens.", float),
+    Flag("--max-batch-prefill-tokens", "scheduler.max_batch_prefill_tokens",
+         "Token budget of one engine step (prefill chunks + decodes).", int, default_text="by device"),
+    Flag("--max-batch-size", "scheduler.max_batch_size", "Most requests in one step.", int,
+         default_text="no cap"),
+    Flag("--waiting-served-ratio", "scheduler.waiting_served_ratio",
+         "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.", float),
+    Flag("--max-waiting-tokens", "scheduler.max_waiting_tokens",
+         "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.", int),
+    Flag("--max-batch-total-tokens", "cache.max_batch_total_tokens",
+         "KV cache capacity in tokens; wins over --kv-cache-memory.", int,
+         default_text="from --kv-cache-memory"),
+    Flag("--kv-cache-memory", "cache.kv_cache_memory",
+         "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
+         default_text="by device"),
+    Flag("--block-size", "cache.block_size", "Tokens per KV cache block.", int),
+)
+
+SERVER_FLAGS = (
+    Flag("--hostname", "server.hostname", "Address the gRPC server listens on."),
+    Flag("--grpc-port", "server.grpc_port", "gRPC port (0 = any free port, logged once bound).", int),
+    Flag("--payload-limit", "server.payload_limit", "Largest request message in bytes.", int),
+    Flag("--graceful-termination-timeout", "server.graceful_termination_timeout",
+         "Seconds in-flight requests get to finish after SIGTERM; the rest are cancelled.", float,
+         short="-g"),
+    Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", _parse_bool),
+    Flag("--log-level", "server.log_level", "debug, info, warning or error."),
+    Flag("--otlp-endpoint", "server.otlp_endpoint",
+         "OTLP gRPC collector for traces (accepted; traces are not exported yet).", default_text="none"),
+    Flag("--otlp-service-name", "server.otlp_service_name", "Service name in exported traces."),
+)
+
+SERVE_FLAGS = MODEL_FLAGS + ENGINE_FLAGS + SERVER_FLAGS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(message)
+
+
+def _type_checked(flag: Flag) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return flag.type(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {_TYPE_NAMES.get(flag.type, 'a value')}, not {text!r}") from None
+    convert.__name__ = _TYPE_NAMES.get(flag.type, "value")
+    return convert
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], title: str) -> None:
+    group = parser.add_argument_group(title)
+    for flag in flags:
+        default = flag.default()
+        shown = flag.default_text or ("off" if default is False else default)
+        help_text = f"{flag.help} (default: {shown}) [env: {flag.env}]"
+        names = [flag.name] + ([flag.short] if flag.short else [])
+        if flag.is_bool:
+            group.add_argument(*names, dest=flag.dest, action="store_const", const=True, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(*names, dest=flag.dest, type=_type_checked(flag), default=None,
+                               metavar=flag.env, help=help_text)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags `serve` (and `launch`) share: model, engine limits, server."""
+    add_flags(parser, MODEL_FLAGS, "model")
+    add_flags(parser, ENGINE_FLAGS, "engine")
+    add_flags(parser, SERVER_FLAGS, "server")
+
+
+def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag],
+                  environ: dict[str, str]) -> dict[str, Any]:
+    """{flag name: value} of the flags set on the command line or in the environment."""
+    values: dict[str, Any] = {}
+    for flag in flags:
+        value = getattr(args, flag.dest, None)
+        if value is None and flag.env in environ:
+            try:
+                value = flag.type(environ[flag.env])
+            except ValueError:
+                raise CliError(f"{flag.env}={environ[flag.env]!r}: expected "
+                               f"{_TYPE_NAMES.get(flag.type, 'a value')}") from None
+        if value is not None:
+            values[flag.name] = value
+    for flag in flags:
+        if flag.alias_of and flag.name in values and flag.alias_of in values:
+            raise CliError(f"{flag.alias_of} and {flag.name} are the same setting ({flag.name} is its "
+                           f"legacy name): give only one")
+    return values
+
+
+def build_configs(values: dict[str, Any], flags: Sequence[Flag]) -> dict[str, Any]:
+    """{area: config dataclass} from resolved flag values; a bad value raises CliError."""
+    fields: dict[str, dict[str, Any]] = {area: {} for area in AREAS}
+    by_name = {flag.name: flag for flag in flags}
+    for name, value in values.items():
+        area, field_name = by_name[name].target.split(".")
+        fields[area][field_name] = value
+    try:
+        return {area: cls(**fields[area]) for area, cls in AREAS.items()}
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
+def configs_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None,
+                      flags: Sequence[Flag] = SERVE_FLAGS) -> tuple[EngineConfig, ServerConfig]:
+    environ = dict(os.environ) if environ is None else environ
+    configs = build_configs(resolve_flags(args, flags, environ), flags)
+    engine = EngineConfig(model=configs["model"], cache=configs["cache"],
+                          scheduler=configs["scheduler"], limits=configs["limits"])
+    return engine, configs["server"]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"timestamp": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"), "level": record.levelname,
+                 "target": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(server: ServerConfig) -> None:
+    """Logs go to stderr, as text or JSON lines (`--json-output`)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if server.json_output
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=server.log_level.upper(), handlers=[handler], force=True)
+
+
+# -- commands -----------------------------------------------------------------------------------
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    engine_config, server_config = configs_from_args(args)
+    configure_logging(server_config)
+    # Imported here so that `--help` and flag errors don't wait for torch.
+    from inference_service.api.server import StartupError, serve
+
+    try:
+        return asyncio.run(serve(server_config, engine_config))
+    except StartupError as error:
+        raise CommandFailed(str(error)) from None
+
+
+DOWNLOAD_FLAGS = (
+    Flag("--revision", "model.revision", "Hub revision: a commit, branch or tag.",
+         default_text="the default branch"),
+    Flag("--huggingface-hub-cache", "model.huggingface_hub_cache", "Hub cache folder.",
+         default_text="the hub's"),
+    Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", _parse_bool),
+    Flag("--log-level", "server.log_level", "debug, info, warning or error."),
+)
+
+
+def _configure_download(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_id", nargs="?", metavar="MODEL_ID",
+                        help=f"hub id, local folder or .gguf file (default: $MODEL_ID, else {DEMO_MODEL_ID})")
+    add_flags(parser, DOWNLOAD_FLAGS, "download")
+
+
+def _run_download(args: argparse.Namespace) -> int:
+    values = resolve_flags(args, DOWNLOAD_FLAGS, dict(os.environ))
+    values["--model-id"] = args.model_id or os.environ.get("MODEL_ID") or DEMO_MODEL_ID
+    configs = build_configs(values, DOWNLOAD_FLAGS + MODEL_FLAGS[:1])
+    configure_logging(configs["server"])
+    from inference_service.models.loader import resolve_model
+
+    resolved = resolve_model(configs["model"])
+    print(resolved.path)
+    return 0
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: list[Command] = [
+    Command("serve", "serve the gRPC API (health, reflection, TextGeneration) on one model",
+            _configure_serve, _run_serve),
+    Command("download-weights", "fetch (and convert) a model's weights into the cache, print its folder",
+            _configure_download, _run_download),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for command in COMMANDS:
+        sub = commands.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "run", None) is None:
+            raise CliError(f"choose a command: {', '.join(c.name for c in COMMANDS)} (see --help)")
+        return args.run(args)
+    except CliError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ModelLoadError, CommandFailed) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,151 @@
+"""`inference-service` flag parsing: names, environment variables, defaults and one-line errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference_service import cli
+from inference_service.api.config import ServerConfig
+from inference_service.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A valid value per flag, and the config field it must land in.
+SAMPLES = {
+    "--model-id": ("some/model", "some/model"), "--revision": ("abc123", "abc123"),
+    "--dtype": ("bfloat16", "bfloat16"), "--device": ("cuda:1", "cuda:1"),
+    "--trust-remote-code": (None, True), "--num-threads": ("3", 3),
+    "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"),
+    "--max-concurrent-requests": ("7", 7), "--max-best-of": ("3", 3), "--max-stop-sequences": ("6", 6),
+    "--max-top-n-tokens": ("9", 9), "--max-input-tokens": ("100", 100), "--max-input-length": ("101", 101),
+    "--max-total-tokens": ("200", 200), "--watermark-gamma": ("0.25", 0.25),
+    "--watermark-delta": ("1.5", 1.5),
+    "--max-batch-prefill-tokens": ("512", 512), "--max-batch-size": ("8", 8),
+    "--waiting-served-ratio": ("1.2", 1.2), "--max-waiting-tokens": ("5", 5),
+    "--max-batch-total-tokens": ("4096", 4096), "--kv-cache-memory": ("512MiB", "512MiB"),
+    "--block-size": ("32", 32), "--hostname": ("127.0.0.1", "127.0.0.1"), "--grpc-port": ("6000", 6000),
+    "--payload-limit": ("1000", 1000), "--graceful-termination-timeout": ("2.5", 2.5),
+    "--json-output": (None, True), "--log-level": ("debug", "debug"),
+    "--otlp-endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
+    "--otlp-service-name": ("svc", "svc"),
+}
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    args = cli.build_parser().parse_args(["serve", *argv])
+    return cli.configs_from_args(args, environ={} if environ is None else environ)
+
+
+def field_value(engine: EngineConfig, server: ServerConfig, target: str):
+    area, name = target.split(".")
+    return getattr(server if area == "server" else getattr(engine, area), name)
+
+
+def test_defaults_are_the_config_defaults():
+    assert parse([]) == (EngineConfig(), ServerConfig())
+    assert ServerConfig().grpc_port == 50051 and ServerConfig().hostname == "0.0.0.0"
+
+
+def test_every_serve_flag_has_a_sample():
+    assert set(SAMPLES) == {flag.name for flag in cli.SERVE_FLAGS}
+
+
+@pytest.mark.parametrize("flag", cli.SERVE_FLAGS, ids=lambda f: f.name)
+def test_flag_sets_its_field(flag):
+    text, expected = SAMPLES[flag.name]
+    engine, server = parse([flag.name] if text is None else [flag.name, text])
+    assert field_value(engine, server, flag.target) == expected
+
+
+@pytest.mark.parametrize("flag", cli.SERVE_FLAGS, ids=lambda f: f.name)
+def test_environment_variable_sets_its_field(flag):
+    text, expected = SAMPLES[flag.name]
+    engine, server = parse([], {flag.env: "true" if text is None else text})
+    assert field_value(engine, server, flag.target) == expected
+
+
+def test_env_names_are_tgi_style():
+    names = {flag.name: flag.env for flag in cli.SERVE_FLAGS}
+    assert names["--model-id"] == "MODEL_ID"
+    assert names["--max-total-tokens"] == "MAX_TOTAL_TOKENS"
+    assert names["--huggingface-hub-cache"] == "HUGGINGFACE_HUB_CACHE"
+
+
+def test_flag_wins_over_environment():
+    engine, _ = parse(["--max-total-tokens", "300"], {"MAX_TOTAL_TOKENS": "400"})
+    assert engine.limits.max_total_tokens == 300
+
+
+def test_false_boolean_variable():
+    _, server = parse([], {"JSON_OUTPUT": "false"})
+    assert server.json_output is False
+
+
+def test_short_graceful_termination_flag():
+    _, server = parse(["-g", "3"])
+    assert server.graceful_termination_timeout == 3.0
+
+
+def run_main(argv: list[str], monkeypatch, capsys, environ: dict[str, str] | None = None) -> tuple[int, str]:
+    for flag in cli.SERVE_FLAGS:
+        monkeypatch.delenv(flag.env, raising=False)
+    for key, value in (environ or {}).items():
+        monkeypatch.setenv(key, value)
+    code = cli.main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "environ", "message"), [
+    (["serve", "--max-total-tokens", "abc"], {},
+     "argument --max-total-tokens: expected an integer, not 'abc'"),
+    (["serve", "--bogus"], {}, "unrecognized arguments: --bogus"),
+    (["serve", "--max-input-tokens", "3", "--max-input-length", "4"], {}, "give only one"),
+    (["serve", "--max-input-tokens", "3"], {"MAX_INPUT_LENGTH": "4"}, "give only one"),
+    (["serve"], {"MAX_TOTAL_TOKENS": "x"}, "MAX_TOTAL_TOKENS='x': expected an integer"),
+    (["serve"], {"TRUST_REMOTE_CODE": "maybe"}, "TRUST_REMOTE_CODE='maybe': expected true or false"),
+    (["serve", "--dtype", "int8"], {}, "--dtype must be auto, float32, bfloat16 or float16"),
+    (["serve", "--max-input-tokens", "10", "--max-total-tokens", "10"], {}, "must be < `max_total_tokens`"),
+    (["serve", "--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
+    (["serve", "--kv-cache-memory", "lots"], {}, "--kv-cache-memory must be a fraction"),
+    ([], {}, "choose a command"),
+])
+def test_mistakes_are_one_line_and_exit_2(argv, environ, message, monkeypatch, capsys):
+    code, err = run_main(argv, monkeypatch, capsys, environ)
+    assert code == cli.EXIT_USAGE
+    assert err.count("\n") == 1 and err.startswith("inference-service: error: ")
+    assert message in err
+
+
+def test_download_weights_of_a_missing_folder_is_one_line(monkeypatch, capsys, tmp_path):
+    code, err = run_main(["download-weights", str(tmp_path / "nope")], monkeypatch, capsys)
+    assert code == cli.EXIT_FAILURE
+    assert err.strip().splitlines()[-1].startswith("inference-service: error: ")
+    assert "Traceback" not in err
+
+
+def test_download_weights_of_a_local_folder_prints_it(monkeypatch, capsys, tmp_path):
+    code = cli.main(["download-weights", str(tmp_path)])
+    assert code == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path.resolve())
+
+
+def test_help_explains_every_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in cli.SERVE_FLAGS:
+        assert flag.name in out and f"[env: {flag.env}]" in out
+
+
+def test_readme_flag_table_matches_the_code():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- flags:start -->")[1].split("<!-- flags:end -->")[0]
+    rows = re.findall(r"^\| `(--[a-z-]+)`[^|]*\| `([A-Z_]+)` \|", table, flags=re.MULTILINE)
+    assert rows == [(flag.name, flag.env) for flag in cli.SERVE_FLAGS]
