@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-_WORDS = ("the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
-          "café naïve résumé Grüße Ελληνικά Привет мир ¿Qué? 日本語 東京 こんにちは 世界 中文 "
-          "😀 🎉 👍🏽 🇯🇵 ✨ <tag> 1234 3.14 , . ! ?").split()
+_TEXT = ("the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
+         "café naïve résumé Grüße Ελληνικά Привет мир ¿Qué? 日本語 東京 こんにちは 世界 中文 "
+         "😀 🎉 👍🏽 🇯🇵 ✨ <tag> 1234 3.14 , . ! ?")
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def byte_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    lines = [" ".join(rng.choices(_WORDS, k=rng.randint(3, 12))) for _ in range(400)]
+    lines = [" ".join(rng.choices(_TEXT.split(), k=rng.randint(3, 12))) for _ in range(400)]
     specials = ["<|startoftext|>", "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,0 +1,259 @@
+"""Request validation with TGI's rules, order and messages; prompt tokenization.
+
+`Validator.validate` is synchronous and pure apart from drawing a seed: tokenizing a long prompt
+takes a while, so the async layer runs it in a worker thread. Messages are TGI's without the
+"Input validation error: " prefix, which `ValidationError` adds.
+
+Deliberate differences from TGI:
+- `do_sample` defaults to false also when the whole `parameters` object is absent (TGI then
+  samples, a quirk of its v1.4 API).
+- Without `max_new_tokens` the request may generate up to `max_total_tokens` in one go; TGI
+  schedules such a request in rounds of 1024 tokens, and its length error reports the round
+  size. Here messages report the real value.
+- `best_of` 0 and a `seed` outside u64 are rejected (TGI's JSON types reject them earlier).
+- A prompt that tokenizes to no tokens at all is rejected as empty.
+- `adapter_id` is accepted and ignored: no LoRA adapters are loaded, and TGI serves an unknown
+  adapter id with the base model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference_service.engine.outputs import EngineInfo
+from inference_service.engine.sampling_params import SamplingParams, StoppingParams
+from inference_service.errors import ValidationError
+
+MAX_SEED = 2**64 - 1
+
+
+@dataclass
+class GenerateParameters:
+    """TGI's `parameters`; None (or the falsy default) means "not given"."""
+
+    best_of: int | None = None
+    temperature: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    do_sample: bool = False
+    max_new_tokens: int | None = None
+    return_full_text: bool | None = None
+    stop: list[str] = field(default_factory=list)
+    truncate: int | None = None
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    seed: int | None = None
+    top_n_tokens: int | None = None
+    grammar: Any = None  # unsupported: any value is rejected
+    adapter_id: str | None = None  # ignored: the base model serves the request
+
+
+@dataclass
+class GenerateRequest:
+    inputs: str
+    parameters: GenerateParameters = field(default_factory=GenerateParameters)
+    # False when a chat template already wrote the special tokens into `inputs`.
+    add_special_tokens: bool = True
+
+
+@dataclass
+class ValidatedRequest:
+    """A request the engine can run: limits checked, prompt tokenized, defaults filled in."""
+
+    inputs: str  # as sent, also when truncated (`return_full_text` prepends it, as TGI does)
+    prompt_token_ids: list[int]  # after truncation
+    input_length: int
+    sampling_params: SamplingParams
+    stopping_params: StoppingParams
+    best_of: int
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool  # None became False: `/generate`'s default; the compat route decides its own
+    top_n_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """One prompt token with its text and character offsets into the input, as TGI's `/tokenize`."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+def wants_sampling(params: GenerateParameters) -> bool:
+    """TGI: sampling is on when asked for, or when any warper is given."""
+    return params.do_sample or any(value is not None for value in
+                                   (params.temperature, params.top_k, params.top_p, params.typical_p))
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValidationError(message)
+
+
+def _positive(value: float) -> bool:
+    return value > 0 and math.isfinite(value)
+
+
+def _open_unit_interval(value: float | None) -> bool:
+    return value is None or 0.0 < value < 1.0
+
+
+class Validator:
+    """Checks a request against TGI's rules and the engine's limits, and tokenizes its prompt."""
+
+    def __init__(self, tokenizer: Any, info: EngineInfo, *, rng: random.Random | None = None):
+        self._tokenizer = tokenizer
+        self._info = info
+        self._rng = rng or random.SystemRandom()
+
+    def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
+        """Raise `ValidationError` with the first failing check, in TGI's order."""
+        params = request.parameters
+        if stream:
+            _check_stream_only(params)
+        best_of = self._check_best_of(params.best_of)
+        _check(best_of == 1 or wants_sampling(params), "you must use sampling when `best_of` is > 1")
+        _check_sampling_ranges(params)
+        _check(params.max_new_tokens is None or params.max_new_tokens > 0,
+               "`max_new_tokens` must be strictly positive")
+        self._check_stop(params.stop)
+        seed = self._seed(params.seed, best_of)
+        top_n_tokens = self._check_top_n_tokens(params.top_n_tokens)
+        _check(request.inputs != "", "`inputs` cannot be empty")
+        self._check_truncate(params.truncate)
+        prompt_token_ids = self._tokenize(request, params.truncate)
+        max_new_tokens = self._check_lengths(len(prompt_token_ids), params.max_new_tokens)
+        _check(params.grammar is None, "grammar is not supported")
+        return ValidatedRequest(
+            inputs=request.inputs,
+            prompt_token_ids=prompt_token_ids,
+            input_length=len(prompt_token_ids),
+            sampling_params=_sampling_params(params, seed, top_n_tokens),
+            stopping_params=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop)),
+            best_of=best_of,
+            details=bool(params.details),
+            decoder_input_details=bool(params.decoder_input_details),
+            return_full_text=bool(params.return_full_text),
+            top_n_tokens=top_n_tokens,
+        )
+
+    def _check_best_of(self, best_of: int | None) -> int:
+        best_of = 1 if best_of is None else best_of
+        max_best_of = self._info.max_best_of
+        _check(max_best_of != 1 or best_of == 1, "`best_of` != 1 is not allowed for this endpoint")
+        _check(0 < best_of <= max_best_of, f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}")
+        return best_of
+
+    def _check_stop(self, stop: Sequence[str]) -> None:
+        max_stop = self._info.max_stop_sequences
+        _check(len(stop) <= max_stop, f"`stop` supports up to {max_stop} stop sequences. Given: {len(stop)}")
+
+    def _seed(self, seed: int | None, best_of: int) -> int:
+        """The caller's seed, or a random u64 drawn here."""
+        if seed is None:
+            return self._rng.getrandbits(64)
+        _check(best_of == 1, "`seed` must not be set when `best_of` > 1")
+        _check(0 <= seed <= MAX_SEED, f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {seed}")
+        return seed
+
+    def _check_top_n_tokens(self, top_n_tokens: int | None) -> int:
+        if top_n_tokens is None:
+            return 0
+        max_top_n = self._info.max_top_n_tokens
+        _check(0 <= top_n_tokens <= max_top_n,
+               f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {top_n_tokens}")
+        return top_n_tokens
+
+    def _check_truncate(self, truncate: int | None) -> None:
+        max_input = self._info.max_input_tokens
+        _check(truncate is None or 0 < truncate <= max_input,
+               f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}")
+
+    def _tokenize(self, request: GenerateRequest, truncate: int | None) -> list[int]:
+        """The prompt's ids, keeping the last `truncate` (TGI truncates on the left)."""
+        try:
+            token_ids = list(self._tokenizer.encode(request.inputs,
+                                                    add_special_tokens=request.add_special_tokens))
+        except Exception as error:  # any tokenizer failure is the caller's input
+            raise ValidationError(f"tokenizer error {error}") from error
+        _check(len(token_ids) > 0, "`inputs` cannot be empty")
+        return token_ids if truncate is None else token_ids[-truncate:]
+
+    def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
+        """Total then prompt length, as TGI; returns max_new_tokens ("auto" = what fits)."""
+        max_total = self._info.max_total_tokens
+        if max_new_tokens is None:
+            max_new_tokens = max(max_total - input_length, 0)
+        _check(input_length + max_new_tokens <= max_total,
+               f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
+               f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
+        max_input = self._info.max_input_tokens
+        _check(input_length <= max_input,
+               f"`inputs` must have less than {max_input} tokens. Given: {input_length}")
+        return max_new_tokens
+
+
+def _check_stream_only(params: GenerateParameters) -> None:
+    _check(params.best_of is None or params.best_of == 1,
+           "`best_of` != 1 is not supported when streaming tokens")
+    _check(not params.decoder_input_details,
+           "`decoder_input_details` == true is not supported when streaming tokens")
+
+
+def _check_sampling_ranges(params: GenerateParameters) -> None:
+    """temperature, penalties, top_p, typical_p, top_k: TGI's order and messages."""
+    _check(params.temperature is None or _positive(params.temperature),
+           "`temperature` must be strictly positive")
+    _check(params.repetition_penalty is None or _positive(params.repetition_penalty),
+           "`repetition_penalty` must be strictly positive")
+    _check(params.frequency_penalty is None or -2.0 <= params.frequency_penalty <= 2.0,
+           "`frequency_penalty` must be >= -2.0 and <= 2.0")
+    _check(_open_unit_interval(params.top_p), "`top_p` must be > 0.0 and < 1.0")
+    _check(_open_unit_interval(params.typical_p), "`typical_p` must be > 0.0 and < 1.0")
+    _check(params.top_k is None or params.top_k > 0, "`top_k` must be strictly positive")
+
+
+def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        do_sample=wants_sampling(params),
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_k=params.top_k or 0,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        typical_p=1.0 if params.typical_p is None else params.typical_p,
+        repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty or 0.0,
+        watermark=bool(params.watermark),
+        seed=seed,
+        top_n_tokens=top_n_tokens,
+        prompt_logprobs=bool(params.decoder_input_details),
+    )
+
+
+def tokenize(tokenizer: Any, inputs: str, add_special_tokens: bool = True, *,
+             truncate: int | None = None) -> list[TokenSpan]:
+    """The prompt's tokens with character offsets (the fast tokenizer's offset mapping).
+
+    Special tokens added by the tokenizer have an empty span. Like TGI's `/tokenize`, `truncate`
+    keeps the last tokens. A slow tokenizer has no offsets: text "" and offsets 0, as in TGI.
+    """
+    try:
+        encoding = tokenizer(inputs, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
+                             return_attention_mask=False)
+        offsets = encoding["offset_mapping"]
+    except NotImplementedError:  # slow tokenizers
+        encoding = {"input_ids": tokenizer.encode(inputs, add_special_tokens=add_special_tokens)}
+        offsets = [(0, 0)] * len(encoding["input_ids"])
+    spans = [TokenSpan(id=token_id, text=inputs[start:stop], start=start, stop=stop)
+             for token_id, (start, stop) in zip(encoding["input_ids"], offsets, strict=True)]
+    return spans if truncate is None else spans[-truncate:]
