@@ -61,3 +61,107 @@ def tiny_model_dir(tmp_path_factory, byte_tokenizer):
     LlamaForCausalLM(config).save_pretrained(folder)
     byte_tokenizer.save_pretrained(folder)
     return folder
+
+
+# -- the gRPC API on a loopback port ------------------------------------------------------------
+class GrpcServerThread:
+    """An `ApiServer` on its own event-loop thread, on 127.0.0.1 and a free port, so tests can use
+    blocking stubs (as most callers do) while the server runs for real."""
+
+    def __init__(self, engine_config, load: bool = True, **server_options):
+        import asyncio
+        import threading
+
+        import grpc
+
+        from inference_service.api.config import ServerConfig
+        from inference_service.api.server import ApiServer
+        from textgen.v1 import generate_pb2_grpc
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-test-server", daemon=True)
+        self._thread.start()
+        config = ServerConfig(hostname="127.0.0.1", grpc_port=0, **server_options)
+
+        async def build():  # grpc.aio binds a server to the loop it is created on
+            return ApiServer(config, engine_config)
+
+        self.server = self.call(build())
+        self.port = self.call(self.server.start())
+        self.target = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+        if load:
+            self.load()
+
+    def call(self, coroutine, timeout: float = 120.0):
+        """Run a coroutine on the server's loop (e.g. the engine's own methods) and wait for it."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def load(self) -> None:
+        self.call(self.server.load_engine())
+
+    @property
+    def engine(self):
+        return self.server.engine
+
+    def stats(self):
+        from textgen.v1 import generate_pb2
+
+        return self.stub.Info(generate_pb2.InfoRequest(), timeout=10).stats
+
+    def wait_idle(self, timeout: float = 10.0):
+        """Engine stats once no request runs or waits and every KV block is free again."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            idle = (stats.num_running == 0 and stats.num_waiting == 0
+                    and stats.num_free_blocks == stats.num_total_blocks)
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._loop.is_closed():
+            return
+        self.channel.close()
+        self.call(self.server.shutdown(timeout_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_config(tiny_model_dir):
+    """The tiny model on CPU with small, fixed limits (no dependence on the machine's memory)."""
+    from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
+
+    return EngineConfig(model=ModelConfig(model_id=str(tiny_model_dir), device="cpu", dtype="float32"),
+                        cache=CacheConfig(max_batch_total_tokens=4096),
+                        limits=LimitsConfig(max_total_tokens=TINY_MODEL_MAX_POSITIONS))
+
+
+@pytest.fixture
+def start_grpc_server():
+    """`start_grpc_server(engine_config, load=True, **ServerConfig fields)`; all stop at teardown."""
+    servers: list[GrpcServerThread] = []
+
+    def start(engine_config, load: bool = True, **server_options) -> GrpcServerThread:
+        servers.append(GrpcServerThread(engine_config, load=load, **server_options))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop(timeout_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_grpc_server(tiny_engine_config):
+    """One loaded server on the tiny model per test module; tests leave it idle."""
+    server = GrpcServerThread(tiny_engine_config)
+    yield server
+    server.stop(timeout_s=1.0)

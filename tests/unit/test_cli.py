@@ -134,6 +134,17 @@ def test_download_weights_of_a_local_folder_prints_it(monkeypatch, capsys, tmp_p
     assert capsys.readouterr().out.strip() == str(tmp_path.resolve())
 
 
+def test_serve_with_an_unloadable_model_exits_1_without_traceback(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    result = subprocess.run(
+        [sys.executable, "-m", "inference_service", "serve", "--model-id", str(tmp_path),
+         "--hostname", "127.0.0.1", "--grpc-port", "0"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == cli.EXIT_FAILURE, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("inference-service: error: ")
+    assert "Traceback" not in result.stderr
+
+
 def test_help_explains_every_flag(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # one line per flag
     with pytest.raises(SystemExit) as exit_info:

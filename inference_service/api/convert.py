@@ -1,0 +1,155 @@
+"""Pure conversions between the public protobuf messages and the engine's domain types.
+
+No I/O and no engine here. Conventions of the wire format:
+- a proto3 `optional` field that is absent becomes None (TGI's default then applies in validation);
+- a prompt token without a logprob (the first one) is NaN, which REST JSON shows as null;
+- `seed` is absent for greedy requests;
+- `details` only when the request asked for them (`details` or `decoder_input_details`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from inference_service import __version__
+from inference_service.config import SchedulerConfig
+from inference_service.engine import outputs
+from inference_service.engine.validation import GenerateParameters, GenerateRequest, TokenSpan
+from textgen.v1 import generate_pb2 as pb
+
+ROUTER = "inference-service"
+VALIDATION_WORKERS = 1  # validation runs on the default thread pool, one call per request
+MAX_CLIENT_BATCH_SIZE = 4  # TGI's default for /v1/completions prompt arrays
+
+_OPTIONAL_PARAMETERS = (
+    "best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p",
+    "typical_p", "do_sample", "max_new_tokens", "return_full_text", "truncate", "watermark",
+    "details", "decoder_input_details", "seed", "top_n_tokens", "adapter_id",
+)
+
+
+# -- requests -----------------------------------------------------------------------------------
+def is_compat_route(request: pb.GenerateRequest) -> bool:
+    """TGI's root route `/` is the only one whose body may carry `stream` (the gateway maps it to
+    CompatGenerate or GenerateStream); there `return_full_text` defaults to true, as TGI does for a
+    model whose hub pipeline tag it can't read."""
+    return request.HasField("stream")
+
+
+def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = False) -> GenerateParameters:
+    values: dict[str, Any] = {name: getattr(message, name) for name in _OPTIONAL_PARAMETERS
+                              if message.HasField(name)}
+    if compat_route:
+        values.setdefault("return_full_text", True)
+    values["stop"] = list(message.stop)
+    if message.HasField("grammar"):
+        values["grammar"] = {"type": message.grammar.type, "value": message.grammar.value}
+    return GenerateParameters(**values)
+
+
+def request_from_pb(request: pb.GenerateRequest, *, compat_route: bool = False) -> GenerateRequest:
+    """An absent `parameters` is all defaults (validation documents why it doesn't sample then)."""
+    compat_route = compat_route or is_compat_route(request)
+    return GenerateRequest(inputs=request.inputs,
+                           parameters=parameters_from_pb(request.parameters, compat_route=compat_route))
+
+
+def wants_details(request: pb.GenerateRequest) -> bool:
+    return request.parameters.details or request.parameters.decoder_input_details
+
+
+# -- tokens -------------------------------------------------------------------------------------
+def token_to_pb(token: outputs.Token) -> pb.Token:
+    return pb.Token(id=token.id, text=token.text, logprob=token.logprob, special=token.special)
+
+
+def prefill_token_to_pb(token: outputs.PrefillToken) -> pb.PrefillToken:
+    logprob = math.nan if token.logprob is None else token.logprob
+    return pb.PrefillToken(id=token.id, text=token.text, logprob=logprob)
+
+
+def top_tokens_to_pb(top_tokens: Sequence[Sequence[outputs.Token]]) -> list[pb.TopTokens]:
+    """One entry per generated token; none at all when alternatives were not asked for."""
+    if not any(top_tokens):
+        return []
+    return [pb.TopTokens(tokens=[token_to_pb(t) for t in position]) for position in top_tokens]
+
+
+# -- responses ----------------------------------------------------------------------------------
+def stream_responses_to_pb(output: outputs.RequestOutput, *, first_index: int,
+                           details: bool) -> list[pb.StreamResponse]:
+    """One StreamResponse per token of `output` (an output may hold several held-back tokens); the
+    last one of the final output carries `generated_text`, and `details` when asked."""
+    responses = [
+        pb.StreamResponse(index=first_index + i, token=token_to_pb(token),
+                          top_tokens=[token_to_pb(t) for t in _at(output.top_tokens, i)])
+        for i, token in enumerate(output.tokens)
+    ]
+    if output.finish_reason is None:
+        return responses
+    if not responses:  # a final output without a token of its own: its own message
+        responses.append(pb.StreamResponse(index=first_index))
+    last = responses[-1]
+    last.generated_text = output.generated_text or ""
+    if details:
+        last.details.CopyFrom(pb.StreamDetails(
+            finish_reason=output.finish_reason.value, generated_tokens=output.num_generated_tokens,
+            seed=output.seed, input_length=output.num_prompt_tokens))
+    return responses
+
+
+def _at(items: Sequence[Sequence[outputs.Token]], index: int) -> Sequence[outputs.Token]:
+    return items[index] if index < len(items) else ()
+
+
+def generate_response_to_pb(result: outputs.GenerateResult, *, details: bool) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(generated_text=result.generated_text)
+    if details:
+        response.details.CopyFrom(pb.Details(
+            finish_reason=result.finish_reason.value, generated_tokens=result.num_generated_tokens,
+            seed=result.seed, prefill=[prefill_token_to_pb(t) for t in result.prefill_tokens],
+            tokens=[token_to_pb(t) for t in result.tokens], top_tokens=top_tokens_to_pb(result.top_tokens),
+            best_of_sequences=[best_of_to_pb(r) for r in result.best_of_sequences]))
+    return response
+
+
+def best_of_to_pb(result: outputs.GenerateResult) -> pb.BestOfSequence:
+    return pb.BestOfSequence(
+        generated_text=result.generated_text, finish_reason=result.finish_reason.value,
+        generated_tokens=result.num_generated_tokens, seed=result.seed,
+        prefill=[prefill_token_to_pb(t) for t in result.prefill_tokens],
+        tokens=[token_to_pb(t) for t in result.tokens], top_tokens=top_tokens_to_pb(result.top_tokens))
+
+
+def tokenize_response_to_pb(spans: Iterable[TokenSpan]) -> pb.TokenizeResponse:
+    return pb.TokenizeResponse(tokens=[
+        pb.SimpleToken(id=s.id, text=s.text, start=s.start, stop=s.stop) for s in spans])
+
+
+def stats_to_pb(stats: outputs.EngineStats) -> pb.EngineStats:
+    return pb.EngineStats(num_waiting=stats.num_waiting, num_running=stats.num_running,
+                          num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                          num_preemptions=stats.num_preemptions, num_steps=stats.num_steps)
+
+
+def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig,
+               stats: outputs.EngineStats) -> pb.InfoResponse:
+    """TGI's /info fields, the older ones (≤ 2.2) too, and the engine's live stats."""
+    return pb.InfoResponse(
+        model_id=info.model_id, model_sha=info.model_sha, model_dtype=info.dtype,
+        model_device_type=info.device.split(":")[0], max_concurrent_requests=info.max_concurrent_requests,
+        max_best_of=info.max_best_of, max_stop_sequences=info.max_stop_sequences,
+        max_input_tokens=info.max_input_tokens, max_total_tokens=info.max_total_tokens,
+        validation_workers=VALIDATION_WORKERS, max_client_batch_size=MAX_CLIENT_BATCH_SIZE,
+        router=ROUTER, version=__version__, waiting_served_ratio=scheduler.waiting_served_ratio,
+        max_batch_total_tokens=info.max_batch_total_tokens, max_waiting_tokens=scheduler.max_waiting_tokens,
+        max_batch_size=info.max_batch_size, max_batch_prefill_tokens=info.max_batch_prefill_tokens,
+        block_size=info.block_size, stats=stats_to_pb(stats))
+
+
+def models_to_pb(model_id: str) -> pb.ListModelsResponse:
+    """OpenAI's model list, as TGI answers it: the served model, owned by itself."""
+    card = pb.ModelCard(id=model_id, object="model", created=0, owned_by=model_id)
+    return pb.ListModelsResponse(object="list", data=[card])

@@ -1,0 +1,118 @@
+"""Domain errors → gRPC status, in one place.
+
+Every `InferenceError.error_type` maps to one status code. The status details
+(`grpc-status-details-bin`) carry a `google.rpc.ErrorInfo` whose `reason` is the error type, and the
+`x-error-type` trailer carries it too, so callers (and the REST gateway) can tell the kinds apart
+without parsing messages. Anything that is not an `InferenceError` is a bug: it is logged with its
+traceback and answered UNKNOWN, so it is never mistaken for a generation failure (INTERNAL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+from inference_service.errors import InferenceError
+from textgen.v1 import generate_pb2
+
+logger = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "textgen.v1"
+ERROR_TYPE_KEY = "x-error-type"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# Set by the REST gateway on GenerateStream: TGI sends stream errors as a last SSE event, not a status.
+INBAND_ERRORS_KEY = "x-textgen-inband-errors"
+UNEXPECTED_ERROR_TYPE = "internal"
+
+STATUS_CODES: dict[str, grpc.StatusCode] = {
+    "validation": grpc.StatusCode.INVALID_ARGUMENT,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "generation": grpc.StatusCode.INTERNAL,
+    "cancelled": grpc.StatusCode.CANCELLED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    UNEXPECTED_ERROR_TYPE: grpc.StatusCode.UNKNOWN,
+}
+
+
+def describe(error: Exception) -> tuple[grpc.StatusCode, str, str]:
+    """(status code, message, error type) of any exception a handler raised."""
+    if isinstance(error, InferenceError):
+        error_type = error.error_type if error.error_type in STATUS_CODES else UNEXPECTED_ERROR_TYPE
+        return STATUS_CODES[error_type], error.message, error_type
+    return (STATUS_CODES[UNEXPECTED_ERROR_TYPE], f"Unexpected server error: {type(error).__name__}: {error}",
+            UNEXPECTED_ERROR_TYPE)
+
+
+def trailing_metadata(code: grpc.StatusCode, message: str, error_type: str) -> tuple[tuple[str, Any], ...]:
+    """The trailers of a failed call: the rich status (google.rpc.Status + ErrorInfo) and the kind."""
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=error_type, domain=ERROR_DOMAIN))
+    status = status_pb2.Status(code=code.value[0], message=message, details=[info])
+    return ((ERROR_TYPE_KEY, error_type), (STATUS_DETAILS_KEY, status.SerializeToString()))
+
+
+def wants_inband_errors(context: grpc.aio.ServicerContext) -> bool:
+    return any(key == INBAND_ERRORS_KEY and value == "1"
+               for key, value in (context.invocation_metadata() or ()))
+
+
+def _log(error: Exception, code: grpc.StatusCode, method: str) -> None:
+    if isinstance(error, InferenceError):
+        logger.info("%s failed: %s (%s)", method, error.message, code.name)
+    else:
+        logger.error("%s failed with an unexpected error", method, exc_info=error)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: Exception, method: str) -> None:
+    """End the call with the status that `error` maps to (raises, as `context.abort` does)."""
+    code, message, error_type = describe(error)
+    _log(error, code, method)
+    await context.abort(code, message, trailing_metadata(code, message, error_type))
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+UnaryHandler = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+StreamHandler = Callable[[Any, Request, grpc.aio.ServicerContext], AsyncIterator[Response]]
+
+
+def unary_errors(handler: UnaryHandler) -> UnaryHandler:
+    """Wrap a unary servicer method: a raised error becomes its status."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except Exception as error:
+            await abort(context, error, handler.__name__)
+
+    return wrapper
+
+
+def stream_errors(handler: StreamHandler) -> StreamHandler:
+    """Wrap a streaming servicer method: a raised error becomes its status, or, when the caller asked
+    for in-band errors, a last `StreamResponse` with `error`/`error_type` and an OK status."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            # aclosing: a cancelled call closes the handler now, which aborts its engine request.
+            async with contextlib.aclosing(handler(self, request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as error:
+            if not wants_inband_errors(context):
+                await abort(context, error, handler.__name__)
+                return
+            code, message, error_type = describe(error)
+            _log(error, code, handler.__name__)
+            yield generate_pb2.StreamResponse(error=message, error_type=error_type)
+
+    return wrapper

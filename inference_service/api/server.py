@@ -1,0 +1,155 @@
+"""The gRPC server: TextGeneration, grpc.health.v1 and reflection on one port, and the engine's life.
+
+The port opens before the model loads, so orchestrators see NOT_SERVING while it loads and warms
+up, SERVING once it can generate, and NOT_SERVING again while it drains on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from inference_service.api.config import ServerConfig
+from inference_service.api.servicer import TextGenerationServicer
+from inference_service.config import EngineConfig
+from inference_service.engine.async_engine import AsyncEngine
+from textgen.v1 import generate_pb2, generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+HEALTH_SERVICES = ("", SERVICE_NAME)  # "" is the whole server
+# After the engine drained, handlers only have their last messages to send.
+STOP_GRACE_S = 5.0
+
+T = TypeVar("T")
+
+
+class StartupError(Exception):
+    """The server could not start (port taken, bad address); the message says why."""
+
+
+class ApiServer:
+    """One grpc.aio server for one engine: start, load the engine, shut down gracefully."""
+
+    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
+                 load_engine: Callable[[EngineConfig], AsyncEngine] = AsyncEngine.from_config):
+        self.config = server_config
+        self._engine_config = engine_config
+        self._load_engine = load_engine
+        self.engine: AsyncEngine | None = None
+        self.port: int | None = None
+        self.servicer = TextGenerationServicer(engine_config.scheduler)
+        self.health = HealthServicer()
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", server_config.payload_limit),
+            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+        ])
+        generate_pb2_grpc.add_TextGenerationServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self._server)
+
+    @property
+    def address(self) -> str:
+        host = self.config.hostname
+        return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+    async def start(self) -> int:
+        """Listen (NOT_SERVING until `load_engine`); returns the bound port."""
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        target = f"{self.address}:{self.config.grpc_port}"
+        try:
+            self.port = self._server.add_insecure_port(target)
+        except RuntimeError as error:
+            raise StartupError(f"cannot listen on {target}: {error}") from None
+        await self._server.start()
+        logger.info("gRPC API listening on %s:%d", self.address, self.port)
+        return self.port
+
+    async def load_engine(self) -> AsyncEngine:
+        """Load, warm up and start the engine (off the event loop), then report SERVING."""
+        logger.info("loading model %s", self._engine_config.model.model_id)
+        engine = await run_in_daemon_thread(self._load_engine, self._engine_config)
+        engine.start()
+        self.engine = engine
+        self.servicer.attach(engine)
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving %s", engine.info.model_id)
+        return engine
+
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        """NOT_SERVING, stop admitting, give in-flight requests `timeout_s`, cancel the rest, stop."""
+        timeout_s = self.config.graceful_termination_timeout if timeout_s is None else timeout_s
+        logger.info("draining (up to %.1fs)", timeout_s)
+        await self.health.enter_graceful_shutdown()
+        self.servicer.drain()
+        if self.engine is not None:
+            await self.engine.shutdown(timeout_s)
+        await self._server.stop(STOP_GRACE_S)
+        logger.info("stopped")
+
+    async def stop_now(self) -> None:
+        await self._server.stop(None)
+
+
+async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:
+    """Run a blocking call on a daemon thread: unlike the default executor, a SIGTERM while it runs
+    (a model still loading) does not have to wait for it before the process can exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def target() -> None:
+        try:
+            outcome = functools.partial(future.set_result, function(*args))
+        except BaseException as error:  # handed to the awaiting coroutine
+            outcome = functools.partial(future.set_exception, error)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=target, name="model-load", daemon=True).start()
+    return await future
+
+
+async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Serve until SIGTERM or SIGINT, then drain; returns the exit code. Raises ModelLoadError
+    (the model can't be served) or StartupError (can't listen)."""
+    server = ApiServer(server_config, engine_config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    loading = asyncio.ensure_future(server.load_engine())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        stopping.cancel()
+        await server.stop_now()
+        raise loading.exception()
+    if not loading.done():  # stopped while loading: nothing is in flight
+        logger.info("stopped while the model was loading")
+        loading.cancel()
+        await server.stop_now()
+        return 0
+    await stopping
+    await server.shutdown()
+    return 0

@@ -1,0 +1,108 @@
+"""The TextGeneration servicer: convert, validate, call the engine, convert back.
+
+Each method stays a few lines; conversions live in `convert`, status codes in `errors`, and the
+engine owns validation, batching and cancellation (closing a stream aborts its request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import prometheus_client
+from google.api import httpbody_pb2
+
+from inference_service.api import convert
+from inference_service.api.errors import stream_errors, unary_errors
+from inference_service.config import SchedulerConfig
+from inference_service.engine.async_engine import AsyncEngine
+from inference_service.errors import UnavailableError
+from textgen.v1 import generate_pb2 as pb
+from textgen.v1 import generate_pb2_grpc
+
+Context = grpc.aio.ServicerContext
+# (content type, body) of the Metrics RPC; the observability layer plugs its registry in here.
+MetricsRenderer = Callable[[], tuple[str, bytes]]
+
+
+def render_prometheus_registry() -> tuple[str, bytes]:
+    body = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+    return prometheus_client.CONTENT_TYPE_LATEST, body
+
+
+class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
+    """textgen.v1.TextGeneration over one `AsyncEngine` (attached once the model is loaded)."""
+
+    def __init__(self, scheduler: SchedulerConfig, metrics: MetricsRenderer = render_prometheus_registry):
+        self._scheduler = scheduler
+        self._metrics = metrics
+        self._engine: AsyncEngine | None = None
+        self._draining = False
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def drain(self) -> None:
+        """Shutting down: Health answers UNAVAILABLE (the engine refuses new requests itself)."""
+        self._draining = True
+
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise UnavailableError("the model is still loading")
+        return self._engine
+
+    @unary_errors
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        engine = self.engine()
+        validated = await engine.validate(convert.request_from_pb(request), stream=False)
+        result = await engine.generate(validated)
+        return convert.generate_response_to_pb(result, details=convert.wants_details(request))
+
+    @unary_errors
+    async def CompatGenerate(self, request: pb.GenerateRequest,
+                             context: Context) -> pb.CompatGenerateResponse:
+        engine = self.engine()
+        domain_request = convert.request_from_pb(request, compat_route=True)
+        validated = await engine.validate(domain_request, stream=False)
+        result = await engine.generate(validated)
+        response = convert.generate_response_to_pb(result, details=convert.wants_details(request))
+        return pb.CompatGenerateResponse(responses=[response])
+
+    @stream_errors
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             context: Context) -> AsyncIterator[pb.StreamResponse]:
+        engine = self.engine()
+        validated = await engine.validate(convert.request_from_pb(request), stream=True)
+        details, num_sent = convert.wants_details(request), 0
+        async with contextlib.aclosing(engine.generate_stream(validated)) as outputs:
+            async for output in outputs:
+                responses = convert.stream_responses_to_pb(output, first_index=num_sent + 1, details=details)
+                for response in responses:
+                    yield response
+                num_sent += len(responses)
+
+    @unary_errors
+    async def Tokenize(self, request: pb.GenerateRequest, context: Context) -> pb.TokenizeResponse:
+        return convert.tokenize_response_to_pb(await self.engine().tokenize(request.inputs))
+
+    @unary_errors
+    async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
+        engine = self.engine()
+        return convert.info_to_pb(engine.info, self._scheduler, engine.stats())
+
+    @unary_errors
+    async def Health(self, request: pb.HealthRequest, context: Context) -> httpbody_pb2.HttpBody:
+        self.engine()
+        if self._draining:
+            raise UnavailableError("the server is shutting down")
+        return httpbody_pb2.HttpBody()
+
+    @unary_errors
+    async def Metrics(self, request: pb.MetricsRequest, context: Context) -> httpbody_pb2.HttpBody:
+        content_type, body = self._metrics()
+        return httpbody_pb2.HttpBody(content_type=content_type, data=body)
+
+    @unary_errors
+    async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
+        return convert.models_to_pb(self.engine().info.model_id)
