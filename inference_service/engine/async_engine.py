@@ -22,7 +22,13 @@ from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput
-from inference_service.engine.validation import GenerateRequest, TokenSpan, ValidatedRequest, Validator, tokenize
+from inference_service.engine.validation import (
+    GenerateRequest,
+    TokenSpan,
+    ValidatedRequest,
+    Validator,
+    tokenize,
+)
 from inference_service.errors import GenerationError, OverloadedError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -242,7 +248,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 
 def _with_seed(request: ValidatedRequest, seed: int) -> ValidatedRequest:
-    return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
+    return dataclasses.replace(request, sampling_params=dataclasses.replace(request.sampling_params, seed=seed))
 
 
 def _mean_logprob(result: GenerateResult) -> float:

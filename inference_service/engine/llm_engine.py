@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference_service.engine.detokenizer import TextState
+from inference_service.engine.detokenizer import TextState, decode, special_token_ids
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.outputs import (
     EngineInfo,
@@ -62,18 +62,19 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self._eos_ids = frozenset(info.eos_token_ids)
-        self._special_ids = frozenset(tokenizer.all_special_ids) | self._eos_ids
+        self._special_ids = special_token_ids(tokenizer) | self._eos_ids
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request_id: str, validated: ValidatedRequest) -> None:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(validated.prompt_token_ids), validated.sampling, validated.stopping)
+        request = Request(request_id, list(validated.prompt_token_ids), validated.sampling_params,
+                          validated.stopping_params)
         self.live[request_id] = _Live(
             request=request,
             validated=validated,
-            sampling=SamplingState(validated.sampling, request.prompt_token_ids, self.info.vocab_size),
-            text=TextState(self.tokenizer, request.prompt_token_ids, validated.stopping.stop_sequences),
+            sampling=SamplingState(validated.sampling_params, request.prompt_token_ids, self.info.vocab_size),
+            text=TextState(self.tokenizer, request.prompt_token_ids, validated.stopping_params.stop_sequences),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -166,13 +167,14 @@ class LLMEngine:
         return self._release(live, len(live.pending) - num_held)
 
     def _finish_reason(self, request: Request, token_id: int, stop_matched: bool) -> FinishReason | None:
+        """TGI's precedence: length, then EOS, then a stop sequence."""
+        if (request.num_output_tokens >= request.stopping.max_new_tokens
+                or request.num_tokens >= self.info.max_total_tokens):
+            return FinishReason.LENGTH
         if token_id in self._eos_ids and not request.stopping.ignore_eos:
             return FinishReason.EOS_TOKEN
         if stop_matched:
             return FinishReason.STOP_SEQUENCE
-        if (request.num_output_tokens >= request.stopping.max_new_tokens
-                or request.num_tokens >= self.info.max_total_tokens):
-            return FinishReason.LENGTH
         return None
 
     def _release(self, live: _Live, count: int) -> RequestOutput | None:
@@ -188,7 +190,7 @@ class LLMEngine:
         del live.pending[:count], live.pending_top[:count]
         if not live.sent_prefill:
             live.sent_prefill = True
-            if live.validated.sampling.prompt_logprobs:
+            if live.validated.sampling_params.prompt_logprobs:
                 output.prefill_tokens = self._prefill_tokens(live)
         return output
 
@@ -237,8 +239,7 @@ class LLMEngine:
         return [PrefillToken(i, self._token_text(i), lp) for i, lp in zip(ids, logprobs, strict=False)]
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        return decode(self.tokenizer, [token_id], skip_special_tokens=False)
 
     def _is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from inference_service.errors import InferenceError
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     LENGTH = "length"
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"

@@ -42,11 +42,8 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self.kv.free(request.request_id)
         request.status = status
         request.timings.finished = time.perf_counter()
