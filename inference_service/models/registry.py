@@ -58,7 +58,10 @@ def probe_model(model: torch.nn.Module, device: torch.device) -> None:
 def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
     model_type = getattr(model.config, "model_type", "unknown")
     shapes = probe_layer_shapes(model, device)
-    num_layers = len(shapes)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if len(shapes) != num_layers:
+        raise ModelLoadError(f"architecture '{model_type}' is not supported: the paged attention was "
+                             f"called {len(shapes)} times for {num_layers} layers")
     dtype = next(model.parameters()).dtype
     block_size = 4
     cache = PagedKVCache(shapes, num_blocks=8, block_size=block_size, dtype=dtype, device=device)

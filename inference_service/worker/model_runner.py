@@ -132,4 +132,6 @@ def probe_layer_shapes(model: torch.nn.Module, device: torch.device) -> list[Lay
     with torch.inference_mode(), step_context(meta):
         model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
     shapes = meta.recorded_shapes
+    if sorted(shapes) != list(range(len(shapes))):
+        raise RuntimeError(f"attention layer indices are not 0..{len(shapes) - 1}: {sorted(shapes)}")
     return [LayerShape(num_kv_heads=shapes[i][0], head_dim=shapes[i][1]) for i in sorted(shapes)]
