@@ -1,0 +1,217 @@
+"""Envoy's bootstrap config for the REST gateway, rendered from the server's own flags.
+
+One function renders both the config `inference-service launch` runs and the standalone
+`deploy/envoy/envoy.yaml`, so the two cannot drift apart. The config is self-contained: the
+descriptor set and the Lua filter are inlined.
+
+Filter chain (requests go down, responses come back up):
+  cors -> buffer (payload limit, 413) -> lua (TGI shapes, gateway/tgi.lua)
+       -> grpc_json_transcoder (REST <-> gRPC) -> router
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from gateway import yaml_text
+from gateway.contract import SERVICE, RestRoute, envoy_descriptor, rest_routes
+
+LUA_FILTER = "envoy.filters.http.lua"
+CORS_FILTER = "envoy.filters.http.cors"
+CLUSTER = "textgen"
+# The servicer answers GenerateStream errors as a last message instead of a status when this is set.
+INBAND_ERRORS_HEADER = "x-textgen-inband-errors"
+# Concurrency is the server's business (--max-concurrent-requests, 429): Envoy must not cap it.
+UNLIMITED = 1_000_000
+
+
+def _type(name: str) -> str:
+    return f"type.googleapis.com/{name}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where Envoy listens and which gRPC server it fronts."""
+
+    hostname: str = "0.0.0.0"
+    port: int = 8080
+    upstream_host: str = "127.0.0.1"
+    upstream_port: int = 50051
+    payload_limit: int = 2_000_000  # bytes of a request body (TGI's --payload-limit)
+    cors_allow_origin: tuple[str, ...] = ()  # empty: any origin, as TGI
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = 9901  # None: no admin listener; 0: any free port
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be in [0, 65535]")
+        if not 0 < self.upstream_port <= 65535:
+            raise ValueError("the gRPC port must be in [1, 65535]")
+        if self.payload_limit <= 0:
+            raise ValueError("--payload-limit must be > 0")
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    address: dict[str, Any] = {"address": host, "port_value": port}
+    if host == "::":
+        address["ipv4_compat"] = True
+    return {"socket_address": address}
+
+
+def _lua_metadata(route: RestRoute) -> dict[str, Any]:
+    values: dict[str, Any] = {"kind": route.kind}
+    if route.unwrap:
+        values["unwrap"] = route.unwrap
+    if route.nulls:
+        values["nulls"] = ",".join(route.nulls)
+    return {"filter_metadata": {LUA_FILTER: values}}
+
+
+def _header(key: str, value: str) -> dict[str, Any]:
+    return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+
+
+def _route(route: RestRoute) -> dict[str, Any]:
+    rendered: dict[str, Any] = {
+        "name": route.rpc,
+        "match": {"path": route.path, "headers": [{"name": ":method", "string_match": {"exact": route.method}}]},
+        # Generation may take minutes and streams idle while queued: no timeouts.
+        "route": {"cluster": CLUSTER, "timeout": "0s", "idle_timeout": "0s"},
+        "metadata": _lua_metadata(route),
+    }
+    if route.streams:
+        rendered["request_headers_to_add"] = [_header(INBAND_ERRORS_HEADER, "1")]
+        rendered["response_headers_to_add"] = [_header("cache-control", "no-cache"),
+                                               _header("x-accel-buffering", "no")]
+    return rendered
+
+
+def _routes(routes: list[RestRoute]) -> list[dict[str, Any]]:
+    rendered = [_route(route) for route in routes]
+    # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
+    for path in dict.fromkeys(route.path for route in routes):
+        rendered.append({"name": f"method-not-allowed {path}", "match": {"path": path},
+                         "direct_response": {"status": 405, "body": {"inline_string": "Method Not Allowed"}}})
+    rendered.append({"name": "not-found", "match": {"prefix": "/"},
+                     "direct_response": {"status": 404, "body": {"inline_string": "Not Found"}}})
+    return rendered
+
+
+def _cors(origins: tuple[str, ...]) -> dict[str, Any]:
+    """TGI's CORS: GET and POST, the content-type header, the given origins or any."""
+    matches = [{"exact": origin} for origin in origins] or [{"safe_regex": {"regex": ".*"}}]
+    return {"@type": _type("envoy.extensions.filters.http.cors.v3.CorsPolicy"), "allow_origin_string_match": matches,
+            "allow_methods": "GET, POST", "allow_headers": "content-type"}
+
+
+# Envoy's own replies (no route, too large, unparsable JSON, server unreachable) as TGI's error JSON.
+_LOCAL_REPLY_TYPES = (
+    (400, "validation", "Failed to parse the request body as JSON: %LOCAL_REPLY_BODY%"),
+    (404, "not_found", "%LOCAL_REPLY_BODY%"),
+    (405, "method_not_allowed", "%LOCAL_REPLY_BODY%"),
+    (413, "payload_too_large", "Payload Too Large: the request body is larger than {limit} bytes"),
+    (503, "unavailable", "The inference server is unreachable: %LOCAL_REPLY_BODY%"),
+)
+
+
+def _local_reply_config(payload_limit: int) -> dict[str, Any]:
+    def json_body(error: str, error_type: str) -> dict[str, Any]:
+        return {"json_format": {"error": error, "error_type": error_type}}
+
+    mappers = [
+        {"filter": {"status_code_filter": {"comparison": {
+            "op": "EQ", "value": {"default_value": status, "runtime_key": f"gateway.local_reply.{status}"}}}},
+         "body_format_override": json_body(error.format(limit=payload_limit), error_type)}
+        for status, error_type, error in _LOCAL_REPLY_TYPES
+    ]
+    return {"mappers": mappers, "body_format": json_body("%LOCAL_REPLY_BODY%", "gateway")}
+
+
+def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> list[dict[str, Any]]:
+    return [
+        {"name": CORS_FILTER, "typed_config": {"@type": _type("envoy.extensions.filters.http.cors.v3.Cors")}},
+        {"name": "envoy.filters.http.buffer", "typed_config": {
+            "@type": _type("envoy.extensions.filters.http.buffer.v3.Buffer"), "max_request_bytes": payload_limit}},
+        {"name": LUA_FILTER, "typed_config": {
+            "@type": _type("envoy.extensions.filters.http.lua.v3.Lua"),
+            "default_source_code": {"inline_string": lua_source}}},
+        {"name": "envoy.filters.http.grpc_json_transcoder", "typed_config": {
+            "@type": _type("envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"),
+            "proto_descriptor_bin": base64.b64encode(descriptor).decode("ascii"),
+            "services": [SERVICE],
+            # Route on the REST path (the routes above), not on the gRPC path it becomes.
+            "match_incoming_request_route": True,
+            "ignore_unknown_query_parameters": True,
+            "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True,
+                              "stream_sse_style_delimited": True}}},
+        {"name": "envoy.filters.http.router", "typed_config": {
+            "@type": _type("envoy.extensions.filters.http.router.v3.Router")}},
+    ]
+
+
+def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes, lua_source: str) -> dict[str, Any]:
+    manager = {
+        "@type": _type("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "stat_prefix": "rest",
+        "codec_type": "AUTO",
+        "server_name": "inference-service",
+        "stream_idle_timeout": "0s",
+        "local_reply_config": _local_reply_config(config.payload_limit),
+        "route_config": {"name": "rest", "virtual_hosts": [{
+            "name": "tgi", "domains": ["*"], "routes": _routes(routes),
+            "typed_per_filter_config": {CORS_FILTER: _cors(config.cors_allow_origin)}}]},
+        "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
+    }
+    return {"name": "rest", "address": _address(config.hostname, config.port),
+            "filter_chains": [{"filters": [
+                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}]}
+
+
+def _cluster(config: GatewayConfig) -> dict[str, Any]:
+    try:
+        ipaddress.ip_address(config.upstream_host)
+        discovery = "STATIC"
+    except ValueError:
+        discovery = "STRICT_DNS"
+    endpoint = {"endpoint": {"address": _address(config.upstream_host, config.upstream_port)}}
+    limits = {key: UNLIMITED for key in ("max_connections", "max_pending_requests", "max_requests")}
+    return {
+        "name": CLUSTER,
+        "type": discovery,
+        "connect_timeout": "5s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+            "explicit_http_config": {"http2_protocol_options": {
+                "connection_keepalive": {"interval": "30s", "timeout": "10s"}}}}},
+        "circuit_breakers": {"thresholds": [limits]},
+        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": [endpoint]}]},
+    }
+
+
+def lua_source() -> str:
+    return resources.files("gateway").joinpath("tgi.lua").read_text(encoding="utf-8")
+
+
+def render(config: GatewayConfig) -> dict[str, Any]:
+    """Envoy's bootstrap config (a dict ready for YAML or JSON)."""
+    bootstrap: dict[str, Any] = {}
+    if config.admin_port is not None:
+        bootstrap["admin"] = {"address": _address(config.admin_host, config.admin_port)}
+    bootstrap["static_resources"] = {
+        "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source())],
+        "clusters": [_cluster(config)],
+    }
+    bootstrap["overload_manager"] = {"resource_monitors": [{
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+            "@type": _type("envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
+            "max_active_downstream_connections": 50_000}}]}
+    return bootstrap
+
+
+def render_yaml(config: GatewayConfig) -> str:
+    return yaml_text.dump(render(config))

@@ -1,0 +1,252 @@
+-- TGI's REST shapes on top of Envoy's gRPC-JSON transcoder.
+--
+-- The transcoder prints each response as proto3 JSON (field names preserved, zero values printed,
+-- fields in field-number order, compact). This filter sits before it in the chain, so it sees the
+-- request before the transcoder and the transcoded response after it, and turns that JSON into
+-- TGI's:
+--   * 64-bit integers (`seed`, `num_steps`) are strings in proto3 JSON: printed as numbers;
+--   * NaN/Infinity floats (the first prompt token's logprob) are strings: printed as null;
+--   * `top_tokens` is a list of lists in TGI (`repeated TopTokens{tokens}` in the proto);
+--   * `top_tokens`/`best_of_sequences` are left out when empty, `seed` is null when absent,
+--     stream events carry `generated_text`/`details` as null until the last one;
+--   * a route's `unwrap` field is the proto's `response_body` (Envoy applies it to HttpBody only):
+--     `{"responses":[...]}` becomes `[...]`;
+--   * failed calls become `{"error": ..., "error_type": ...}` with TGI's status codes, and on a
+--     stream an in-band SSE event (TGI answers 200 once a stream route is reached);
+--   * `POST /` with `"stream": true` is routed to GenerateStream (Envoy can't route on a body).
+--
+-- Why rewriting text is safe: the patterns below all contain a quote followed by `:` or a quote
+-- preceded by `:`; inside a JSON string every quote is escaped (`\"`), so such a pattern can only
+-- match the JSON structure, never the text of a prompt or a token.
+--
+-- Routes tell the filter what they hold through route metadata: `kind` ("json", "stream",
+-- "health", "raw"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
+-- separated).
+
+-- Kept equal to the proto's 64-bit integer and float response fields by a unit test.
+local INT64_FIELDS = {"seed", "num_steps"}
+local FLOAT_FIELDS = {"logprob", "waiting_served_ratio"}
+-- Repeated fields TGI leaves out when empty (the transcoder prints `[]`).
+local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
+
+-- Error kinds of the server (google.rpc.ErrorInfo reason, `x-error-type`) -> TGI's HTTP status.
+local ERROR_STATUS = {
+  validation = 422, overloaded = 429, generation = 424, unavailable = 503,
+  cancelled = 499, internal = 500,
+}
+-- gRPC codes, for errors that did not come with an `x-error-type` (grpc's own, a proxy's).
+local GRPC_CODE_NAMES = {
+  "cancelled", "unknown", "invalid_argument", "deadline_exceeded", "not_found", "already_exists",
+  "permission_denied", "resource_exhausted", "failed_precondition", "aborted", "out_of_range",
+  "unimplemented", "internal", "unavailable", "data_loss", "unauthenticated",
+}
+local GRPC_HEADERS = {"grpc-status", "grpc-message", "grpc-status-details-bin", "grpc-accept-encoding",
+                      "x-error-type"}
+
+-- JSON -----------------------------------------------------------------------------------------
+local ESCAPES = {['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t'}
+
+local function json_string(text)
+  local escaped = text:gsub('[%c"\\]', function(char)
+    return ESCAPES[char] or string.format("\\u%04x", char:byte())
+  end)
+  return '"' .. escaped .. '"'
+end
+
+local function error_json(message, error_type)
+  return '{"error":' .. json_string(message) .. ',"error_type":' .. json_string(error_type) .. '}'
+end
+
+-- The index just past the JSON string that starts at `start` (a quote).
+local function string_end(text, start)
+  local at = start + 1
+  while true do
+    local found = text:find('["\\]', at)
+    if found == nil then return #text + 1 end
+    if text:byte(found) == 92 then at = found + 2 else return found + 1 end
+  end
+end
+
+-- `"top_tokens":[{"tokens":[a,b]},{"tokens":[]}]` -> `"top_tokens":[[a,b],[]]`. Token objects hold
+-- no arrays, so inside an element the first `]` outside a string closes its `tokens`.
+local WRAPPED = '"top_tokens":[{"tokens":['
+local ELEMENT = '{"tokens":['
+
+local function flatten_top_tokens(text)
+  if not text:find(WRAPPED, 1, true) then return text end
+  local parts, pos = {}, 1
+  while true do
+    local start = text:find(WRAPPED, pos, true)
+    if start == nil then break end
+    parts[#parts + 1] = text:sub(pos, start + #'"top_tokens":[' - 1)
+    local at = start + #'"top_tokens":['
+    while text:sub(at, at + #ELEMENT - 1) == ELEMENT do
+      parts[#parts + 1] = "["
+      local from = at + #ELEMENT
+      at = from
+      while true do
+        local found = text:find('["%]]', at)
+        if text:byte(found) == 34 then at = string_end(text, found) else at = found; break end
+      end
+      parts[#parts + 1] = text:sub(from, at)  -- the tokens and their `]`
+      at = at + 2  -- past `]}`
+      if text:sub(at, at) == "," then parts[#parts + 1] = ","; at = at + 1 end
+    end
+    pos = at
+  end
+  parts[#parts + 1] = text:sub(pos)
+  return table.concat(parts)
+end
+
+-- Proto3 JSON of a response -> TGI's JSON.
+local function tgi_json(text)
+  for _, name in ipairs(INT64_FIELDS) do
+    text = text:gsub('"' .. name .. '":"(%-?%d+)"', '"' .. name .. '":%1')
+  end
+  for _, name in ipairs(FLOAT_FIELDS) do
+    text = text:gsub('"' .. name .. '":"%-?%a+"', '"' .. name .. '":null')
+  end
+  text = flatten_top_tokens(text)
+  for _, name in ipairs(OMIT_WHEN_EMPTY) do
+    text = text:gsub(',"' .. name .. '":%[%]', "")
+  end
+  -- `seed` follows `generated_tokens` in Details, BestOfSequence and StreamDetails.
+  text = text:gsub('("generated_tokens":%d+),"prefill"', '%1,"seed":null,"prefill"')
+  text = text:gsub('("generated_tokens":%d+),"input_length"', '%1,"seed":null,"input_length"')
+  return text
+end
+
+-- Add `"name":null` for each absent top-level field of an object.
+local function with_nulls(text, names)
+  local added = {}
+  for name in names:gmatch("[^,]+") do
+    if not text:find('"' .. name .. '":', 1, true) then added[#added + 1] = '"' .. name .. '":null' end
+  end
+  if #added == 0 then return text end
+  local sep = text == "{}" and "" or ","
+  return text:sub(1, -2) .. sep .. table.concat(added, ",") .. "}"
+end
+
+-- `{"responses":[...]}` -> `[...]` (the printer writes the single field as the whole object).
+local function unwrap(text, field)
+  local head = '{"' .. field .. '":'
+  if text:sub(1, #head) == head then return text:sub(#head + 1, -2) end
+  return "[]"  -- the printer leaves an empty repeated field out only when primitives are off
+end
+
+-- Streams ---------------------------------------------------------------------------------------
+local STREAM_NULLS = "generated_text,details"
+
+local function tgi_event(json)
+  json = tgi_json(json)
+  local error_at = json:find(',"error":"', 1, true)
+  if error_at ~= nil then return "{" .. json:sub(error_at + 1) end
+  return with_nulls(json, STREAM_NULLS)
+end
+
+local function tgi_events(text)
+  return (text:gsub("data: ([^\n]*)\n\n", function(json) return "data: " .. tgi_event(json) .. "\n\n" end))
+end
+
+-- Events arrive whole (the transcoder prints one per gRPC message); a partial one waits anyway.
+local function shape_stream(handle)
+  local pending = ""
+  for chunk in handle:bodyChunks() do
+    local text = pending
+    if chunk:length() > 0 then text = text .. chunk:getBytes(0, chunk:length()) end
+    local whole, rest = text:match("^(.*\n\n)(.*)$")
+    if whole == nil then whole, rest = "", text end
+    pending = rest
+    chunk:setBytes(tgi_events(whole))
+  end
+end
+
+-- Errors ----------------------------------------------------------------------------------------
+local function percent_decoded(text)
+  return (text:gsub("%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
+end
+
+local function strip_grpc_headers(headers)
+  for _, name in ipairs(GRPC_HEADERS) do headers:remove(name) end
+end
+
+-- A call that failed before any message (a trailers-only gRPC response). Handles and wrappers
+-- are fetched again after `body()`: it may yield, which ends the scope of older ones.
+local function shape_grpc_error(handle, kind, grpc_status)
+  local headers = handle:headers()
+  local error_type = headers:get("x-error-type") or GRPC_CODE_NAMES[tonumber(grpc_status)] or "unknown"
+  local message = percent_decoded(headers:get("grpc-message") or "")
+  local status = ERROR_STATUS[error_type] or tonumber(headers:get(":status")) or 500
+  local body, content_type = error_json(message, error_type), "application/json"
+  if kind == "stream" then  -- TGI: 200 and the error as the stream's only event
+    body, content_type, status = "data: " .. body .. "\n\n", "text/event-stream", 200
+  elseif kind == "health" then
+    body, status = error_json("unhealthy", "healthcheck"), 503
+  end
+  handle:body(true):setBytes(body)
+  headers = handle:headers()
+  strip_grpc_headers(headers)
+  headers:replace(":status", tostring(status))
+  headers:replace("content-type", content_type)
+end
+
+-- Entry points ----------------------------------------------------------------------------------
+-- Whether the request's top-level object has `"stream": true` (a prompt mentioning it does not count).
+local function wants_stream(text)
+  local depth, at = 0, 1
+  while true do
+    local found = text:find('["{}%[%]]', at)
+    if found == nil then return false end
+    local char = text:sub(found, found)
+    if char == '"' then
+      at = string_end(text, found)
+      if depth == 1 and text:sub(found, at - 1) == '"stream"' and text:find("^%s*:%s*true", at) then
+        return true
+      end
+    else
+      depth = depth + ((char == "{" or char == "[") and 1 or -1)
+      at = found + 1
+    end
+  end
+end
+
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local method, path = headers:get(":method"), (headers:get(":path") or ""):match("^[^?]*")
+  if path ~= "/" and path ~= "/ping" then return end
+  if method == "GET" then  -- TGI's health aliases
+    handle:headers():replace(":path", "/health")
+    handle:clearRouteCache()
+  elseif method == "POST" and path == "/" then
+    local body = handle:body()
+    if body ~= nil and wants_stream(body:getBytes(0, body:length())) then
+      handle:headers():replace(":path", "/generate_stream")
+      handle:clearRouteCache()
+    end
+  end
+end
+
+function envoy_on_response(handle)
+  local metadata = handle:metadata()
+  local kind, field, nulls = metadata:get("kind"), metadata:get("unwrap"), metadata:get("nulls")
+  if kind == nil then return end  -- not a transcoded route (404, 405)
+  local headers = handle:headers()
+  local grpc_status = headers:get("grpc-status")
+  if grpc_status ~= nil and grpc_status ~= "0" then return shape_grpc_error(handle, kind, grpc_status) end
+  strip_grpc_headers(headers)
+  if headers:get(":status") ~= "200" then  -- Envoy's own reply (server unreachable), already JSON
+    if kind == "health" then
+      handle:body(true):setBytes(error_json("unhealthy", "healthcheck"))
+      handle:headers():replace("content-type", "application/json")
+    end
+    return
+  end
+  if kind == "stream" then return shape_stream(handle) end
+  if kind ~= "json" then return end
+  local body = handle:body()
+  if body == nil then return end
+  local text = tgi_json(body:getBytes(0, body:length()))
+  if field ~= nil then text = unwrap(text, field) end
+  if nulls ~= nil then text = with_nulls(text, nulls) end
+  body:setBytes(text)
+end
