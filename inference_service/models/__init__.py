@@ -1,0 +1,1 @@
+"""Model resolution and loading: `loader` (local folder, hub, GGUF, demo), `gguf`, `demo`."""

@@ -1,0 +1,240 @@
+"""Dequantizing a GGUF file into a plain transformers folder (safetensors, float32).
+
+transformers can read a GGUF, but the model it builds refuses `save_pretrained` and its tokenizer
+loses some pre-tokenizers. Converting once gives a folder that every loader (ours, transformers 4
+and 5) reads like any hub checkpoint, and serving never touches the GGUF again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from inference_service.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Written last into a converted folder: its presence means the conversion finished.
+CONVERSION_MARKER = "conversion.json"
+
+# Temporary folders older than this are leftovers of a killed conversion or download.
+STALE_AFTER_S = 24 * 3600
+
+# llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex
+# (LLAMA_VOCAB_PRE_TYPE_SMOLLM, _STARCODER, _REFACT); transformers' GGUF reader drops the digit split.
+_DIGIT_SPLIT_PRE_TYPES = frozenset({"smollm", "starcoder", "refact"})
+
+
+def is_converted(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a finished conversion (the marker is written last)."""
+    return (Path(folder) / CONVERSION_MARKER).is_file()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file, read in chunks so a large GGUF never sits in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Dequantize `gguf_path` into a transformers folder at `out_dir` and return `out_dir`.
+
+    The folder is built in a temporary sibling and renamed into place, so an interrupted
+    conversion never leaves a folder that looks complete. A finished `out_dir` is returned as is.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file {str(gguf_path)!r} does not exist")
+    if is_converted(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_dirs(out_dir.parent, f".{out_dir.name}.partial-*")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared like the hub's
+    try:
+        _write_folder(gguf_path, staging)
+        _publish(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def remove_stale_dirs(parent: Path, pattern: str, max_age_s: float = STALE_AFTER_S) -> None:
+    """Delete temporary folders a killed process left behind; recent ones may still be in use."""
+    cutoff = time.time() - max_age_s
+    for path in parent.glob(pattern):
+        try:
+            if path.is_dir() and path.stat().st_mtime < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _write_folder(gguf_path: Path, folder: Path) -> None:
+    """Write config, float32 weights, tokenizer and the marker for `gguf_path` into `folder`."""
+    try:
+        with _progress_bars_off():
+            pre_type = _read_metadata(gguf_path).get("tokenizer.ggml.pre")
+            model = _dequantized_model(gguf_path)
+            model.save_pretrained(folder)
+            tokenizer = _tokenizer(gguf_path, pre_type)
+            tokenizer.model_max_length = model.config.max_position_embeddings
+            tokenizer.save_pretrained(folder)
+        _rewrite_json(folder / "config.json", _portable_config)
+        _rewrite_json(folder / "tokenizer_config.json", _portable_tokenizer_config)
+        _make_readable(folder)
+        _write_marker(folder, gguf_path)
+    except ModelLoadError:
+        raise
+    except Exception as error:
+        logger.debug("GGUF conversion failed", exc_info=True)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"could not convert GGUF file {gguf_path.name!r}: {reason}") from None
+
+
+def _read_metadata(gguf_path: Path) -> dict:
+    """The file's metadata keys, without reading tensor data or the large token arrays."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(gguf_path))
+    return metadata
+
+
+def _dequantized_model(gguf_path: Path) -> torch.nn.Module:
+    """A fresh float32 model (no `quantization_config`) holding the GGUF's dequantized weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The same reader `from_pretrained(gguf_file=...)` uses for these architectures: it dequantizes,
+    # maps llama.cpp tensor names and undoes llama.cpp's q/k row permutation.
+    parsed = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
+    _load_strict(model, parsed["tensors"])
+    return model.eval()
+
+
+def _load_strict(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load `tensors` so that every parameter is set: only tied copies may be absent."""
+    result = model.load_state_dict(tensors, strict=False)
+    state = model.state_dict()
+    loaded_storage = {state[name].data_ptr() for name in tensors if name in state}
+    missing = [name for name in result.missing_keys if state[name].data_ptr() not in loaded_storage]
+    if missing or result.unexpected_keys:
+        raise ModelLoadError(
+            f"GGUF tensors don't match the {type(model).__name__} built from its metadata: "
+            f"missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}"
+        )
+
+
+def _tokenizer(gguf_path: Path, pre_type: str | None):
+    """The GGUF's fast tokenizer, with the digit split restored where llama.cpp applies one."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if pre_type in _DIGIT_SPLIT_PRE_TYPES:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
+        )
+    return tokenizer
+
+
+def _portable_config(config: dict) -> dict:
+    """Add the transformers-4 spellings (`rope_theta`, `torch_dtype`) next to the 5.x ones."""
+    config.pop("quantization_config", None)
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    if "dtype" in config:
+        config.setdefault("torch_dtype", config["dtype"])
+    return config
+
+
+def _portable_tokenizer_config(config: dict) -> dict:
+    """Name a class both transformers 4 and 5 know (5 writes `TokenizersBackend`); drop load-time keys."""
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for load_time_key in ("is_local", "local_files_only"):
+        config.pop(load_time_key, None)
+    return config
+
+
+def _rewrite_json(path: Path, change: Callable[[dict], dict]) -> None:
+    """Apply `change` to the JSON object stored at `path`."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps(change(data), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _write_marker(folder: Path, gguf_path: Path) -> None:
+    """Record where the folder came from; written last, it marks the conversion as finished."""
+    import transformers
+
+    marker = {
+        "source_file": gguf_path.name,
+        "source_sha256": file_sha256(gguf_path),
+        "weights_dtype": "float32",
+        "transformers_version": transformers.__version__,
+        "gguf_version": importlib.metadata.version("gguf"),
+    }
+    (folder / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+
+
+def _make_readable(folder: Path) -> None:
+    """Files readable by all, like the hub cache (some writers create them private)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """Rename the finished `staging` folder to `out_dir`; a concurrent identical conversion may win."""
+    if out_dir.exists() and not is_converted(out_dir):
+        raise ModelLoadError(f"{str(out_dir)!r} exists but is not a finished conversion; remove it and retry")
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        if not is_converted(out_dir):
+            raise
+        logger.debug("%s was converted concurrently; keeping that copy", out_dir)
+
+
+@contextmanager
+def _progress_bars_off() -> Iterator[None]:
+    """Silence transformers' bars while converting; callers log their own progress lines.
+
+    The GGUF reader uses a plain tqdm that transformers' switch ignores, so it is wrapped too.
+    """
+    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.utils import logging as hf_logging
+
+    original, bars_were_on = reader.tqdm, hf_logging.is_progress_bar_enabled()
+    reader.tqdm = functools.partial(original, disable=True)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        reader.tqdm = original
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
