@@ -258,7 +258,9 @@ class _JsonFormatter(logging.Formatter):
 
 
 def configure_logging(server: ServerConfig) -> None:
-    """Logs go to stderr, as text or JSON lines (`--json-output`)."""
+    """Logs go to stderr, as text or JSON lines (`--json-output`, then without progress bars)."""
+    if server.json_output:  # read when the hub and transformers are imported, which is later
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if server.json_output
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

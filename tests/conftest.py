@@ -125,6 +125,12 @@ class GrpcServerThread:
                 return stats
             time.sleep(0.02)
 
+    def start_shutdown(self, timeout_s: float):
+        """Begin the graceful shutdown (SIGTERM's path) without waiting: a concurrent Future."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self.server.shutdown(timeout_s), self._loop)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         if self._loop.is_closed():
             return
@@ -163,5 +169,17 @@ def start_grpc_server():
 def tiny_grpc_server(tiny_engine_config):
     """One loaded server on the tiny model per test module; tests leave it idle."""
     server = GrpcServerThread(tiny_engine_config)
+    yield server
+    server.stop(timeout_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def demo_grpc_server():
+    """A loaded server on the demo model (the default model id), with a small fixed KV cache."""
+    from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
+
+    config = EngineConfig(model=ModelConfig(device="cpu"), cache=CacheConfig(max_batch_total_tokens=4096),
+                          limits=LimitsConfig(max_total_tokens=1024))
+    server = GrpcServerThread(config)
     yield server
     server.stop(timeout_s=1.0)

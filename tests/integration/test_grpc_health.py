@@ -1,0 +1,84 @@
+"""Health (grpc.health.v1 and the Health RPC) through loading, serving and draining; reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from textgen.v1 import generate_pb2 as pb
+
+TIMEOUT = 30
+SERVICE = "textgen.v1.TextGeneration"
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+# The tiny model greedily generates from "a" to the length limit without an EOS.
+LONG = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_tokens=400))
+MEDIUM = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_tokens=150))
+
+
+def health_of(server) -> tuple[int, int]:
+    """grpc.health.v1 status of the whole server and of the TextGeneration service."""
+    stub = health_pb2_grpc.HealthStub(server.channel)
+    return tuple(stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT).status
+                 for name in ("", SERVICE))
+
+
+def unavailable(call) -> str:
+    with pytest.raises(grpc.RpcError) as raised:
+        call()
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert dict(raised.value.trailing_metadata())["x-error-type"] == "unavailable"
+    return raised.value.details()
+
+
+def test_not_serving_while_loading_then_serving(start_grpc_server, tiny_engine_config):
+    server = start_grpc_server(tiny_engine_config, load=False)
+    assert health_of(server) == (NOT_SERVING, NOT_SERVING)
+    assert unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT)) == (
+        "the model is still loading")
+    unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT))
+    unavailable(lambda: list(server.stub.GenerateStream(LONG, timeout=TIMEOUT)))
+
+    server.load()
+    assert health_of(server) == (SERVING, SERVING)
+    assert server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT).data == b""
+
+
+def test_draining_is_not_serving_and_lets_in_flight_requests_finish(start_grpc_server, tiny_engine_config):
+    server = start_grpc_server(tiny_engine_config)
+    in_flight = server.stub.GenerateStream(MEDIUM, timeout=TIMEOUT)
+    first = next(in_flight)
+    shutdown = server.start_shutdown(timeout_s=30)
+
+    assert health_of(server) == (NOT_SERVING, NOT_SERVING)
+    assert unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT)) == (
+        "the server is shutting down")
+    assert unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT)) == "the server is shutting down"
+
+    rest = list(in_flight)
+    assert in_flight.code() == grpc.StatusCode.OK
+    assert [first.index, *[m.index for m in rest]] == list(range(1, len(rest) + 2))
+    assert rest[-1].HasField("generated_text") and rest[-1].index == 150
+    shutdown.result(TIMEOUT)
+
+
+def test_drain_timeout_cancels_what_is_left(start_grpc_server, tiny_engine_config):
+    server = start_grpc_server(tiny_engine_config)
+    in_flight = server.stub.GenerateStream(LONG, timeout=TIMEOUT)
+    next(in_flight)
+    server.start_shutdown(timeout_s=0.0).result(TIMEOUT)
+    with pytest.raises(grpc.RpcError) as raised:
+        list(in_flight)
+    assert raised.value.code() == grpc.StatusCode.CANCELLED
+    assert dict(raised.value.trailing_metadata())["x-error-type"] == "cancelled"
+
+
+def test_reflection_lists_and_describes_the_service(tiny_grpc_server):
+    database = ProtoReflectionDescriptorDatabase(tiny_grpc_server.channel)
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
+        database.get_services())
+    service = database.FindFileContainingSymbol(SERVICE)
+    assert service.name == "textgen/v1/generate.proto"
+    assert "Generate" in [m.name for m in service.service[0].method]
