@@ -1,0 +1,237 @@
+"""The batched sampler: per-request parameters become per-row tensors over one `[B, V]` pass.
+
+Order, as TGI: watermark, repetition penalty, frequency penalty, temperature, top-k, top-p,
+typical-p. Each step is applied only to the rows that enable it. Greedy rows take the argmax of
+the processed logits (penalties and watermark apply to them too); sampling rows draw one uniform
+from their request's own generator, so a seeded request's tokens do not depend on its batch.
+
+Reported logprobs are RAW: `log_softmax` of the model's logits before any penalty, temperature or
+filter (vLLM's default), for the chosen token and for the top-n alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from inference_service.engine.sampling_params import SamplingParams
+from inference_service.sample import ops
+from inference_service.sample.watermark import Watermark
+
+
+class SamplingState:
+    """One request's sampling state, owned by the model runner; call `append` after each token.
+
+    Holds the request's generator (sampling requests only), the counts and distinct ids of the
+    tokens seen in prompt + output (penalties only), the previous token (watermark) and the total
+    length (frequency penalty).
+    """
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        if params.watermark and not prompt_token_ids:
+            raise ValueError("the watermark needs at least one prompt token to seed its greenlist")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.generator: torch.Generator | None = None
+        if not params.is_greedy:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed)
+        self.token_counts: Tensor | None = None  # [V] int32
+        self._seen: dict[int, None] = {}  # distinct ids, in first-seen order
+        self._seen_ids = torch.empty(0, dtype=torch.int64, device=device)  # [U] a prefix of _seen
+        if params.has_penalties:
+            # Ids outside the logits cannot be generated, so they are not penalized (as transformers).
+            self._seen = dict.fromkeys(int(t) for t in prompt_token_ids if 0 <= t < vocab_size)
+            ids = torch.tensor([int(t) for t in prompt_token_ids if 0 <= t < vocab_size], dtype=torch.int64)
+            self.token_counts = torch.bincount(ids, minlength=vocab_size).to(torch.int32).to(device)
+        self.last_token_id: int | None = int(prompt_token_ids[-1]) if prompt_token_ids else None
+        self.num_tokens = len(prompt_token_ids)
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token."""
+        if self.token_counts is not None and 0 <= token_id < self.vocab_size:
+            self.token_counts[token_id] += 1
+            self._seen.setdefault(token_id)
+        self.last_token_id = token_id
+        self.num_tokens += 1
+
+    @property
+    def num_seen(self) -> int:
+        return len(self._seen)
+
+    @property
+    def first_seen_id(self) -> int:
+        return next(iter(self._seen))
+
+    def seen_token_ids(self) -> Tensor:
+        """The distinct ids seen so far `[U]` (penalties only); grows only when a new id appears."""
+        if len(self._seen_ids) < len(self._seen):
+            new_ids = list(self._seen)[len(self._seen_ids):]
+            self._seen_ids = torch.cat([self._seen_ids, torch.tensor(new_ids, device=self._seen_ids.device)])
+        return self._seen_ids
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the chosen token, its raw logprob, and the raw top-n (empty lists unless asked)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class Sampler:
+    """Chooses one token per row of `[B, V]` logits, each row with its own request's parameters."""
+
+    def __init__(self, vocab_size: int, watermark_gamma: float = 0.5, watermark_delta: float = 2.0,
+                 candidate_tiers: tuple[int, ...] = ops.CANDIDATE_TIERS) -> None:
+        self.vocab_size = vocab_size
+        self.watermark = Watermark(vocab_size, watermark_gamma, watermark_delta)
+        self.candidate_tiers = candidate_tiers  # () = always the full sort
+
+    def __call__(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Rows are selected from the parameters on the host; off CPU the only sync is the final
+        read of the results. On CPU, top-p also reads which rows its candidates decided.
+        """
+        if logits.dim() != 2 or logits.shape != (len(states), self.vocab_size):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} rows "
+                             f"of vocab size {self.vocab_size}")
+        logits = logits.float()  # [B, V]
+        params = [s.params for s in states]
+        if all(p.is_greedy and not p.has_penalties and not p.watermark for p in params):
+            token_ids = logits.argmax(dim=-1)  # [B]
+        else:
+            token_ids = self._choose(self.process(logits, states), states)  # [B]
+        return _gather_output(logits, token_ids, params)
+
+    def process(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """The logits each row samples from, after its request's processors (a new tensor)."""
+        params = [s.params for s in states]
+        x = logits.clone()  # [B, V]
+        rows = _rows(params, lambda p: p.watermark)
+        if rows:
+            previous = [states[i].last_token_id for i in rows]
+            x = _update_rows(x, rows, lambda sub: self.watermark.apply(sub, previous))
+        x = _apply_penalties(x, states)
+        rows = _rows(params, lambda p: p.temperature != 1.0)
+        if rows:
+            temperature = _param(x, [params[i].temperature for i in rows], torch.float32)
+            x = _update_rows(x, rows, lambda sub: ops.apply_temperature(sub, temperature))
+        rows = _rows(params, lambda p: p.top_k != 0 or p.top_p < 1.0)
+        if rows:
+            x = _update_rows(x, rows, self._top_k_top_p_fn([params[i] for i in rows], x))
+        rows = _rows(params, lambda p: p.typical_p < 1.0)
+        if rows:
+            typical_p = _param(x, [params[i].typical_p for i in rows], torch.float32)
+            x = _update_rows(x, rows, lambda sub: ops.apply_typical_p(sub, typical_p))
+        return x
+
+    def _top_k_top_p_fn(self, params: list[SamplingParams], x: Tensor) -> Callable[[Tensor], Tensor]:
+        """Candidates on CPU, where a full sort is slow; elsewhere the full sort, which reads
+        nothing back to the host."""
+        top_k = _param(x, [p.top_k for p in params], torch.int64)
+        top_p = _param(x, [p.top_p for p in params], torch.float64)
+        if x.device.type == "cpu":
+            return lambda sub: ops.apply_top_k_top_p(sub, top_k, top_p, self.candidate_tiers)
+        max_top_k = max(p.top_k for p in params)
+        return lambda sub: ops.apply_top_p(ops.apply_top_k(sub, top_k, max_top_k), top_p)
+
+    def _choose(self, processed: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """Argmax for greedy rows, inverse CDF with the request's own uniform for the others."""
+        sampled = [i for i, s in enumerate(states) if s.generator is not None]
+        if not sampled:
+            return processed.argmax(dim=-1)  # [B]
+        uniforms = torch.cat([torch.rand(1, generator=states[i].generator) for i in sampled])  # [S]
+        uniforms = uniforms.to(processed.device)
+        if len(sampled) == len(states):
+            return ops.sample_from_logits(processed, uniforms)  # [B]
+        token_ids = processed.argmax(dim=-1)  # [B]
+        index = torch.tensor(sampled, device=processed.device)  # [S]
+        token_ids[index] = ops.sample_from_logits(processed[index], uniforms)
+        return token_ids
+
+
+def _apply_penalties(x: Tensor, states: Sequence[SamplingState]) -> Tensor:
+    """Repetition then frequency penalty, on the rows that set them, over their seen ids only."""
+    rows = [i for i, s in enumerate(states) if s.params.has_penalties and s.num_seen > 0]
+    if not rows:
+        return x
+    token_ids, token_counts = _seen_tokens([states[i] for i in rows])  # [R, T], [R, T]
+    params = [states[i].params for i in rows]
+    rep = _rows(params, lambda p: p.repetition_penalty != 1.0)
+    if rep:
+        penalty = _param(x, [params[j].repetition_penalty for j in rep], torch.float32)
+        ids = _take(token_ids, rep)  # [r, T]
+        x = _update_rows(x, [rows[j] for j in rep],
+                         lambda sub: ops.apply_repetition_penalty(sub, ids, penalty))
+    freq = _rows(params, lambda p: p.frequency_penalty != 0.0)
+    if freq:
+        penalty = _param(x, [params[j].frequency_penalty for j in freq], torch.float32)
+        total_lens = _param(x, [states[rows[j]].num_tokens for j in freq], torch.float32)
+        ids, counts = _take(token_ids, freq), _take(token_counts, freq)  # [f, T], [f, T]
+        x = _update_rows(x, [rows[j] for j in freq],
+                         lambda sub: ops.apply_frequency_penalty(sub, ids, counts, total_lens, penalty))
+    return x
+
+
+def _seen_tokens(states: Sequence[SamplingState]) -> tuple[Tensor, Tensor]:
+    """Each row's distinct seen ids and their counts, padded by repeating the row's first id."""
+    seen = [s.seen_token_ids() for s in states]
+    width = max(len(ids) for ids in seen)
+    token_ids = torch.stack([torch.nn.functional.pad(ids, (0, width - len(ids)), value=s.first_seen_id)
+                             for s, ids in zip(states, seen, strict=True)])  # [R, T]
+    token_counts = torch.stack([s.token_counts.gather(0, ids)
+                                for s, ids in zip(states, token_ids, strict=True)])  # [R, T]
+    return token_ids, token_counts
+
+
+def _take(t: Tensor, rows: list[int]) -> Tensor:
+    return t if len(rows) == t.shape[0] else t[torch.tensor(rows, device=t.device)]
+
+
+def _rows(params: Sequence[SamplingParams], wants: Callable[[SamplingParams], bool]) -> list[int]:
+    return [i for i, p in enumerate(params) if wants(p)]
+
+
+def _param(x: Tensor, values: list, dtype: torch.dtype) -> Tensor:
+    return torch.tensor(values, dtype=dtype, device=x.device)  # [R]
+
+
+def _update_rows(x: Tensor, rows: list[int], fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """Apply `fn` to the given rows of `x` only (in place for a subset)."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    index = torch.tensor(rows, device=x.device)  # [R]
+    x[index] = fn(x[index])
+    return x
+
+
+def _gather_output(logits: Tensor, token_ids: Tensor, params: Sequence[SamplingParams]) -> SamplerOutput:
+    """Raw logprobs of the chosen tokens and the top-n, read back to the host in one transfer."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+    top_rows = _rows(params, lambda p: p.top_n_tokens > 0)
+    width = min(max((params[i].top_n_tokens for i in top_rows), default=0), logits.shape[-1])
+    parts = [token_ids.double(), logprobs.double()]
+    if top_rows:
+        index = torch.tensor(top_rows, device=logits.device)  # [N]
+        top_logprobs, top_ids = raw_logprobs[index].topk(width, dim=-1)  # [N, width]
+        parts += [top_ids.flatten().double(), top_logprobs.flatten().double()]
+    flat = torch.cat(parts).tolist()
+    num_rows = len(params)
+    top_ids_list: list[list[int]] = [[] for _ in params]
+    top_logprobs_list: list[list[float]] = [[] for _ in params]
+    ids_start, logprobs_start = 2 * num_rows, 2 * num_rows + len(top_rows) * width
+    for j, i in enumerate(top_rows):
+        n = min(params[i].top_n_tokens, width)
+        top_ids_list[i] = [int(t) for t in flat[ids_start + j * width: ids_start + j * width + n]]
+        top_logprobs_list[i] = flat[logprobs_start + j * width: logprobs_start + j * width + n]
+    return SamplerOutput([int(t) for t in flat[:num_rows]], flat[num_rows:2 * num_rows],
+                         top_ids_list, top_logprobs_list)
