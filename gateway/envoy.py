@@ -8,6 +8,7 @@ a Ctrl-C in a terminal reaches the launcher only, which stops Envoy after the se
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import shutil
@@ -69,6 +70,7 @@ class Envoy:
         self.admin_url: str | None = None
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._stopping = False  # once asked to stop, its goodbye lines are expected: debug level
         self._last_lines: collections.deque[str] = collections.deque(maxlen=NUM_KEPT_LINES)
 
     @property
@@ -85,6 +87,7 @@ class Envoy:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(render_yaml(self.config), encoding="utf-8")
         self.admin_address_path.unlink(missing_ok=True)
+        self.admin_url, self.port, self._stopping = None, None, False
         self._last_lines.clear()
         self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.PIPE, process_group=0)
@@ -94,6 +97,8 @@ class Envoy:
         except BaseException:
             self.stop()
             raise
+        # A restart keeps the port the first start was given (port 0 picks one once).
+        self.config = dataclasses.replace(self.config, port=self.port)
         logger.debug("envoy %d ready: REST port %d, admin %s", self.pid, self.port, self.admin_url)
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -102,7 +107,7 @@ class Envoy:
             code = self.poll()
             if code is not None:
                 time.sleep(0.1)  # let the log thread catch the last lines
-                raise GatewayError(f"envoy exited with code {code} while starting: {self.last_log()}")
+                raise GatewayError(f"envoy exited with code {code} while starting: {self.last_log() or 'no output'}")
             if self.admin_url is None and self.admin_address_path.exists():
                 address = self.admin_address_path.read_text().strip()
                 self.admin_url = f"http://{address}" if address else None
@@ -110,7 +115,7 @@ class Envoy:
                 self.port = self._listener_port()
                 return
             time.sleep(0.05)
-        raise GatewayError(f"envoy was not ready after {timeout_s:.0f}s: {self.last_log()}")
+        raise GatewayError(f"envoy was not ready after {timeout_s:.0f}s: {self.last_log() or 'no output'}")
 
     def _admin_get(self, path: str) -> str | None:
         try:
@@ -135,11 +140,13 @@ class Envoy:
                 continue
             level, _, message = line.partition("|")
             self._last_lines.append(message or line)
-            logger.log(_PYTHON_LEVELS.get(level.strip(), logging.INFO), "%s", message or line)
+            python_level = logging.DEBUG if self._stopping else _PYTHON_LEVELS.get(level.strip(), logging.INFO)
+            logger.log(python_level, "%s", message or line)
         process.stderr.close()
 
     def last_log(self) -> str:
-        return " | ".join(self._last_lines) or "(no output)"
+        """Envoy's last log lines, joined (what a start or exit error quotes)."""
+        return " | ".join(self._last_lines)
 
     def poll(self) -> int | None:
         return None if self._process is None else self._process.poll()
@@ -156,6 +163,7 @@ class Envoy:
         if process is None:
             return None
         if process.poll() is None:
+            self._stopping = True
             process.terminate()
             try:
                 process.wait(timeout_s)

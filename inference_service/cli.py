@@ -312,6 +312,18 @@ def _run_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_launch(parser: argparse.ArgumentParser) -> None:
+    from gateway.launch import configure  # the gateway owns `launch`: its flags and its run
+
+    configure(parser)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from gateway.launch import run
+
+    return run(args)
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -323,6 +335,8 @@ class Command:
 COMMANDS: list[Command] = [
     Command("serve", "serve the gRPC API (health, reflection, TextGeneration) on one model",
             _configure_serve, _run_serve),
+    Command("launch", "serve the gRPC API and TGI's REST API (through Envoy) together",
+            _configure_launch, _run_launch),
     Command("download-weights", "fetch (and convert) a model's weights into the cache, print its folder",
             _configure_download, _run_download),
 ]
