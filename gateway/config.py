@@ -213,5 +213,9 @@ def render(config: GatewayConfig) -> dict[str, Any]:
     return bootstrap
 
 
+HEADER = ("# Envoy config of the inference-service REST gateway (TGI's REST API over textgen.v1 gRPC).\n"
+          "# Rendered by gateway/config.py: `python -m gateway --help`; edit the code, not this file.\n")
+
+
 def render_yaml(config: GatewayConfig) -> str:
-    return yaml_text.dump(render(config))
+    return HEADER + yaml_text.dump(render(config))

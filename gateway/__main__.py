@@ -1,0 +1,62 @@
+"""`python -m gateway`: print Envoy's config for a gRPC server running elsewhere.
+
+    python -m gateway --upstream server.internal:50051 --port 8080 > envoy.yaml
+    envoy -c envoy.yaml
+
+With no flags it renders `deploy/envoy/envoy.yaml` (a server on 127.0.0.1:50051); `--output` writes
+a file instead of printing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gateway.config import GatewayConfig, render_yaml
+
+DEPLOY_CONFIG_PATH = Path(__file__).resolve().parent.parent / "deploy" / "envoy" / "envoy.yaml"
+DEPLOY_CONFIG = GatewayConfig()
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, not {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    defaults = DEPLOY_CONFIG
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", type=_host_port, metavar="HOST:PORT",
+                        default=(defaults.upstream_host, defaults.upstream_port),
+                        help="the gRPC server (default: %(default)s)")
+    parser.add_argument("--hostname", default=defaults.hostname, help="REST address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="REST port (default: %(default)s)")
+    parser.add_argument("--payload-limit", type=int, default=defaults.payload_limit,
+                        help="largest request body in bytes (default: %(default)s)")
+    parser.add_argument("--cors-allow-origin", action="append", default=[],
+                        help="allowed origin, repeatable (default: any)")
+    parser.add_argument("--admin-port", type=int, default=defaults.admin_port,
+                        help="Envoy's admin port on 127.0.0.1 (default: %(default)s)")
+    parser.add_argument("--output", type=Path, help="write here instead of stdout")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    host, port = args.upstream
+    config = GatewayConfig(hostname=args.hostname, port=args.port, upstream_host=host, upstream_port=port,
+                           payload_limit=args.payload_limit, cors_allow_origin=tuple(args.cors_allow_origin),
+                           admin_port=args.admin_port)
+    text = render_yaml(config)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
