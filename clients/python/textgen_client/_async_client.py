@@ -264,7 +264,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled. The client can't be used after."""
         if self._methods is not None:
-            await self._methods.channel.close()
+            await self._methods.channel.close(None)
             self._methods = None
 
     async def __aenter__(self) -> AsyncClient:

@@ -15,10 +15,13 @@ import contextvars
 import functools
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from textgen_client._async_client import AsyncClient
+import grpc
+
+from textgen_client._async_client import DEFAULT_TARGET, AsyncClient, Metadata
+from textgen_client._retry import RetryPolicy
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -33,10 +36,11 @@ class _LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="textgen-client", daemon=True)
         self._thread.start()
 
-    def submit(self, coro: Coroutine[Any, Any, R]) -> tuple[concurrent.futures.Future[R], list[asyncio.Task]]:
+    def submit(self, coro: Coroutine[Any, Any, R]
+               ) -> tuple[concurrent.futures.Future[R], list[asyncio.Task[R]]]:
         """Start `coro` on the loop in a copy of the caller's context; (its future, [its task])."""
         future: concurrent.futures.Future[R] = concurrent.futures.Future()
-        started: list[asyncio.Task] = []
+        started: list[asyncio.Task[R]] = []
 
         def start() -> None:
             if not future.set_running_or_notify_cancel():
@@ -74,7 +78,7 @@ class _LoopThread:
         self.loop.close()
 
 
-def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
+def _settle(future: concurrent.futures.Future[R], task: asyncio.Task[R]) -> None:
     if task.cancelled():
         future.set_exception(concurrent.futures.CancelledError())
     elif task.exception() is not None:
@@ -102,7 +106,7 @@ class Stream(Generic[T]):
         if self._closed:
             raise StopIteration
         try:
-            return self._runner.run(self._responses.__anext__())
+            return self._runner.run(_next(self._responses))
         except StopAsyncIteration:
             self._closed = True
             raise StopIteration from None
@@ -134,33 +138,28 @@ class Stream(Generic[T]):
                     self._runner.submit(aclose())
 
 
+# The wrappers take the async method's name, docstring and signature (`inspect.signature` and
+# type checkers both see the async method's parameters).
+async def _next(responses: AsyncIterator[T]) -> T:
+    return await responses.__anext__()
+
+
 def _blocking(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]
               ) -> Callable[Concatenate[Client, P], R]:
-    @functools.wraps(method)
-    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> R:
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._runner.run(method(self._core, *args, **kwargs))
 
+    functools.update_wrapper(call, method)
     return call
 
 
 def _blocking_stream(method: Callable[Concatenate[AsyncClient, P], AsyncIterator[T]]
                      ) -> Callable[Concatenate[Client, P], Stream[T]]:
-    @functools.wraps(method)
-    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> Stream[T]:
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Stream[T]:
         return Stream(self._runner, method(self._core, *args, **kwargs))
 
+    functools.update_wrapper(call, method)
     return call
-
-
-def _blocking_init(init: Callable[Concatenate[AsyncClient, P], None]
-                   ) -> Callable[Concatenate[Client, P], None]:
-    @functools.wraps(init)
-    def __init__(self: Client, *args: P.args, **kwargs: P.kwargs) -> None:
-        self._core = AsyncClient(*args, **kwargs)
-        self._runner = _LoopThread()
-        self._finalizer = weakref.finalize(self, _close, self._core, self._runner)
-
-    return __init__
 
 
 def _close(core: AsyncClient, runner: _LoopThread) -> None:
@@ -183,10 +182,29 @@ class Client:
     `close()` when done.
     """
 
-    _core: AsyncClient
-    _runner: _LoopThread
+    # The constructor is the one place that repeats `AsyncClient`'s parameters (type checkers
+    # can't derive a class's constructor); a test keeps the two signatures equal.
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = 60.0,
+        retry: RetryPolicy | None = None,
+        metadata: Metadata | None = None,
+        load_balancing: str | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ):
+        """Set up a client; nothing connects until the first call. The arguments are
+        `AsyncClient`'s (see there)."""
+        self._core = AsyncClient(
+            target, api_key=api_key, tls=tls, credentials=credentials, timeout=timeout, retry=retry,
+            metadata=metadata, load_balancing=load_balancing, channel_options=channel_options)
+        self._runner = _LoopThread()
+        self._finalizer = weakref.finalize(self, _close, self._core, self._runner)
 
-    __init__ = _blocking_init(AsyncClient.__init__)
     generate = _blocking(AsyncClient.generate)
     generate_stream = _blocking_stream(AsyncClient.generate_stream)
     tokenize = _blocking(AsyncClient.tokenize)

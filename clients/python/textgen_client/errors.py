@@ -124,7 +124,7 @@ def _error_info_reason(serialized_status: bytes) -> str | None:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            return info.reason
+            return str(info.reason)
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class FinishReason(StrEnum):
@@ -32,7 +33,7 @@ class Grammar:
 
     type: str
     """`"json"` or `"regex"`."""
-    value: str | dict
+    value: str | dict[str, Any]
     """The regex, or the JSON schema (a dict is sent as its JSON text)."""
 
 
