@@ -119,9 +119,10 @@ class ScriptedServer:
     (an async generator for GenerateStream). Every call's metadata is kept in `calls`.
     """
 
-    def __init__(self, handlers: dict[str, Callable]):
+    def __init__(self, handlers: dict[str, Callable], credentials: grpc.ServerCredentials | None = None):
         from textgen.v1 import generate_pb2 as pb
 
+        self._credentials = credentials
         self.calls: list[tuple[str, dict[str, str]]] = []
         messages = {"Generate": (pb.GenerateRequest, pb.GenerateResponse),
                     "GenerateStream": (pb.GenerateRequest, pb.StreamResponse),
@@ -160,7 +161,10 @@ class ScriptedServer:
     async def _start(self) -> int:
         self._server = grpc.aio.server()
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, self._rpc_handlers),))
-        port = self._server.add_insecure_port(f"{HOST}:0")
+        if self._credentials is not None:
+            port = self._server.add_secure_port(f"{HOST}:0", self._credentials)
+        else:
+            port = self._server.add_insecure_port(f"{HOST}:0")
         await self._server.start()
         return port
 

@@ -118,7 +118,8 @@ def test_tokens_and_info():
     assert [(t.id, t.text, t.start, t.stop) for t in tokens] == [(5, "ab", 0, 2)]
     stats = pb.EngineStats(num_total_blocks=8, num_free_blocks=8, num_steps=3)
     info = _convert.info(pb.InfoResponse(model_id="m", model_dtype="float32", max_total_tokens=512,
-                                         max_batch_size=0, stats=stats))
+                                         max_batch_size=0, waiting_served_ratio=0.3, stats=stats))
+    assert info.waiting_served_ratio == 0.3
     assert (info.model_id, info.model_dtype, info.max_total_tokens) == ("m", "float32", 512)
     assert info.model_sha is None and info.sha is None and info.docker_label is None
     assert info.max_batch_size == 0  # present though zero

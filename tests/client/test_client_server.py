@@ -16,6 +16,7 @@ from textgen_client import (
     Client,
     DeadlineExceededError,
     FinishReason,
+    Grammar,
     OverloadedError,
     RetryPolicy,
     UnavailableError,
@@ -133,6 +134,8 @@ async def test_validation_error_async(server):
             _ = [r async for r in client.generate_stream(PROMPT, top_p=1.0)]
         with pytest.raises(ValidationError, match="max_new_tokens"):
             await client.generate(PROMPT, max_new_tokens=10_000)
+        with pytest.raises(ValidationError):
+            await client.generate(PROMPT, grammar=Grammar(type="regex", value="[0-9]+"))
 
 
 def test_overloaded_sync(busy_server):

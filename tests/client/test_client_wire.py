@@ -7,6 +7,8 @@ the client reads exactly what the real server would send for them.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 
 import grpc
 import pytest
@@ -47,8 +49,8 @@ async def _echo_generate(request, context):
 def scripted():
     servers: list[ScriptedServer] = []
 
-    def make(**handlers) -> ScriptedServer:
-        servers.append(ScriptedServer(handlers))
+    def make(credentials=None, **handlers) -> ScriptedServer:
+        servers.append(ScriptedServer(handlers, credentials))
         return servers[-1]
 
     yield make
@@ -212,3 +214,40 @@ def test_sync_client_from_inside_a_running_loop(scripted):
             return client.generate("nested").generated_text
 
     assert asyncio.run(inside()).startswith("nested|")
+
+
+def test_calls_are_spread_over_replicas(scripted):
+    first, second = scripted(Generate=_echo_generate), scripted(Generate=_echo_generate)
+    with Client(f"ipv4:{first.target},{second.target}") as client:
+        for _ in range(10):
+            client.generate("x")
+    assert len(first.calls) >= 2 and len(second.calls) >= 2
+    assert len(first.calls) + len(second.calls) == 10
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory) -> tuple[bytes, bytes]:
+    """(certificate, key) of a self-signed certificate for 127.0.0.1."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem"),
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return (folder / "cert.pem").read_bytes(), (folder / "key.pem").read_bytes()
+
+
+def test_tls_with_own_credentials(scripted, self_signed):
+    certificate, key = self_signed
+    server = scripted(Generate=_echo_generate,
+                      credentials=grpc.ssl_server_credentials([(key, certificate)]))
+    trusted = grpc.ssl_channel_credentials(root_certificates=certificate)
+    with Client(server.target, credentials=trusted, api_key="sk-tls") as client:
+        assert client.generate("secret").generated_text.startswith("secret|")
+    assert server.calls[0][1]["authorization"] == "Bearer sk-tls"
+    # The system's roots don't trust it, and a plaintext client can't talk to it.
+    for options in ({"tls": True}, {}):
+        client = Client(server.target, retry=RetryPolicy(max_retries=0), timeout=5, **options)
+        with client, pytest.raises(UnavailableError):
+            client.generate("x")

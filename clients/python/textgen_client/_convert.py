@@ -143,6 +143,8 @@ def info(message: pb.InfoResponse) -> InfoResponse:
     for field in dataclasses.fields(InfoResponse):
         if field.name in _INFO_OPTIONAL:
             fields[field.name] = _optional(message, field.name)
+        elif field.name == "waiting_served_ratio":  # a float32 on the wire: 0.3, not 0.30000001
+            fields[field.name] = float(f"{message.waiting_served_ratio:.7g}")
         elif field.name != "stats":
             fields[field.name] = getattr(message, field.name)
     stats = None
