@@ -5,8 +5,8 @@ One function renders both the config `inference-service launch` runs and the sta
 descriptor set and the Lua filter are inlined.
 
 Filter chain (requests go down, responses come back up):
-  cors -> buffer (payload limit, 413) -> lua (TGI shapes, gateway/tgi.lua)
-       -> grpc_json_transcoder (REST <-> gRPC) -> router
+  cors -> lua (TGI shapes, gateway/tgi.lua) -> grpc_json_transcoder (REST <-> gRPC, payload
+  limit: 413) -> router
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ CLUSTER = "textgen"
 INBAND_ERRORS_HEADER = "x-textgen-inband-errors"
 # Concurrency is the server's business (--max-concurrent-requests, 429): Envoy must not cap it.
 UNLIMITED = 1_000_000
+# A whole unary answer is buffered (transcoder, Lua): /generate with every detail of a long
+# generation is megabytes. This is a ceiling, not an allocation.
+RESPONSE_BUFFER_LIMIT = 64 * 2**20
 
 
 def _type(name: str) -> str:
@@ -92,6 +95,10 @@ def _route(route: RestRoute) -> dict[str, Any]:
 
 def _routes(routes: list[RestRoute]) -> list[dict[str, Any]]:
     rendered = [_route(route) for route in routes]
+    # CORS preflights: the cors filter answers allowed ones, the Lua filter the others (200, no CORS
+    # headers, as TGI). The filter needs a route that has a cluster to apply the policy.
+    rendered.append({"name": "preflight", "match": {"prefix": "/", "headers": [
+        {"name": ":method", "string_match": {"exact": "OPTIONS"}}]}, "route": {"cluster": CLUSTER}})
     # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
     for path in dict.fromkeys(route.path for route in routes):
         rendered.append({"name": f"method-not-allowed {path}", "match": {"path": path},
@@ -134,8 +141,6 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> list[dict[str, Any]]:
     return [
         {"name": CORS_FILTER, "typed_config": {"@type": _type("envoy.extensions.filters.http.cors.v3.Cors")}},
-        {"name": "envoy.filters.http.buffer", "typed_config": {
-            "@type": _type("envoy.extensions.filters.http.buffer.v3.Buffer"), "max_request_bytes": payload_limit}},
         {"name": LUA_FILTER, "typed_config": {
             "@type": _type("envoy.extensions.filters.http.lua.v3.Lua"),
             "default_source_code": {"inline_string": lua_source}}},
@@ -146,6 +151,9 @@ def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> lis
             # Route on the REST path (the routes above), not on the gRPC path it becomes.
             "match_incoming_request_route": True,
             "ignore_unknown_query_parameters": True,
+            # The payload limit (413); answers get the buffer they need (see RESPONSE_BUFFER_LIMIT).
+            "max_request_body_size": payload_limit,
+            "max_response_body_size": RESPONSE_BUFFER_LIMIT,
             "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True,
                               "stream_sse_style_delimited": True}}},
         {"name": "envoy.filters.http.router", "typed_config": {
@@ -167,6 +175,7 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
     }
     return {"name": "rest", "address": _address(config.hostname, config.port),
+            "per_connection_buffer_limit_bytes": max(RESPONSE_BUFFER_LIMIT, config.payload_limit),
             "filter_chains": [{"filters": [
                 {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}]}
 

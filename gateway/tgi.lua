@@ -13,7 +13,8 @@
 --     `{"responses":[...]}` becomes `[...]`;
 --   * failed calls become `{"error": ..., "error_type": ...}` with TGI's status codes, and on a
 --     stream an in-band SSE event (TGI answers 200 once a stream route is reached);
---   * `POST /` with `"stream": true` is routed to GenerateStream (Envoy can't route on a body).
+--   * `POST /` with `"stream": true` is routed to GenerateStream (Envoy can't route on a body);
+--     `GET /` and `GET /ping` are /health; OPTIONS requests never reach the server.
 --
 -- Why rewriting text is safe: the patterns below all contain a quote followed by `:` or a quote
 -- preceded by `:`; inside a JSON string every quote is escaped (`\"`), so such a pattern can only
@@ -213,6 +214,10 @@ end
 function envoy_on_request(handle)
   local headers = handle:headers()
   local method, path = headers:get(":method"), (headers:get(":path") or ""):match("^[^?]*")
+  if method == "OPTIONS" then  -- a preflight the cors filter did not answer: not an allowed origin
+    handle:respond({[":status"] = "200"}, "")
+    return
+  end
   if path ~= "/" and path ~= "/ping" then return end
   if method == "GET" then  -- TGI's health aliases
     handle:headers():replace(":path", "/health")
