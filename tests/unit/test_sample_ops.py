@@ -80,8 +80,9 @@ def test_each_op_matches_transformers_row_by_row(vocab_size: int) -> None:
                  _per_row(logits, lambda v: TemperatureLogitsWarper(v) if v != 1.0 else None,
                           [row[1] for row in MIXED_ROWS]))
     top_k = _column(2, torch.int64)
-    _assert_same(ops.apply_top_k(logits, top_k),
-                 _per_row(logits, lambda v: TopKLogitsWarper(v) if v else None, top_k.tolist()))
+    ref_top_k = _per_row(logits, lambda v: TopKLogitsWarper(v) if v else None, top_k.tolist())
+    _assert_same(ops.apply_top_k(logits, top_k), ref_top_k)
+    _assert_same(ops.apply_top_k(logits, top_k, max_top_k=int(top_k.max())), ref_top_k)
     top_p = _column(3, torch.float64)
     ref_top_p = _per_row(logits, lambda v: TopPLogitsWarper(v) if v < 1.0 else None, top_p.tolist())
     _assert_same(ops.apply_top_p(logits, top_p), ref_top_p)

@@ -107,7 +107,9 @@ def test_logprobs_and_top_n_are_raw_log_softmax() -> None:
     vocab_size = 49152
     logits = _logits(len(MIXED_PARAMS), vocab_size, seed=5)
     states = _states(MIXED_PARAMS, _prompts(len(MIXED_PARAMS), vocab_size, seed=6), vocab_size)
+    before = logits.clone()
     out = Sampler(vocab_size, GAMMA, DELTA)(logits, states)
+    assert torch.equal(logits, before), "the sampler must not write into the model's logits"
     raw = torch.log_softmax(logits, dim=-1)  # [B, V]
     chosen = raw.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)  # [B]
     torch.testing.assert_close(torch.tensor(out.logprobs), chosen, rtol=0, atol=1e-4)
