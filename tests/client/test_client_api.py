@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import textgen_client
 from textgen_client import AsyncClient, Client
 
@@ -44,3 +46,15 @@ def test_every_public_name_has_a_docstring():
             for member, attribute in vars(value).items():
                 if not member.startswith("_") and callable(attribute):
                     assert (attribute.__doc__ or "").strip(), f"{name}.{member}"
+
+
+async def test_a_closed_client_refuses_calls():
+    client = Client("localhost:1")
+    client.close()
+    client.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        client.info()
+    async_client = AsyncClient("localhost:1")
+    await async_client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await async_client.info()

@@ -109,6 +109,7 @@ class AsyncClient:
         self._options = _channel.channel_options(self._target, load_balancing, (user_agent, *channel_options))
         self._methods: _Methods | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     @property
     def target(self) -> str:
@@ -263,6 +264,7 @@ class AsyncClient:
     # -- lifecycle --------------------------------------------------------------------------
     async def close(self) -> None:
         """Close the channel; calls in flight are cancelled. The client can't be used after."""
+        self._closed = True
         if self._methods is not None:
             await self._methods.channel.close(None)
             self._methods = None
@@ -276,6 +278,8 @@ class AsyncClient:
     # -- plumbing ---------------------------------------------------------------------------
     def _bind(self) -> _Methods:
         """The method handles, on a channel of the running event loop (made on first use)."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
         loop = asyncio.get_running_loop()
         if self._methods is None or self._loop is not loop:
             channel = _channel.create_channel(self._target, self._tls, self._credentials, self._options)

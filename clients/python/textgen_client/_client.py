@@ -58,9 +58,10 @@ class _LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, R]) -> R:
         """Run `coro` on the loop and wait; an interrupt of the wait (Ctrl-C) cancels it."""
-        if self.on_loop_thread():
+        if self.on_loop_thread() or self.loop.is_closed():
             coro.close()
-            raise RuntimeError("a Client method was called from its own event loop; use AsyncClient there")
+            raise RuntimeError("the client is closed" if self.loop.is_closed() else
+                               "a Client method was called from its own event loop; use AsyncClient there")
         future, started = self.submit(coro)
         try:
             return future.result()
@@ -73,6 +74,7 @@ class _LoopThread:
         if self.loop.is_closed():
             return
         if self._thread.is_alive():
+            self.run(self.loop.shutdown_asyncgens())  # close streams left open
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
         self.loop.close()
