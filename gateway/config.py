@@ -157,7 +157,7 @@ def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> lis
             "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True,
                               "stream_sse_style_delimited": True}}},
         {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": _type("envoy.extensions.filters.http.router.v3.Router")}},
+            "@type": _type("envoy.extensions.filters.http.router.v3.Router"), "suppress_envoy_headers": True}},
     ]
 
 

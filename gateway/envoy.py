@@ -78,9 +78,13 @@ class Envoy:
         return None if self._process is None else self._process.pid
 
     def command(self) -> list[str]:
-        return [self.binary, "--config-path", str(self.config_path), "--disable-hot-restart",
-                "--concurrency", str(self.concurrency), "--log-level", self.log_level,
-                "--log-format", LOG_FORMAT, "--admin-address-path", str(self.admin_address_path)]
+        envoy = [self.binary, "--config-path", str(self.config_path), "--disable-hot-restart",
+                 "--concurrency", str(self.concurrency), "--log-level", self.log_level,
+                 "--log-format", LOG_FORMAT, "--admin-address-path", str(self.admin_address_path)]
+        # Envoy gets SIGTERM if its parent dies without stopping it (a SIGKILLed launcher must not
+        # leave it holding the port). setpriv (util-linux) sets that and execs Envoy, same pid.
+        setpriv = shutil.which("setpriv")
+        return [setpriv, "--pdeathsig", "TERM", *envoy] if setpriv else envoy
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Start Envoy and return once its admin says it is live (listeners bound)."""

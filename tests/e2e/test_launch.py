@@ -118,3 +118,15 @@ def test_launch_gives_up_when_envoy_keeps_dying(launched):
     os.kill(pid, signal.SIGKILL)
     assert run.process.wait(30) == 1, run.log()
     assert "shutting down" in run.log()
+
+
+def test_envoy_does_not_outlive_a_killed_launcher(launched):
+    run = launched()
+    run.wait_for(r"ready: TGI REST API")
+    envoy_pid = int(run.wait_for(r"Envoy (\d+): REST on port").group(1))
+    run.process.kill()
+    run.process.wait(10)
+    deadline = time.monotonic() + 10
+    while alive(envoy_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(envoy_pid)
