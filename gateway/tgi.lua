@@ -136,6 +136,10 @@ local function unwrap(text, field)
 end
 
 -- Streams ---------------------------------------------------------------------------------------
+local function strip_grpc_headers(headers)
+  for _, name in ipairs(GRPC_HEADERS) do headers:remove(name) end
+end
+
 local STREAM_NULLS = "generated_text,details"
 
 local function tgi_event(json)
@@ -160,15 +164,13 @@ local function shape_stream(handle)
     pending = rest
     chunk:setBytes(tgi_events(whole))
   end
+  local trailers = handle:trailers()  -- HTTP/2 clients would see the gRPC status otherwise
+  if trailers ~= nil then strip_grpc_headers(trailers) end
 end
 
 -- Errors ----------------------------------------------------------------------------------------
 local function percent_decoded(text)
   return (text:gsub("%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
-end
-
-local function strip_grpc_headers(headers)
-  for _, name in ipairs(GRPC_HEADERS) do headers:remove(name) end
 end
 
 -- A call that failed before any message (a trailers-only gRPC response). Handles and wrappers
