@@ -13,8 +13,6 @@ Usage: python benchmarks/engine_vs_transformers.py [--model-id ID] [--quick] [--
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import random
 import statistics
 import sys
 import time
@@ -22,48 +20,19 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_service.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
+from benchmarks.common import Workload, load_engine, load_reference, make_workload, validated  # noqa: E402
+from inference_service.config import ModelConfig  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
-from inference_service.engine.sampling_params import SamplingParams, StoppingParams  # noqa: E402
-from inference_service.engine.validation import ValidatedRequest  # noqa: E402
-from inference_service.models import loader  # noqa: E402
-
-
-@dataclasses.dataclass
-class Workload:
-    prompts: list[list[int]]
-    max_new_tokens: list[int]
-
-    @property
-    def num_generated(self) -> int:
-        return sum(self.max_new_tokens)
-
-
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab_size: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))]
-               for _ in range(num_requests)]
-    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
-
-
-def _validated(prompt: list[int], max_new_tokens: int) -> ValidatedRequest:
-    return ValidatedRequest(
-        inputs="", prompt_token_ids=prompt, input_length=len(prompt), sampling_params=SamplingParams(),
-        stopping_params=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True), best_of=1,
-        details=False, decoder_input_details=False, return_full_text=False, top_n_tokens=0)
 
 
 def run_engine(engine: LLMEngine, workload: Workload, progress: str) -> dict:
     """Submit everything at once and step until done; per-request first-token and end times."""
     start = time.perf_counter()
     for index, (prompt, max_new) in enumerate(zip(workload.prompts, workload.max_new_tokens, strict=True)):
-        engine.add_request(f"r{index}", _validated(prompt, max_new))
+        engine.add_request(f"r{index}", validated(prompt, max_new))
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
     with tqdm(total=workload.num_generated, desc=progress, unit="tok", leave=False) as bar:
@@ -125,12 +94,9 @@ def main() -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
 
-    config = EngineConfig(model=ModelConfig(model_id=args.model_id),
-                          scheduler=SchedulerConfig(max_batch_prefill_tokens=args.max_batch_prefill_tokens))
-    engine = build_engine(config)
-    warm_up(engine)
-    path = loader.resolve_model(config.model).path
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine, config = load_engine(args.model_id, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+                                 device="auto")
+    reference = load_reference(config, engine)
     vocab = engine.info.vocab_size
     pad_id = engine.info.eos_token_ids[0] if engine.info.eos_token_ids else 0
 

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of the server, with baselines measured in the same run."""
