@@ -49,6 +49,7 @@ def serve_overview(levels: list[dict], path: Path, title: str) -> None:
     closed = [level for level in levels if level["mode"] == "closed"]
     figure, axes = plt.subplots(2, 2, figsize=(12, 9))
     (throughput, ttft), (itl, tradeoff) = axes
+    concurrencies = sorted({level["concurrency"] for level in closed})
     for protocol, (color, marker, label) in PROTOCOL_STYLE.items():
         rows = sorted((lv for lv in closed if lv["protocol"] == protocol), key=lambda lv: lv["concurrency"])
         if not rows:
@@ -70,6 +71,7 @@ def serve_overview(levels: list[dict], path: Path, title: str) -> None:
                                (ttft, "time to first token (ms)", "TTFT"),
                                (itl, "inter-token latency (ms)", "inter-token latency")):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
         axis.set_xlabel("concurrent requests (closed loop)")
         axis.set_ylabel(ylabel)
         axis.set_title(f"{name} vs concurrency")

@@ -1,0 +1,67 @@
+"""Smoke tests of the benchmark scripts: each runs in quick mode and writes its table, plot and data.
+No timing is asserted: these prove the scripts work, the numbers are for the full runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_engine_bench_quick(tmp_path, tiny_model_dir):
+    run_script("engine_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--batch-sizes", "1", "2",
+               "--out", str(tmp_path))
+    table = (tmp_path / "engine.md").read_text()
+    assert "#### Prefill" in table and "#### Decode" in table and "![" in table
+    rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 4  # batch sizes 1 and 2, prefill and decode
+    assert (tmp_path / "engine.png").read_bytes().startswith(b"\x89PNG")
+    results = json.loads((tmp_path / "engine.json").read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 2]
+    for row in results:
+        for system in ("engine", "hf"):
+            assert row[system]["decode_token_ms"]["n"] == 2 * (8 - 1)  # 2 runs of 7 decode steps
+            assert row[system]["prefill_tok_s"] > 0 and row[system]["decode_tok_s"] > 0
+        assert row["floor"]["decode_ms"] > 0
+
+
+@pytest.mark.e2e
+def test_serve_bench_quick(tmp_path, tiny_model_dir):
+    run_script("serve_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
+    assert (tmp_path / "serve.png").read_bytes().startswith(b"\x89PNG")
+    assert "TTFT p50 ms" in (tmp_path / "serve.md").read_text()
+    levels = json.loads((tmp_path / "serve.json").read_text())["levels"]
+    modes = {(level["protocol"], level["mode"]) for level in levels}
+    assert modes == {(p, m) for p in ("grpc", "rest") for m in ("closed", "open", "burst")}
+    for level in levels:
+        assert level["num_other_errors"] == 0, level["other_errors"]
+        if level["mode"] == "closed":  # below the limit: every request succeeds
+            assert level["num_ok"] == level["num_requests"] > 0
+    burst = [level for level in levels if level["mode"] == "burst"]
+    assert all(level["num_ok"] + level["num_overloaded"] == level["num_requests"] for level in burst)
+    assert (tmp_path / "serve-server.log").exists()
+
+
+def test_tiny_model_builds_and_loads(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.tiny_model import ensure_tiny_model
+
+    folder = ensure_tiny_model(tmp_path / "tiny")
+    assert ensure_tiny_model(folder) == folder  # built once
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.vocab_size == len(tokenizer)
+    assert tokenizer.decode(tokenizer.encode("the café 😀")) == "the café 😀"
