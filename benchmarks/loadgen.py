@@ -184,14 +184,15 @@ async def closed_loop(send: Send, concurrency: int, max_requests: int, duration_
 
 async def open_loop(send: Send, rate: float, max_requests: int, duration_s: float,
                     seed: int = 0) -> list[RequestRecord]:
-    """Poisson arrivals at `rate` per second, whatever the server's pace, until `max_requests`
-    were sent or `duration_s` passed."""
+    """Poisson arrivals at `rate` per second (the first at once), whatever the server's pace, until
+    `max_requests` were sent or `duration_s` passed."""
     rng = random.Random(seed)
     start = time.perf_counter()
     offset = 0.0
     tasks: list[asyncio.Task] = []
     for index in range(max_requests):
-        offset += rng.expovariate(rate)
+        if index:
+            offset += rng.expovariate(rate)
         if offset > duration_s:
             break
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))

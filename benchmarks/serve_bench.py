@@ -98,7 +98,7 @@ async def run_all(server: LaunchedServer, args: argparse.Namespace) -> list[dict
 
 
 def open_loop_rates(results: list[dict], protocol: str, args: argparse.Namespace) -> list[float]:
-    if args.rates:
+    if args.rates is not None:
         return args.rates
     closed = [r["request_throughput"] for r in results
               if r["protocol"] == protocol and r["mode"] == "closed" and r["num_ok"]]
