@@ -68,8 +68,10 @@ async def run_level(server: LaunchedServer, protocol: str, level: dict, args: ar
     # Overload is acceptable only where this client had more requests in flight than the limit.
     over_limit = send.max_in_flight > args.max_concurrent_requests
     summary["unexpected_overloaded"] = 0 if over_limit else summary["num_overloaded"]
+    raw = [{"start": r.start, "tokens": [t - r.start for t in r.token_times], "end": r.end - r.start,
+            "error": r.error} for r in records]
     return {**level, "protocol": protocol, "prompt_tokens": prompts.prompt_tokens,
-            "max_new_tokens": prompts.max_new_tokens, **summary}
+            "max_new_tokens": prompts.max_new_tokens, **summary, "records": raw}
 
 
 async def run_all(server: LaunchedServer, args: argparse.Namespace) -> list[dict]:
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report(results, args, server, info, "serve.png")
     plots.serve_overview(results, out / "serve.png", title=f"{model_name(args, info)} ({info.model_dtype}): serving")
     (out / "serve.md").write_text(markdown)
+    common.write_json(raw / "serve-requests.json", [
+        {"protocol": r["protocol"], "label": r["label"], "requests": r.pop("records")} for r in results])
     common.write_json(out / "serve.json", {"args": vars(args), "machine": common.machine(), "levels": results})
     if out == common.RESULTS_DIR:
         common.update_readme("serve-results", markdown.replace("](serve.png)", "](results/serve.png)"))
