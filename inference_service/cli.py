@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -33,6 +31,7 @@ from inference_service.config import (
     SchedulerConfig,
 )
 from inference_service.errors import ModelLoadError
+from inference_service.observability import logging as observability_logging
 
 PROG = "inference-service"
 EXIT_USAGE = 2  # bad flags or values (argparse's code)
@@ -158,8 +157,11 @@ SERVER_FLAGS = (
     Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", _parse_bool),
     Flag("--log-level", "server.log_level", "debug, info, warning or error."),
     Flag("--otlp-endpoint", "server.otlp_endpoint",
-         "OTLP gRPC collector for traces (accepted; traces are not exported yet).", default_text="none"),
-    Flag("--otlp-service-name", "server.otlp_service_name", "Service name in exported traces."),
+         "OTLP/gRPC collector to export traces to, e.g. http://127.0.0.1:4317; unset, nothing is traced.", default_text="none"),
+    Flag("--otlp-service-name", "server.otlp_service_name", "service.name of exported traces."),
+    Flag("--prometheus-port", "server.prometheus_port",
+         "Port of the Prometheus metrics listener on --hostname (0 = any free port); the Metrics RPC "
+         "(GET /metrics through the gateway) serves the same metrics.", int),
 )
 
 SERVE_FLAGS = MODEL_FLAGS + ENGINE_FLAGS + SERVER_FLAGS
@@ -248,23 +250,9 @@ def configs_from_args(args: argparse.Namespace, environ: dict[str, str] | None =
     return engine, configs["server"]
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"timestamp": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"), "level": record.levelname,
-                 "target": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
-
-
 def configure_logging(server: ServerConfig) -> None:
     """Logs go to stderr, as text or JSON lines (`--json-output`, then without progress bars)."""
-    if server.json_output:  # read when the hub and transformers are imported, which is later
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if server.json_output
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=server.log_level.upper(), handlers=[handler], force=True)
+    observability_logging.configure_logging(server.json_output, server.log_level)
 
 
 # -- commands -----------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ class GrpcServerThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-test-server", daemon=True)
         self._thread.start()
-        config = ServerConfig(hostname="127.0.0.1", grpc_port=0, **server_options)
+        # Metrics port 0 too: parallel test runs must not race for the default 9000.
+        config = ServerConfig(hostname="127.0.0.1", grpc_port=0, **{"prometheus_port": 0, **server_options})
 
         async def build():  # grpc.aio binds a server to the loop it is created on
             return ApiServer(config, engine_config)

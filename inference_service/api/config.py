@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inference_service.observability.tracing import otlp_target
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -22,10 +24,14 @@ class ServerConfig:
     log_level: str = "info"
     otlp_endpoint: str | None = None
     otlp_service_name: str = "inference-service"
+    prometheus_port: int = 9000  # metrics listener on `hostname`; 0 = any free port
 
     def __post_init__(self) -> None:
         _require(0 <= self.grpc_port <= 65535, "--grpc-port must be in [0, 65535]")
         _require(self.payload_limit > 0, "--payload-limit must be > 0")
+        _require(0 <= self.prometheus_port <= 65535, "--prometheus-port must be in [0, 65535]")
+        if self.otlp_endpoint:
+            otlp_target(self.otlp_endpoint)  # a ValueError that says what it should look like
         _require(self.graceful_termination_timeout >= 0, "--graceful-termination-timeout must be >= 0")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"),
                  f"--log-level must be debug, info, warning or error, not {self.log_level!r}")

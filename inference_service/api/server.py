@@ -24,6 +24,7 @@ from inference_service.api.config import ServerConfig
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.config import EngineConfig
 from inference_service.engine.async_engine import AsyncEngine
+from inference_service.observability.hub import Observability
 from textgen.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,12 @@ class ApiServer:
         self._load_engine = load_engine
         self.engine: AsyncEngine | None = None
         self.port: int | None = None
-        self.servicer = TextGenerationServicer(engine_config.scheduler)
+        self.metrics_port: int | None = None
+        self.observability = Observability(server_config)
+        self.servicer = TextGenerationServicer(engine_config.scheduler, metrics=self.observability.metrics.render,
+                                               observer=self.observability.requests)
         self.health = HealthServicer()
-        self._server = grpc.aio.server(options=[
+        self._server = grpc.aio.server(interceptors=self.observability.server_interceptors(), options=[
             ("grpc.max_receive_message_length", server_config.payload_limit),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ])
@@ -78,12 +82,14 @@ class ApiServer:
             raise StartupError(f"cannot listen on {target}: {error}") from None
         await self._server.start()
         logger.info("gRPC API listening on %s:%d", self.address, self.port)
+        self.metrics_port = self.observability.start_metrics_port(self.config.hostname, self.config.prometheus_port)
         return self.port
 
     async def load_engine(self) -> AsyncEngine:
         """Load, warm up and start the engine (off the event loop), then report SERVING."""
         logger.info("loading model %s", self._engine_config.model.model_id)
         engine = await run_in_daemon_thread(self._load_engine, self._engine_config)
+        self.observability.attach(engine)
         engine.start()
         self.engine = engine
         self.servicer.attach(engine)
@@ -101,10 +107,12 @@ class ApiServer:
         if self.engine is not None:
             await self.engine.shutdown(timeout_s)
         await self._server.stop(STOP_GRACE_S)
+        await asyncio.to_thread(self.observability.shutdown)
         logger.info("stopped")
 
     async def stop_now(self) -> None:
         await self._server.stop(None)
+        await asyncio.to_thread(self.observability.shutdown)
 
 
 async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:

@@ -18,6 +18,7 @@ from inference_service.api.errors import stream_errors, unary_errors
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.errors import UnavailableError
+from inference_service.observability.requests import RequestObserver
 from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
 
@@ -34,9 +35,11 @@ def render_prometheus_registry() -> tuple[str, bytes]:
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     """textgen.v1.TextGeneration over one `AsyncEngine` (attached once the model is loaded)."""
 
-    def __init__(self, scheduler: SchedulerConfig, metrics: MetricsRenderer = render_prometheus_registry):
+    def __init__(self, scheduler: SchedulerConfig, metrics: MetricsRenderer = render_prometheus_registry,
+                 observer: RequestObserver | None = None):
         self._scheduler = scheduler
         self._metrics = metrics
+        self._observer = observer or RequestObserver()  # counts, traces and logs each generation call
         self._engine: AsyncEngine | None = None
         self._draining = False
 
@@ -54,33 +57,37 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @unary_errors
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
-        engine = self.engine()
-        validated = await engine.validate(convert.request_from_pb(request), stream=False)
-        result = await engine.generate(validated)
-        return convert.generate_response_to_pb(result, details=convert.wants_details(request))
+        with self._observer.track("Generate", context) as call:
+            engine = self.engine()
+            validated = call.validated(await engine.validate(convert.request_from_pb(request), stream=False))
+            result = call.finished(await engine.generate(validated))
+            return convert.generate_response_to_pb(result, details=convert.wants_details(request))
 
     @unary_errors
     async def CompatGenerate(self, request: pb.GenerateRequest,
                              context: Context) -> pb.CompatGenerateResponse:
-        engine = self.engine()
-        domain_request = convert.request_from_pb(request, compat_route=True)
-        validated = await engine.validate(domain_request, stream=False)
-        result = await engine.generate(validated)
-        response = convert.generate_response_to_pb(result, details=convert.wants_details(request))
-        return pb.CompatGenerateResponse(responses=[response])
+        with self._observer.track("CompatGenerate", context) as call:
+            engine = self.engine()
+            domain_request = convert.request_from_pb(request, compat_route=True)
+            validated = call.validated(await engine.validate(domain_request, stream=False))
+            result = call.finished(await engine.generate(validated))
+            response = convert.generate_response_to_pb(result, details=convert.wants_details(request))
+            return pb.CompatGenerateResponse(responses=[response])
 
     @stream_errors
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: Context) -> AsyncIterator[pb.StreamResponse]:
-        engine = self.engine()
-        validated = await engine.validate(convert.request_from_pb(request), stream=True)
-        details, num_sent = convert.wants_details(request), 0
-        async with contextlib.aclosing(engine.generate_stream(validated)) as outputs:
-            async for output in outputs:
-                responses = convert.stream_responses_to_pb(output, first_index=num_sent + 1, details=details)
-                for response in responses:
-                    yield response
-                num_sent += len(responses)
+        with self._observer.track("GenerateStream", context) as call:
+            engine = self.engine()
+            validated = call.validated(await engine.validate(convert.request_from_pb(request), stream=True))
+            details, num_sent = convert.wants_details(request), 0
+            async with contextlib.aclosing(engine.generate_stream(validated)) as outputs:
+                async for output in outputs:
+                    call.streamed(output)
+                    responses = convert.stream_responses_to_pb(output, first_index=num_sent + 1, details=details)
+                    for response in responses:
+                        yield response
+                    num_sent += len(responses)
 
     @unary_errors
     async def Tokenize(self, request: pb.GenerateRequest, context: Context) -> pb.TokenizeResponse:

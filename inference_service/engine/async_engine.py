@@ -16,12 +16,12 @@ import queue
 import random
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput
+from inference_service.engine.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 from inference_service.engine.validation import (
     GenerateRequest,
     TokenSpan,
@@ -94,6 +94,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats  # refreshed by the engine thread after every step
+
+    def observe_steps(self, observer: Callable[[StepStats], None] | None) -> None:
+        """Call `observer` on the engine thread with every step's `StepStats` (metrics)."""
+        self._engine.step_observer = observer
 
     # -- requests -------------------------------------------------------------------------
     async def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:

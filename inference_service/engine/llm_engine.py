@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from inference_service.engine.outputs import (
     FinishReason,
     PrefillToken,
     RequestOutput,
+    SchedulerOutput,
+    StepStats,
     Token,
 )
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
@@ -28,7 +31,7 @@ from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.validation import ValidatedRequest
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
-from inference_service.worker.model_runner import ModelRunner
+from inference_service.worker.model_runner import ModelRunner, StepLogits
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,34 @@ class _Live:
     sent_prefill: bool = False
 
 
+class _ForwardClock:
+    """The forward pass's duration: wall clock on CPU; CUDA events on a GPU, read once sampling has
+    synchronized anyway, so timing adds no synchronization of its own."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._started = self._stopped = 0.0
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+        if self._events is not None:
+            self._events[0].record(torch.cuda.current_stream(self._device))
+
+    def stop(self) -> None:
+        self._stopped = time.perf_counter()
+        if self._events is not None:
+            self._events[1].record(torch.cuda.current_stream(self._device))
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._stopped - self._started
+        self._events[1].synchronize()  # done already unless the step sampled nothing
+        return self._events[0].elapsed_time(self._events[1]) / 1000
+
+
 class LLMEngine:
     """Owns the scheduler, the KV block manager, the model runner and the sampler."""
 
@@ -61,6 +92,9 @@ class LLMEngine:
         self.live: dict[str, _Live] = {}
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        # Called on the engine thread after every step with its `StepStats` (metrics hook it here).
+        self.step_observer: Callable[[StepStats], None] | None = None
+        self._forward_clock = _ForwardClock(runner.device)
         self._eos_ids = frozenset(info.eos_token_ids)
         self._special_ids = special_token_ids(tokenizer) | self._eos_ids
 
@@ -104,11 +138,47 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         self.num_steps += 1
+        stats = self._step_stats(plan)
+        outputs = self._run_step(plan, stats)
+        if self.step_observer is not None:
+            try:
+                self.step_observer(stats)
+            except Exception:  # noqa: BLE001 — a metrics bug must not fail the step's requests
+                logger.exception("step observer failed")
+        return outputs
+
+    def _step_stats(self, plan: SchedulerOutput) -> StepStats:
+        stats = StepStats(num_requests=len(plan.scheduled), num_new_requests=0, num_prefill_requests=0,
+                          num_prefill_tokens=0, num_decode_tokens=0, num_preempted=len(plan.preempted_ids),
+                          batch_max_tokens=sum(min(r.num_prompt_tokens + r.stopping.max_new_tokens,
+                                                   self.info.max_total_tokens) for r in self.scheduler.running))
+        for item in plan.scheduled:
+            stats.num_new_requests += item.num_computed_tokens == 0
+            num_prompt_tokens = self.requests[item.request_id].num_prompt_tokens
+            if item.num_new_tokens == 1 and item.num_computed_tokens >= num_prompt_tokens:
+                stats.num_decode_tokens += 1
+            else:
+                stats.num_prefill_requests += 1
+                stats.num_prefill_tokens += item.num_new_tokens
+        return stats
+
+    def _run_step(self, plan: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
+        started = time.perf_counter()
+        self._forward_clock.start()
         try:
             step_logits = self.runner.execute(plan.scheduled)
         except Exception as error:  # noqa: BLE001 — contain it to this step's requests
             logger.exception("model step failed for %d requests", len(plan.scheduled))
+            stats.failed, stats.total_s = True, time.perf_counter() - started
             return self._fail_all([s.request_id for s in plan.scheduled], error)
+        self._forward_clock.stop()
+        outputs = self._sample_step(plan, step_logits, stats)
+        stats.total_s = time.perf_counter() - started
+        stats.forward_s = min(self._forward_clock.seconds(), stats.total_s)
+        stats.sample_s = stats.total_s - stats.forward_s
+        return outputs
+
+    def _sample_step(self, plan: SchedulerOutput, step_logits: StepLogits, stats: StepStats) -> list[RequestOutput]:
         self.scheduler.update(plan, self.requests)
 
         outputs: list[RequestOutput] = []
@@ -121,6 +191,7 @@ class LLMEngine:
             sampled = self.sampler(step_logits.sample_logits, states)
         except Exception as error:  # noqa: BLE001
             logger.exception("sampling failed")
+            stats.failed = True
             return self._fail_all(step_logits.sample_ids, error)
         for row, request_id in enumerate(step_logits.sample_ids):
             try:

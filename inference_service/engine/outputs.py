@@ -92,6 +92,33 @@ class RequestTimings:
     finished: float | None = None
     num_preemptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    preempted_at: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepStats:
+    """What one engine step ran and where its time went, handed to an observer (metrics) by the
+    engine thread; plain numbers, so the engine needs no metrics library."""
+
+    num_requests: int
+    num_new_requests: int  # requests running their first chunk (admitted, or recomputed after preemption)
+    # Decode: a request computing exactly one token past its prompt; anything else (a prompt chunk,
+    # a recomputation after preemption) is prefill.
+    num_prefill_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    batch_max_tokens: int  # prompt + max_new_tokens over the running requests (TGI's batch max_tokens)
+    forward_s: float = 0.0  # the model's forward pass
+    sample_s: float = 0.0  # sampling, detokenization and stop checks (TGI's decode time)
+    total_s: float = 0.0
+    failed: bool = False
+
+    @property
+    def method(self) -> str:
+        """TGI's `method` label: "prefill" when any prompt chunk ran (a chunked-prefill step that
+        also carries decodes, as TGI v3's prefill call does), else "decode"."""
+        return "prefill" if self.num_prefill_requests else "decode"
 
 
 @dataclass

@@ -109,6 +109,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.timings.num_preemptions += 1
+        request.timings.preempted_at.append(time.perf_counter())
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

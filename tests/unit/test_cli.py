@@ -32,7 +32,7 @@ SAMPLES = {
     "--payload-limit": ("1000", 1000), "--graceful-termination-timeout": ("2.5", 2.5),
     "--json-output": (None, True), "--log-level": ("debug", "debug"),
     "--otlp-endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
-    "--otlp-service-name": ("svc", "svc"),
+    "--otlp-service-name": ("svc", "svc"), "--prometheus-port": ("9100", 9100),
 }
 
 
