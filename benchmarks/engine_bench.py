@@ -161,7 +161,7 @@ def report(results: list[dict], args: argparse.Namespace, engine, plot_name: str
     header = (f"**Model** {model_name(args, engine)} ({info.architecture}, {info.dtype}, {info.device}). **Workload** "
               f"batch sizes {', '.join(map(str, args.batch_sizes))}; prompts of {args.prompt_tokens} random "
               f"tokens; {args.decode_tokens} new tokens each (EOS ignored, greedy): one prefill step, then "
-              f"{args.decode_tokens - 1} decode steps; {args.runs} runs after {args.warmups} warm-up, the "
+              f"{args.decode_tokens - 1} decode steps; {args.runs} run(s) after {args.warmups} warm-up, the "
               f"engine, transformers and the floor interleaved run by run.\n\n"
               f"**Machine** {common.machine_line(common.machine())}.\n\n"
               f"**Command** `{common.command_line()}`")
@@ -219,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be >= 2 (one prefill token, then decode steps)")
+    if args.runs < 1 or args.warmups < 0 or args.prompt_tokens < 1 or min(args.batch_sizes) < 1:
+        parser.error("need --runs >= 1, --warmups >= 0, --prompt-tokens >= 1 and batch sizes >= 1")
     return args
 
 

@@ -190,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if min(args.concurrency) < 1 or args.duration <= 0 or any(rate <= 0 for rate in args.rates or ()):
+        parser.error("concurrency levels, --duration and --rates must be positive")
     return args
 
 
