@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="allowed origin, repeatable (default: any)")
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port,
                         help="Envoy's admin port on 127.0.0.1 (default: %(default)s)")
+    parser.add_argument("--otlp-endpoint", help="OTLP/gRPC collector for Envoy's traces (default: no tracing)")
+    parser.add_argument("--otlp-service-name", default=defaults.otlp_service_name,
+                        help="service.name of Envoy's spans (default: %(default)s)")
     parser.add_argument("--output", type=Path, help="write here instead of stdout")
     return parser.parse_args(argv)
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     host, port = args.upstream
     config = GatewayConfig(hostname=args.hostname, port=args.port, upstream_host=host, upstream_port=port,
                            payload_limit=args.payload_limit, cors_allow_origin=tuple(args.cors_allow_origin),
-                           admin_port=args.admin_port)
+                           admin_port=args.admin_port, otlp_endpoint=args.otlp_endpoint,
+                           otlp_service_name=args.otlp_service_name)
     text = render_yaml(config)
     if args.output is None:
         sys.stdout.write(text)

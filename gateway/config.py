@@ -7,6 +7,11 @@ descriptor set and the Lua filter are inlined.
 Filter chain (requests go down, responses come back up):
   cors -> lua (TGI shapes, gateway/tgi.lua) -> grpc_json_transcoder (REST <-> gRPC, payload
   limit: 413) -> router
+
+With `otlp_endpoint`, Envoy traces too (its OpenTelemetry tracer, OTLP/gRPC to the same collector
+as the server): one span per REST request, named "<METHOD> <path>", continuing the caller's W3C
+`traceparent`; the router forwards its own `traceparent` upstream, so the server's gRPC span is
+its child.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from typing import Any
 
 from gateway import yaml_text
 from gateway.contract import SERVICE, RestRoute, envoy_descriptor, rest_routes
+from inference_service.observability.tracing import otlp_target
 
 LUA_FILTER = "envoy.filters.http.lua"
 CORS_FILTER = "envoy.filters.http.cors"
 CLUSTER = "textgen"
+COLLECTOR_CLUSTER = "opentelemetry_collector"
 # The servicer answers GenerateStream errors as a last message instead of a status when this is set.
 INBAND_ERRORS_HEADER = "x-textgen-inband-errors"
 # Concurrency is the server's business (--max-concurrent-requests, 429): Envoy must not cap it.
@@ -48,6 +55,8 @@ class GatewayConfig:
     cors_allow_origin: tuple[str, ...] = ()  # empty: any origin, as TGI
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 9901  # None: no admin listener; 0: any free port
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for Envoy's spans; None: no tracing
+    otlp_service_name: str = "inference-service-gateway"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +65,8 @@ class GatewayConfig:
             raise ValueError("the gRPC port must be in [1, 65535]")
         if self.payload_limit <= 0:
             raise ValueError("--payload-limit must be > 0")
+        if self.otlp_endpoint:
+            otlp_target(self.otlp_endpoint)
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -93,8 +104,11 @@ def _route(route: RestRoute) -> dict[str, Any]:
     return rendered
 
 
-def _routes(routes: list[RestRoute]) -> list[dict[str, Any]]:
+def _routes(routes: list[RestRoute], traced: bool = False) -> list[dict[str, Any]]:
     rendered = [_route(route) for route in routes]
+    if traced:  # span names as OpenTelemetry's HTTP conventions have them; not sent upstream
+        for route, entry in zip(routes, rendered, strict=True):
+            entry["decorator"] = {"operation": f"{route.method} {route.path}", "propagate": False}
     # CORS preflights: the cors filter answers allowed ones, the Lua filter the others (200, no CORS
     # headers, as TGI). The filter needs a route that has a cluster to apply the policy.
     rendered.append({"name": "preflight", "match": {"prefix": "/", "headers": [
@@ -170,10 +184,12 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "stream_idle_timeout": "0s",
         "local_reply_config": _local_reply_config(config.payload_limit),
         "route_config": {"name": "rest", "virtual_hosts": [{
-            "name": "tgi", "domains": ["*"], "routes": _routes(routes),
+            "name": "tgi", "domains": ["*"], "routes": _routes(routes, traced=bool(config.otlp_endpoint)),
             "typed_per_filter_config": {CORS_FILTER: _cors(config.cors_allow_origin)}}]},
         "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
     }
+    if config.otlp_endpoint:
+        manager["tracing"] = _tracing(config)
     return {"name": "rest", "address": _address(config.hostname, config.port),
             "per_connection_buffer_limit_bytes": max(RESPONSE_BUFFER_LIMIT, config.payload_limit),
             "filter_chains": [{"filters": [
@@ -201,6 +217,36 @@ def _cluster(config: GatewayConfig) -> dict[str, Any]:
     }
 
 
+def _tracing(config: GatewayConfig) -> dict[str, Any]:
+    """Envoy's OpenTelemetry tracer; sampling is Envoy's default (every request), and a caller's
+    sampled flag in `traceparent` is kept."""
+    return {"provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
+        "@type": _type("envoy.config.trace.v3.OpenTelemetryConfig"),
+        "grpc_service": {"envoy_grpc": {"cluster_name": COLLECTOR_CLUSTER}, "timeout": "5s"},
+        "service_name": config.otlp_service_name}}}
+
+
+def _collector_cluster(endpoint: str) -> dict[str, Any]:
+    host, port, tls = otlp_target(endpoint)
+    try:
+        ipaddress.ip_address(host)
+        discovery = "STATIC"
+    except ValueError:
+        discovery = "STRICT_DNS"
+    endpoint_address = {"endpoint": {"address": _address(host, port)}}
+    cluster: dict[str, Any] = {
+        "name": COLLECTOR_CLUSTER, "type": discovery, "connect_timeout": "5s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": COLLECTOR_CLUSTER, "endpoints": [{"lb_endpoints": [endpoint_address]}]},
+    }
+    if tls:
+        cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": _type("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"), "sni": host}}
+    return cluster
+
+
 def lua_source() -> str:
     return resources.files("gateway").joinpath("tgi.lua").read_text(encoding="utf-8")
 
@@ -212,7 +258,7 @@ def render(config: GatewayConfig) -> dict[str, Any]:
         bootstrap["admin"] = {"address": _address(config.admin_host, config.admin_port)}
     bootstrap["static_resources"] = {
         "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source())],
-        "clusters": [_cluster(config)],
+        "clusters": [_cluster(config)] + ([_collector_cluster(config.otlp_endpoint)] if config.otlp_endpoint else []),
     }
     bootstrap["overload_manager"] = {"resource_monitors": [{
         "name": "envoy.resource_monitors.global_downstream_max_connections",

@@ -147,7 +147,8 @@ async def launch(server_config, engine_config, options: LaunchOptions) -> int:
     gateway_config = GatewayConfig(
         hostname=server_config.hostname, port=options.port, upstream_host=loopback(server_config.hostname),
         upstream_port=grpc_port, payload_limit=server_config.payload_limit,
-        cors_allow_origin=options.cors_allow_origin, admin_port=options.envoy_admin_port)
+        cors_allow_origin=options.cors_allow_origin, admin_port=options.envoy_admin_port,
+        otlp_endpoint=server_config.otlp_endpoint, otlp_service_name=f"{server_config.otlp_service_name}-gateway")
     with tempfile.TemporaryDirectory(prefix="inference-service-envoy-") as workdir:
         envoy = Envoy(gateway_config, Path(workdir), binary=options.envoy_binary,
                       concurrency=options.envoy_concurrency, log_level=server_config.log_level)

@@ -157,8 +157,10 @@ SERVER_FLAGS = (
     Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", _parse_bool),
     Flag("--log-level", "server.log_level", "debug, info, warning or error."),
     Flag("--otlp-endpoint", "server.otlp_endpoint",
-         "OTLP/gRPC collector to export traces to, e.g. http://127.0.0.1:4317; unset, nothing is traced.", default_text="none"),
-    Flag("--otlp-service-name", "server.otlp_service_name", "service.name of exported traces."),
+         "OTLP/gRPC collector to export traces to, e.g. http://127.0.0.1:4317 (launch: Envoy's too); "
+         "unset, nothing is traced.", default_text="none"),
+    Flag("--otlp-service-name", "server.otlp_service_name",
+         "service.name of exported traces (launch: Envoy's spans get it + \"-gateway\")."),
     Flag("--prometheus-port", "server.prometheus_port",
          "Port of the Prometheus metrics listener on --hostname (0 = any free port); the Metrics RPC "
          "(GET /metrics through the gateway) serves the same metrics.", int),

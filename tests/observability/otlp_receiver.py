@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+SERVICE = "textgen-test"  # the traced test servers' --otlp-service-name
+
 
 def _value(any_value):
     kind = any_value.WhichOneof("value")

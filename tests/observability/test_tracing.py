@@ -10,12 +10,12 @@ import time
 
 import grpc
 import pytest
+from otlp_receiver import SERVICE
 
 from inference_service.observability.tracing import SHUTDOWN_WAIT_S, otlp_target
 from textgen.v1 import generate_pb2 as pb
 
 TIMEOUT = 60
-SERVICE = "textgen-test"
 ENGINE_SPANS = {"validation", "queued", "inference"}
 SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_SERVER
 
@@ -23,15 +23,6 @@ SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_SERVER
 def request(max_new_tokens: int = 4) -> pb.GenerateRequest:
     return pb.GenerateRequest(inputs="the quick brown fox",
                               parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens, details=True))
-
-
-@pytest.fixture(scope="module")
-def traced_server(tiny_engine_config, otlp_receiver):
-    from tests.conftest import GrpcServerThread
-
-    server = GrpcServerThread(tiny_engine_config, otlp_endpoint=otlp_receiver.endpoint, otlp_service_name=SERVICE)
-    yield server
-    server.stop(timeout_s=1.0)
 
 
 def spans_of(server, receiver, trace_id: str, names: set[str]):
