@@ -141,7 +141,10 @@ def measure(args: argparse.Namespace, server: ServerThread, envoy: Envoy) -> Non
     rest = Rest(envoy.port)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = generate_pb2_grpc.TextGenerationStub(channel)
-    lines = []
+    print(f"model {args.model_id}, {args.requests} calls per row (after {args.warmup} warm-up), "
+          f"one client, sequential; Envoy concurrency {args.envoy_concurrency}; times in ms")
+    print(f"{'':<34} {'REST p50':>9} {'gRPC p50':>9} {'added':>9}   {'REST p99':>9} {'gRPC p99':>9} {'added':>9}")
+    lines = _Printer()
     for max_new_tokens in (None, 1, 16):
         parameters = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
         body = {"inputs": PROMPT, "parameters": parameters}
@@ -176,10 +179,12 @@ def measure(args: argparse.Namespace, server: ServerThread, envoy: Envoy) -> Non
     lines.append(row("stream: last token (16 tok)", rest_total, grpc_total))
     channel.close()
 
-    print(f"\nmodel {args.model_id}, {args.requests} calls per row (after {args.warmup} warm-up), "
-          f"one client, sequential; Envoy concurrency {args.envoy_concurrency}; times in ms")
-    print(f"{'':<34} {'REST p50':>9} {'gRPC p50':>9} {'added':>9}   {'REST p99':>9} {'gRPC p99':>9} {'added':>9}")
-    print("\n".join(lines))
+
+class _Printer:
+    """Rows are printed as they are measured (a slow model still shows the first ones)."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
 
 
 def main() -> None:

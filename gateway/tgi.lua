@@ -31,9 +31,10 @@ local FLOAT_FIELDS = {"logprob", "waiting_served_ratio"}
 local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
 
 -- Error kinds of the server (google.rpc.ErrorInfo reason, `x-error-type`) -> TGI's HTTP status.
+-- A client only sees `cancelled` when the server cancelled (shutting down): 503, as `unavailable`.
 local ERROR_STATUS = {
-  validation = 422, overloaded = 429, generation = 424, unavailable = 503,
-  cancelled = 499, internal = 500,
+  validation = 422, overloaded = 429, generation = 424, unavailable = 503, cancelled = 503,
+  internal = 500,
 }
 -- gRPC codes, for errors that did not come with an `x-error-type` (grpc's own, a proxy's).
 local GRPC_CODE_NAMES = {
@@ -87,6 +88,7 @@ local function flatten_top_tokens(text)
       at = from
       while true do
         local found = text:find('["%]]', at)
+        if found == nil then return text end  -- not the printer's output: leave it as it is
         if text:byte(found) == 34 then at = string_end(text, found) else at = found; break end
       end
       parts[#parts + 1] = text:sub(from, at)  -- the tokens and their `]`

@@ -62,7 +62,7 @@ class Launched:
 
 
 @pytest.fixture
-def launched(tiny_model_dir):
+def launched(tiny_model_dir, envoy_installed):
     runs: list[Launched] = []
 
     def start() -> Launched:

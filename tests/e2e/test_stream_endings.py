@@ -18,7 +18,7 @@ from gateway.envoy import Envoy
 
 
 @pytest.fixture
-def served(tiny_model_dir, tmp_path):
+def served(tiny_model_dir, tmp_path, envoy_installed):
     """`inference-service serve` as its own process (so it can be killed), with Envoy in front."""
     import socket
 
