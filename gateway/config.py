@@ -30,6 +30,7 @@ LUA_FILTER = "envoy.filters.http.lua"
 CORS_FILTER = "envoy.filters.http.cors"
 CLUSTER = "textgen"
 COLLECTOR_CLUSTER = "opentelemetry_collector"
+UNTRACED_RPCS = ("Health", "Metrics")  # probes and scrapes would flood the trace store
 # The servicer answers GenerateStream errors as a last message instead of a status when this is set.
 INBAND_ERRORS_HEADER = "x-textgen-inband-errors"
 # Concurrency is the server's business (--max-concurrent-requests, 429): Envoy must not cap it.
@@ -109,6 +110,8 @@ def _routes(routes: list[RestRoute], traced: bool = False) -> list[dict[str, Any
     if traced:  # span names as OpenTelemetry's HTTP conventions have them; not sent upstream
         for route, entry in zip(routes, rendered, strict=True):
             entry["decorator"] = {"operation": f"{route.method} {route.path}", "propagate": False}
+            if route.rpc in UNTRACED_RPCS:
+                entry["tracing"] = {"overall_sampling": {"numerator": 0}}
     # CORS preflights: the cors filter answers allowed ones, the Lua filter the others (200, no CORS
     # headers, as TGI). The filter needs a route that has a cluster to apply the policy.
     rendered.append({"name": "preflight", "match": {"prefix": "/", "headers": [

@@ -10,7 +10,8 @@ Off (the default), no OpenTelemetry module is even imported. On:
   which continues the caller's W3C `traceparent` from the call metadata (Envoy forwards its own);
 - per generation request, spans are made afterwards from the engine's timings (explicit start and
   end times): `validation`, `queued` and `inference`, children of the server span. Milestones are
-  events on `inference` (first token, each preemption); there is never a span per token or step.
+  events on `inference` (first token, each preemption); there is never a span per token or step;
+- health checks, metrics scrapes and reflection are not traced.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from inference_service.engine.outputs import RequestTimings
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "inference_service"
-# Probes and reflection would flood a trace store with spans nobody reads.
+# Probes, scrapes and reflection would flood a trace store with spans nobody reads.
 UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                      "grpc.reflection.v1.ServerReflection")
+UNTRACED_METHODS = ("/textgen.v1.TextGeneration/Health", "/textgen.v1.TextGeneration/Metrics")
 SHUTDOWN_WAIT_S = 5.0  # what the last export may add to a shutdown when the collector is slow or down
 
 
@@ -78,10 +80,9 @@ class Tracing:
         logger.info("exporting traces to %s as %s", endpoint, service_name)
 
     def server_interceptors(self) -> list[Any]:
-        from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-        untraced = filters.any_of(*(filters.service_name(name) for name in UNTRACED_SERVICES))
-        return [aio_server_interceptor(tracer_provider=self.provider, filter_=filters.negate(untraced))]
+        return [aio_server_interceptor(tracer_provider=self.provider, filter_=_traced)]
 
     @staticmethod
     def current_context() -> Any:
@@ -152,6 +153,12 @@ class Tracing:
         done.join(SHUTDOWN_WAIT_S)
         if done.is_alive():
             logger.warning("traces not all exported to %s within %.0fs", self.endpoint, SHUTDOWN_WAIT_S)
+
+
+def _traced(call_details: Any) -> bool:
+    method = call_details.method or ""
+    method = method.decode() if isinstance(method, bytes) else method
+    return method not in UNTRACED_METHODS and method.lstrip("/").partition("/")[0] not in UNTRACED_SERVICES
 
 
 class _Clock:

@@ -34,6 +34,9 @@ def test_endpoint_adds_the_tracer_its_cluster_and_span_names():
     assert collector["type"] == "STRICT_DNS" and "transport_socket" not in collector
     routes = {route["name"]: route for route in manager(bootstrap)["route_config"]["virtual_hosts"][0]["routes"]}
     assert routes["Generate"]["decorator"] == {"operation": "POST /generate", "propagate": False}
+    assert "tracing" not in routes["Generate"]
+    for probe in ("Health", "Metrics"):  # probes and scrapes stay out of the trace store
+        assert routes[probe]["tracing"] == {"overall_sampling": {"numerator": 0}}
 
 
 def test_https_endpoint_uses_tls():

@@ -103,14 +103,17 @@ def test_without_a_caller_context_a_trace_starts_here(traced_server, otlp_receiv
     assert set(otlp_receiver.wait_for(root.trace_id, ENGINE_SPANS)) >= ENGINE_SPANS
 
 
-def test_health_probes_are_not_traced(traced_server, otlp_receiver):
+def test_probes_and_scrapes_are_not_traced(traced_server, otlp_receiver, traceparent):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    count = len(otlp_receiver.spans)
-    health_pb2_grpc.HealthStub(traced_server.channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
-    traced_server.server.observability.tracing.provider.force_flush()
-    time.sleep(0.2)
-    assert not any("Health/Check" in span.name for span in otlp_receiver.spans[count:])
+    metadata = (("traceparent", traceparent[2]),)
+    health_pb2_grpc.HealthStub(traced_server.channel).Check(health_pb2.HealthCheckRequest(), metadata=metadata,
+                                                            timeout=TIMEOUT)
+    traced_server.stub.Health(pb.HealthRequest(), metadata=metadata, timeout=TIMEOUT)
+    traced_server.stub.Metrics(pb.MetricsRequest(), metadata=metadata, timeout=TIMEOUT)
+    traced_server.stub.Info(pb.InfoRequest(), metadata=metadata, timeout=TIMEOUT)  # traced: proves the wait
+    spans = spans_of(traced_server, otlp_receiver, traceparent[0], {"/textgen.v1.TextGeneration/Info"})
+    assert set(spans) == {"/textgen.v1.TextGeneration/Info"}
 
 
 def free_port() -> int:
