@@ -12,7 +12,8 @@ CLIENT := clients/python
 INSTALL_KEY := $(shell cat pyproject.toml $(wildcard $(CLIENT)/pyproject.toml) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(INSTALL_KEY)
 
-# `make run ARGS="--max-total-tokens 1024"` passes flags to `inference-service serve`.
+# `make run ARGS="--max-total-tokens 1024"` passes flags to `inference-service launch`
+# (the gRPC server and TGI's REST API through Envoy on :8080).
 ARGS ?=
 # `make test PYTEST_ARGS="-m 'not slow'"` passes options to pytest.
 PYTEST_ARGS ?=
@@ -20,7 +21,7 @@ PYTEST_ARGS ?=
 .PHONY: run test setup protos protos-check demo-model lint clean
 
 run: setup protos demo-model
-	$(VENV)/bin/inference-service serve $(ARGS)
+	$(VENV)/bin/inference-service launch $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
