@@ -82,6 +82,13 @@ class TrackedCall:
         return output
 
     def __exit__(self, error_type: Any, error: BaseException | None, traceback: Any) -> bool:
+        try:
+            self._record(error)
+        except Exception:  # noqa: BLE001 — bookkeeping must never change how a call ends
+            logger.exception("could not record a %s call", self.method)
+        return False
+
+    def _record(self, error: BaseException | None) -> None:
         self.trace.ended = time.perf_counter()
         final = self._final
         if final is not None:  # finished, even if the caller left right after the last token
@@ -95,7 +102,6 @@ class TrackedCall:
             self._observer.tracing.record(self._parent, self.trace)
             trace_id = self._observer.tracing.trace_id(self._parent)
         self._log(final, trace_id)
-        return False
 
     def _succeeded(self, final: GenerateResult | RequestOutput) -> None:
         sequences = [final, *getattr(final, "best_of_sequences", ())]

@@ -117,6 +117,17 @@ def test_a_caller_that_leaves_is_dropped(server):
     server.wait_idle()
 
 
+def test_a_deadline_that_passes_is_dropped(server):
+    before = parse(scrape_rpc(server))
+    with pytest.raises(grpc.RpcError) as raised:
+        server.stub.Generate(request(400), timeout=0.5)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = wait_for(server, lambda m: delta(m, before, "tgi_request_failure_total", err="dropped") >= 1)
+    assert delta(after, before, "tgi_request_failure_total", err="dropped") == 1
+    assert delta(after, before, "tgi_request_count_total") == 1
+    server.wait_idle()
+
+
 def test_generation_failure_is_counted(server, monkeypatch):
     def broken_step():
         raise RuntimeError("device lost")
