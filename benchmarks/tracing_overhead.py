@@ -34,7 +34,9 @@ from benchmarks import common, tiny_model  # noqa: E402
 from inference_service.config import DEMO_MODEL_ID  # noqa: E402
 
 SPANS_PER_REQUEST = 4
-PROMPT = "What is Deep Learning? Explain it to a curious student in a few sentences."
+# Chat-formatted, so an instruct model answers at length instead of ending at once.
+PROMPT = ("<|im_start|>user\nWhat is Deep Learning? Explain it to a curious student.<|im_end|>\n"
+          "<|im_start|>assistant\n")
 
 
 # -- the collector stand-in (child process) --------------------------------------------------------
