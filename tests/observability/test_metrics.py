@@ -19,6 +19,8 @@ from textgen.v1 import generate_pb2 as pb
 TIMEOUT = 60
 PREFILL_BUDGET = 8  # tokens per step: longer prompts are prefilled in chunks
 PROMPT = "the quick brown fox jumps over a lazy dog"
+# The tiny model greedily generates from "a" to the length limit without an EOS: a long request.
+LONG = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_tokens=400))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_requests_successes_and_failures_by_kind(server):
 
 def test_a_caller_that_leaves_is_dropped(server):
     before = parse(scrape_rpc(server))
-    call = server.stub.GenerateStream(request(400), timeout=TIMEOUT)
+    call = server.stub.GenerateStream(LONG, timeout=TIMEOUT)
     next(call), next(call)
     call.cancel()
     after = wait_for(server, lambda m: delta(m, before, "tgi_request_failure_total", err="dropped") >= 1)
@@ -120,7 +122,7 @@ def test_a_caller_that_leaves_is_dropped(server):
 def test_a_deadline_that_passes_is_dropped(server):
     before = parse(scrape_rpc(server))
     with pytest.raises(grpc.RpcError) as raised:
-        server.stub.Generate(request(400), timeout=0.5)
+        server.stub.Generate(LONG, timeout=0.5)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     after = wait_for(server, lambda m: delta(m, before, "tgi_request_failure_total", err="dropped") >= 1)
     assert delta(after, before, "tgi_request_failure_total", err="dropped") == 1
@@ -175,13 +177,13 @@ def test_gauges_when_idle_and_busy(server):
     assert idle[("tgi_kv_cache_blocks_free", ())] == info.num_blocks
     assert idle[("tgi_batch_max_total_tokens", ())] == info.max_batch_total_tokens
 
-    call = server.stub.GenerateStream(request(400), timeout=TIMEOUT)
+    call = server.stub.GenerateStream(LONG, timeout=TIMEOUT)
     next(call), next(call)
     busy = parse(scrape_rpc(server))
     call.cancel()
     assert busy[("tgi_batch_current_size", ())] == 1 and busy[("tgi_kv_cache_blocks_used", ())] > 0
     assert busy[("tgi_batch_current_max_tokens", ())] == len(
-        server.stub.Tokenize(pb.GenerateRequest(inputs=PROMPT), timeout=TIMEOUT).tokens) + 400
+        server.stub.Tokenize(pb.GenerateRequest(inputs="a"), timeout=TIMEOUT).tokens) + 400
     server.wait_idle()
 
 
