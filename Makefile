@@ -40,9 +40,10 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Stubs, type stubs and the Envoy descriptor set, from protos/ only (the results are committed).
+# Stubs, type stubs, the Envoy descriptor set and the standalone Envoy config that embeds it (all committed).
 protos: setup
 	$(PY) protos/generate.py
+	$(PY) -m gateway --output deploy/envoy/envoy.yaml
 
 protos-check: setup
 	$(PY) protos/generate.py --check
