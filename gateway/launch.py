@@ -27,6 +27,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.envoy import Envoy, GatewayError
+from inference_service.cli import NamedFlag
 
 logger = logging.getLogger("gateway.launch")
 
@@ -37,20 +38,12 @@ HELP = "serve the gRPC API and TGI's REST API (through Envoy) together"
 
 
 @dataclass(frozen=True)
-class GatewayFlag:
+class GatewayFlag(NamedFlag):
     name: str
     help: str
     type: Any = str
     default: Any = None
     repeated: bool = False
-
-    @property
-    def env(self) -> str:
-        return self.name.lstrip("-").replace("-", "_").upper()
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
 
 
 GATEWAY_FLAGS = (

@@ -64,8 +64,22 @@ def _parse_bool(text: str) -> bool:
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", _parse_bool: "true or false"}
 
 
+class NamedFlag:
+    """A flag's environment variable and argparse dest, both derived from its name (TGI's rule)."""
+
+    name: str
+
+    @property
+    def env(self) -> str:
+        return self.name.lstrip("-").replace("-", "_").upper()
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
 @dataclass(frozen=True)
-class Flag:
+class Flag(NamedFlag):
     """One command-line flag, the config field it sets, and its environment variable."""
 
     name: str  # "--max-total-tokens"
@@ -75,14 +89,6 @@ class Flag:
     short: str | None = None
     alias_of: str | None = None  # a legacy name of another flag (both given = error)
     default_text: str | None = None  # what an unset default (None) means, for --help
-
-    @property
-    def env(self) -> str:
-        return self.name.lstrip("-").replace("-", "_").upper()
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
 
     @property
     def is_bool(self) -> bool:
