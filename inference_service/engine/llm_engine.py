@@ -22,6 +22,7 @@ from inference_service.engine.outputs import (
     FinishReason,
     PrefillToken,
     RequestOutput,
+    ScheduledRequest,
     SchedulerOutput,
     StepStats,
     Token,
@@ -182,8 +183,9 @@ class LLMEngine:
         self.scheduler.update(plan, self.requests)
 
         outputs: list[RequestOutput] = []
-        for request_id, logits in step_logits.prompt_logits.items():
-            self._record_prompt_logprobs(request_id, plan, logits)
+        for item in plan.scheduled:
+            if item.request_id in step_logits.prompt_logits:
+                self._record_prompt_logprobs(item, step_logits.prompt_logits[item.request_id])
         if not step_logits.sample_ids:
             return outputs
         states = [self.live[request_id].sampling for request_id in step_logits.sample_ids]
@@ -204,10 +206,9 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _record_prompt_logprobs(self, request_id: str, plan, logits: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:
         """logits [n, V] predict positions start+1 .. start+n; keep those inside the prompt."""
-        live = self.live[request_id]
-        item = next(s for s in plan.scheduled if s.request_id == request_id)
+        live = self.live[item.request_id]
         start = item.num_computed_tokens
         end = min(start + item.num_new_tokens, live.request.num_prompt_tokens - 1)
         if end <= start:

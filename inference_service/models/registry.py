@@ -79,7 +79,8 @@ def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
     ]
     prefixes = {"a": seq_a, "b": seq_b}
     for step in steps:
-        calls, logits = _counting_execute(runner, step)
+        step_logits = runner.execute(step)
+        calls, logits = step_logits.num_attention_calls, step_logits.sample_logits
         if calls != num_layers:
             raise ModelLoadError(f"architecture '{model_type}' is not supported: the paged attention was "
                                  f"called {calls} times for {num_layers} layers")
@@ -87,13 +88,6 @@ def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
             end = item.num_computed_tokens + item.num_new_tokens
             expected = _plain_last_logits(model, prefixes[item.request_id][:end], device)
             _compare(model_type, logits[row], expected, dtype)
-
-
-def _counting_execute(runner: ModelRunner, step: list[ScheduledRequest]) -> tuple[int, torch.Tensor]:
-    meta, input_ids, position_ids = runner._prepare(step)
-    keep_rows, _, _ = runner._rows_to_keep(step)
-    logits = runner.forward(meta, input_ids, position_ids, keep_rows)
-    return meta.num_calls, logits
 
 
 def _plain_last_logits(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> torch.Tensor:

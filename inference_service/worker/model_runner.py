@@ -23,6 +23,7 @@ class StepLogits:
     sample_ids: list[str]
     sample_logits: torch.Tensor  # [S, V]
     prompt_logits: dict[str, torch.Tensor]  # request id → [num_new_tokens, V]
+    num_attention_calls: int = 0  # one per layer when the model routes attention through us (the probe)
 
 
 class ModelRunner:
@@ -43,6 +44,7 @@ class ModelRunner:
             sample_ids=[s.request_id for s in scheduled if s.sample],
             sample_logits=logits[sample_rows] if len(sample_rows) != len(keep_rows) else logits,
             prompt_logits=prompt_logits,
+            num_attention_calls=meta.num_calls,
         )
 
     def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
