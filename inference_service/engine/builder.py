@@ -21,6 +21,7 @@ from inference_service.models import loader
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.sample.sampler import Sampler
 from inference_service.worker import attention
+from inference_service.worker.cpu_kernels import decode_kernel_for
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 
@@ -52,13 +53,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
     kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
     info = make_info(config, loaded, num_blocks)
-    runner = ModelRunner(loaded.model, kv_cache, loaded.device)
+    runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype))
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
                        config.scheduler.max_batch_size)
-    logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_total_tokens=%d",
-                info.model_id, info.architecture, info.dtype, num_blocks, info.block_size,
-                info.max_total_tokens)
+    logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_total_tokens=%d, "
+                "decode attention: %s", info.model_id, info.architecture, info.dtype, num_blocks, info.block_size,
+                info.max_total_tokens, "native" if runner.decode_kernel else "torch")
     return engine
 
 

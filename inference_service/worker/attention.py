@@ -14,12 +14,16 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from inference_service.worker.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from inference_service.worker.cpu_kernels import PagedDecodeKernel
 
 ATTENTION_NAME = "engine_paged"
 
@@ -49,6 +53,7 @@ class StepMetadata:
     decode_context_lens: torch.Tensor | None = None  # [Sd] tokens each attends over, new one included
     decode_only: bool = False  # every row is a decode, in order: no scatter needed
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_kernel: PagedDecodeKernel | None = None  # reads the cache in place; None: gather + SDPA
     # Filled while running: masks per window value, calls per layer (the load-time probe counts them).
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     num_calls: int = 0
@@ -108,6 +113,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 def _attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
+    kernel = meta.decode_kernel
+    if kernel is not None and kernel.supports(q.transpose(0, 1), key_cache, value_cache):
+        return kernel(q.transpose(0, 1), key_cache, value_cache, meta.decode_block_table,
+                      meta.decode_context_lens, meta.kv_cache.block_size, scaling, window, softcap)
     block_table = meta.decode_block_table  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = meta.kv_cache.block_size

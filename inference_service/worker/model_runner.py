@@ -12,6 +12,7 @@ import torch
 
 from inference_service.engine.outputs import ScheduledRequest
 from inference_service.worker.attention import PrefillChunk, StepMetadata, step_context
+from inference_service.worker.cpu_kernels import PagedDecodeKernel
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 
 
@@ -27,12 +28,14 @@ class StepLogits:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensors."""
+    """Owns the model and the KV cache tensors (and the decode kernel that reads the cache, if any)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache | None, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache | None, device: torch.device,
+                 decode_kernel: PagedDecodeKernel | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.decode_kernel = decode_kernel
 
     # -- one step -------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
@@ -87,6 +90,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             prefills=prefills,
             decode_only=not prefills,
+            decode_kernel=self.decode_kernel,
         )
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)

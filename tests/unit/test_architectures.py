@@ -2,10 +2,11 @@
 
 For a tiny random model of every architecture the registry accepts, a multi-step packed schedule
 (fresh prefills, a chunked-prefill continuation, decodes, decode-only steps) on shuffled block
-tables runs through `ModelRunner.execute`; every returned logits row must equal a plain
-per-sequence forward of a separate eager model with the same weights. Sliding windows and the
-attention softcap get negative controls proving the schedule exercises them. The load-time probe
-must accept these models and refuse the ones the engine can't serve, naming the architecture.
+tables runs through `ModelRunner.execute`, with the torch decode path and with the native CPU
+kernel; every returned logits row must equal a plain per-sequence forward of a separate eager
+model with the same weights. Sliding windows and the attention softcap get negative controls
+proving the schedule exercises them. The load-time probe must accept these models and refuse
+the ones the engine can't serve, naming the architecture.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tiny_models import NUM_LAYERS, VOCAB_SIZE, same_weights_model, tiny_config,
 from inference_service.engine.outputs import ScheduledRequest
 from inference_service.errors import ModelLoadError
 from inference_service.models import registry
-from inference_service.worker import attention, model_runner
+from inference_service.worker import attention, cpu_kernels, model_runner
 from inference_service.worker.kv_cache import PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 
@@ -160,7 +161,22 @@ class Row:
     logits: torch.Tensor  # [V]
 
 
-def _run_paged(model, tokens, tables, monkeypatch) -> list[Row]:
+class CountingKernel:
+    """The native decode kernel, counting its calls: proves the native parametrization uses it."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.calls = 0
+
+    def supports(self, *tensors) -> bool:
+        return self.kernel.supports(*tensors)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.kernel(*args)
+
+
+def _run_paged(model, tokens, tables, monkeypatch, decode_kernel=None) -> list[Row]:
     """Run the schedule through the runner, on a cache pre-filled with garbage (stale blocks)."""
     shapes = probe_layer_shapes(model, torch.device("cpu"))
     assert len(shapes) == NUM_LAYERS
@@ -168,7 +184,7 @@ def _run_paged(model, tokens, tables, monkeypatch) -> list[Row]:
     generator = torch.Generator().manual_seed(0)
     for tensor in cache.keys + cache.values:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
-    runner = ModelRunner(model, cache, torch.device("cpu"))
+    runner = ModelRunner(model, cache, torch.device("cpu"), decode_kernel)
     rows = []
     with _recording_steps(monkeypatch) as metas:
         for step_index, step in enumerate(SCHEDULE, start=1):
@@ -208,16 +224,24 @@ def _registered():
     attention.register()
 
 
+@pytest.mark.parametrize("decode", ["torch", "native"])
 @pytest.mark.parametrize("model_type", registry.TESTED_ARCHITECTURES)
-def test_packed_paged_logits_equal_a_plain_forward(model_type, monkeypatch):
+def test_packed_paged_logits_equal_a_plain_forward(model_type, decode, monkeypatch):
+    kernel = None
+    if decode == "native":
+        built = cpu_kernels.load_paged_decode()
+        assert built is not None, "the native decode kernel did not build (is a C++ compiler installed?)"
+        kernel = CountingKernel(built)
     reference_model = tiny_model(_config(model_type))
     paged_model = same_weights_model(reference_model, attention.ATTENTION_NAME)
     assert reference_model.config._attn_implementation == "eager"
     assert paged_model.config._attn_implementation == attention.ATTENTION_NAME
     tokens, tables = _sequences_and_tables()
 
-    rows = _run_paged(paged_model, tokens, tables, monkeypatch)
+    rows = _run_paged(paged_model, tokens, tables, monkeypatch, kernel)
     assert len(rows) == sum(c.sample for step in SCHEDULE for c in step) + 11  # + a's prompt rows
+    if kernel is not None:
+        assert kernel.calls >= NUM_LAYERS * NUM_DECODE_ONLY_STEPS, "the native kernel was not used"
     diffs = _max_diffs(rows, PlainForward(reference_model, tokens), key=lambda row: row.step)
     print(f"{model_type}: max |diff| per step " + " ".join(f"{d:.1e}" for d in diffs.values()))
     bad = {step: diff for step, diff in diffs.items() if not diff <= TOLERANCE}

@@ -1,0 +1,121 @@
+"""Native CPU kernels: compiled on first use with the machine's C++ compiler, cached on disk.
+
+Only decode attention is native (`csrc/paged_decode.cpp` says why). The shared library is
+plain C ABI called through ctypes, so building it needs a C++ compiler and nothing of torch's
+build tooling: about a second. Where no compiler works, or `INFERENCE_SERVICE_CPU_KERNELS=off`,
+the engine keeps the torch path, which computes the same thing more slowly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from inference_service.config import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
+# -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
+# flush-to-zero for the whole process (GCC < 13). It lets the exp loop use glibc's vector exp.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
+MAX_GROUPS = 8  # query heads per KV head that the kernel is instantiated for
+
+
+class PagedDecodeKernel:
+    """Decode attention reading the paged cache in place: q [S, H, D] → out [S, H, Dv]."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.paged_decode_f32
+        self._fn.restype = ctypes.c_int
+        pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._fn.argtypes = [pointer] * 6 + [i64] * 7 + [f32, i64, f32]
+
+    @staticmethod
+    def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+        """Whether the kernel computes this call (q [S, H, D]); otherwise the torch path does."""
+        num_heads, num_kv_heads = q.shape[-2], key_cache.shape[1]
+        return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, key_cache, value_cache))
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUPS
+                and key_cache.shape[2] % 8 == 0 and value_cache.shape[2] % 8 == 0)
+
+    def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
+                 window: int | None, softcap: float | None) -> torch.Tensor:
+        q = q.contiguous()
+        block_table = block_table.to(torch.int64).contiguous()
+        context_lens = context_lens.to(torch.int64).contiguous()
+        num_seqs, num_heads, head_dim = q.shape
+        out = q.new_empty(num_seqs, num_heads, value_cache.shape[2])
+        status = self._fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
+                          context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, key_cache.shape[1],
+                          head_dim, value_cache.shape[2], block_size, block_table.shape[1], scale,
+                          window or 0, softcap or 0.0)
+        if status != 0:
+            raise RuntimeError(f"paged decode kernel refused {num_heads} heads over {key_cache.shape[1]} KV heads")
+        return out
+
+
+def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel | None:
+    """The native decode kernel where it applies (fp32 on CPU) and builds; None means the torch path."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
+        logger.info("native CPU attention disabled by %s", ENV_SWITCH)
+        return None
+    return load_paged_decode()
+
+
+@functools.cache
+def load_paged_decode() -> PagedDecodeKernel | None:
+    """Build (once per machine and source) and load the kernel; None, with a warning, if that fails."""
+    try:
+        return PagedDecodeKernel(ctypes.CDLL(str(_build(SOURCE))))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        logger.warning("native CPU attention unavailable, using the torch path: %s", error)
+        return None
+
+
+def _build(source: Path) -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *COMPILE_FLAGS, *LINK_FLAGS,
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    target = Path(default_cache_dir()) / "kernels" / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        obj, lib = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
+        for command in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                        [compiler, *LINK_FLAGS, str(obj), "-o", str(lib)]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(lib, target)  # atomic: concurrent builders each install a complete file
+    logger.info("built native CPU attention: %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    """-march=native code must not be reused by a CPU with other instruction sets (shared home dirs)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()

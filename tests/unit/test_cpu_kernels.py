@@ -1,0 +1,164 @@
+"""The native CPU decode kernel computes the same attention as plain float64 math and the torch path.
+
+Caches hold random data in shuffled blocks, so a kernel reading the wrong slot, head or block
+can't pass; contexts of 1 token, exact block multiples and long ones, grouped-query ratios up to
+the kernel's limit, sliding windows and softcap are all compared. Shapes the kernel does not take
+must fall back to the torch path, and a machine without a compiler must still serve.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from inference_service.worker import attention, cpu_kernels
+from inference_service.worker.kv_cache import LayerShape, PagedKVCache
+
+BLOCK_SIZE = 4
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.PagedDecodeKernel:
+    built = cpu_kernels.load_paged_decode()
+    assert built is not None, "the native decode kernel did not build (is a C++ compiler installed?)"
+    return built
+
+
+class Batch:
+    """Random decode batch: q [S, H, D], a filled cache, shuffled block tables padded with block 0."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, context_lens: list[int],
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        blocks_needed = [-(-n // BLOCK_SIZE) for n in context_lens]
+        num_blocks = sum(blocks_needed) + 3
+        self.cache = PagedKVCache([LayerShape(num_kv_heads, head_dim)], num_blocks, BLOCK_SIZE, dtype,
+                                  torch.device("cpu"))
+        for tensor in (*self.cache.layer(0),):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        order = torch.randperm(num_blocks, generator=generator).tolist()
+        self.tables: list[list[int]] = []
+        for count in blocks_needed:
+            self.tables.append(order[:count])
+            order = order[count:]
+        width = max(blocks_needed)
+        self.block_table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
+        self.context_lens = torch.tensor(context_lens)
+        self.q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator).to(dtype)
+        self.scale = head_dim ** -0.5
+
+    def reference(self, window: int | None, softcap: float | None) -> torch.Tensor:
+        """Per sequence and head, in float64: softmax over the (windowed) prefix, weighted values."""
+        keys, values = (t.double() for t in self.cache.layer(0))
+        groups = self.q.shape[1] // keys.shape[1]
+        out = torch.empty(self.q.shape, dtype=torch.float64)
+        for s, (table, length) in enumerate(zip(self.tables, self.context_lens.tolist(), strict=True)):
+            slots = torch.tensor([table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(length)])
+            if window is not None:
+                slots = slots[max(0, length - window):]
+            for h in range(self.q.shape[1]):
+                k, v = keys[slots, h // groups], values[slots, h // groups]  # [n, D]
+                scores = (k @ self.q[s, h].double()) * self.scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[s, h] = torch.softmax(scores, dim=0) @ v
+        return out
+
+    def run(self, decode_kernel, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Through the attention module's decode path ([S, H, Dv]), with or without the kernel."""
+        meta = attention.StepMetadata(kv_cache=self.cache, num_tokens=len(self.context_lens),
+                                      slot_mapping=torch.zeros(0, dtype=torch.long),
+                                      decode_block_table=self.block_table, decode_context_lens=self.context_lens,
+                                      decode_only=True, decode_kernel=decode_kernel)
+        keys, values = self.cache.layer(0)
+        return attention._attend_decode(meta, self.q.transpose(0, 1), keys, values, self.scale, window, softcap)
+
+
+# Context lengths: 1 token, exact block multiples, one longer than the rest (padding in the table).
+FEW = [1, 8, 13]  # fewer sequences than 4 per thread: the kernel splits work by KV head
+MANY = [1, 4, 5, 8, 9, 13, 16, 17, 3, 40, 2, 7]  # whole sequences per work item
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(4, 4, 16), (9, 3, 64), (8, 1, 32), (16, 2, 128), (6, 3, 8)])
+@pytest.mark.parametrize("context_lens", [FEW, MANY], ids=["few", "many"])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 2.0), (6, 1.5)])
+def test_kernel_equals_float64_math_and_the_torch_path(kernel, num_heads, num_kv_heads, head_dim, context_lens,
+                                                       window, softcap):
+    batch = Batch(num_heads, num_kv_heads, head_dim, context_lens)
+    assert kernel.supports(batch.q, *batch.cache.layer(0))
+    native = batch.run(kernel, window, softcap)
+    expected = batch.reference(window, softcap)
+    assert native.shape == batch.q.shape and native.dtype == torch.float32
+    assert (native.double() - expected).abs().max().item() < TOLERANCE
+    torch_path = batch.run(None, window, softcap)
+    assert (native - torch_path).abs().max().item() < TOLERANCE
+
+
+def test_results_do_not_depend_on_the_number_of_threads(kernel):
+    batch = Batch(9, 3, 64, MANY)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = batch.run(kernel)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, batch.run(kernel))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "dtype"), [
+    (9, 1, 16, torch.float32),  # 9 query heads per KV head: beyond the instantiated groups
+    (4, 2, 12, torch.float32),  # head size not a multiple of 8
+    (4, 2, 16, torch.bfloat16),  # not fp32
+])
+def test_shapes_the_kernel_refuses_take_the_torch_path(kernel, num_heads, num_kv_heads, head_dim, dtype):
+    batch = Batch(num_heads, num_kv_heads, head_dim, FEW, dtype=dtype)
+    assert not kernel.supports(batch.q, *batch.cache.layer(0))
+    out = batch.run(kernel)
+    tolerance = TOLERANCE if dtype == torch.float32 else 5e-2
+    assert (out.double() - batch.reference(None, None)).abs().max().item() < tolerance
+
+
+def test_the_kernel_is_built_once_and_reused(kernel):
+    first = cpu_kernels._build(cpu_kernels.SOURCE)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build(cpu_kernels.SOURCE) == first
+    assert first.stat().st_mtime_ns == stamp
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load_paged_decode.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.load_paged_decode() is None
+    finally:
+        cpu_kernels.load_paged_decode.cache_clear()
+    assert "using the torch path" in caplog.text
+
+
+def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    cpu_kernels.load_paged_decode.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.load_paged_decode() is None
+    finally:
+        cpu_kernels.load_paged_decode.cache_clear()
+    assert "broken.cpp" in caplog.text
+
+
+def test_the_kernel_applies_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch):
+    cpu = torch.device("cpu")
+    assert isinstance(cpu_kernels.decode_kernel_for(cpu, torch.float32), cpu_kernels.PagedDecodeKernel)
+    assert cpu_kernels.decode_kernel_for(cpu, torch.bfloat16) is None
+    assert cpu_kernels.decode_kernel_for(torch.device("cuda"), torch.float32) is None
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
+    assert cpu_kernels.decode_kernel_for(cpu, torch.float32) is None
