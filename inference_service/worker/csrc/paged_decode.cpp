@@ -57,7 +57,17 @@ inline void for_each_row(const Problem& p, const float* cache, int64_t row_size,
     for (int64_t b = start / p.block_size; b * p.block_size < len; ++b) {
         const int64_t first = std::max(start, b * p.block_size), last = std::min(len, (b + 1) * p.block_size);
         const float* row = cache + (table[b] * p.block_size + (first - b * p.block_size)) * row_size;
-        for (int64_t t = first; t < last; ++t, row += row_size) visit(t, row);
+        // Blocks are scattered: fetch the same row of the next block while this one is computed.
+        const bool has_next = (b + 1) * p.block_size < len;
+        const float* ahead = has_next ? cache + (table[b + 1] * p.block_size + (first - b * p.block_size)) * row_size
+                                      : nullptr;
+        for (int64_t t = first; t < last; ++t, row += row_size) {
+            if (has_next) {
+                for (int64_t f = 0; f < row_size; f += 16) __builtin_prefetch(ahead + f);
+                ahead += row_size;
+            }
+            visit(t, row);
+        }
     }
 }
 
