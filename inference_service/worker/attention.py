@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -80,9 +81,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     meta = kwargs.get("paged_meta") or _STEP.get()
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention called outside an engine step")
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None or getattr(module, name, None) is not None:
-            raise RuntimeError(f"{ATTENTION_NAME} attention does not implement '{name}'")
+    _check_supported(module, kwargs)
     meta.num_calls += 1
     layer = module.layer_idx
     if meta.recorded_shapes is not None:  # shape probe: learn KVH, D and dtype per layer
@@ -108,6 +107,23 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out[rows] = _attend_prefill(chunk, query[:, :, rows], key[:, :, rows], value[:, :, rows],
                                     key_cache, value_cache, scaling, window, softcap)
     return out.unsqueeze(0), None
+
+
+_CHECKED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse math we don't implement; a module's own attributes are looked at once (getattr on a
+    module is slow, and this runs for every layer of every step)."""
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise RuntimeError(f"{ATTENTION_NAME} attention does not implement '{name}'")
+    if module in _CHECKED_MODULES:
+        return
+    for name in _UNSUPPORTED_KWARGS:
+        if getattr(module, name, None) is not None:
+            raise RuntimeError(f"{ATTENTION_NAME} attention does not implement '{name}'")
+    _CHECKED_MODULES.add(module)
 
 
 def _attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

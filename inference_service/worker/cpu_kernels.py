@@ -43,21 +43,26 @@ class PagedDecodeKernel:
         pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self._fn.argtypes = [pointer] * 6 + [i64] * 7 + [f32, i64, f32]
 
-    @staticmethod
-    def supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    def supports(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether the kernel computes this call (q [S, H, D]); otherwise the torch path does."""
-        num_heads, num_kv_heads = q.shape[-2], key_cache.shape[1]
-        return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, key_cache, value_cache))
+        return (q.dtype == key_cache.dtype == value_cache.dtype == torch.float32 and q.device.type == "cpu"
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
-                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUPS
-                and key_cache.shape[2] % 8 == 0 and value_cache.shape[2] % 8 == 0)
+                and self._supports_shapes(q.shape[-2], key_cache.shape[1], key_cache.shape[2], value_cache.shape[2]))
+
+    @staticmethod
+    @functools.cache
+    def _supports_shapes(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int) -> bool:
+        return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUPS
+                and head_dim % 8 == 0 and head_dim_v % 8 == 0)
 
     def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
                  window: int | None, softcap: float | None) -> torch.Tensor:
         q = q.contiguous()
-        block_table = block_table.to(torch.int64).contiguous()
-        context_lens = context_lens.to(torch.int64).contiguous()
+        if block_table.dtype != torch.int64 or not block_table.is_contiguous():
+            block_table = block_table.to(torch.int64).contiguous()
+        if context_lens.dtype != torch.int64 or not context_lens.is_contiguous():
+            context_lens = context_lens.to(torch.int64).contiguous()
         num_seqs, num_heads, head_dim = q.shape
         out = q.new_empty(num_seqs, num_heads, value_cache.shape[2])
         status = self._fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),

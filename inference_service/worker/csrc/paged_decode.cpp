@@ -31,6 +31,8 @@ inline v8 load8(const float* p) {
 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 
+constexpr int64_t kMinParallelRows = 4096;  // (position, KV head) pairs
+
 inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 struct Problem {
@@ -162,9 +164,14 @@ std::vector<Item> plan_items(const Problem& p) {
 template <int G>
 void run(const Problem& p) {
     const std::vector<Item> items = plan_items(p);
-    int64_t longest = 1;
-    for (int64_t s = 0; s < p.num_seqs; ++s) longest = std::max(longest, p.context_lens[s]);
-#pragma omp parallel
+    int64_t longest = 1, rows = 0;
+    for (int64_t s = 0; s < p.num_seqs; ++s) {
+        longest = std::max(longest, p.context_lens[s]);
+        rows += p.window > 0 ? std::min(p.context_lens[s], p.window) : p.context_lens[s];
+    }
+    // Waking the other threads costs more than a few thousand cache rows take on one.
+    const bool parallel = rows * p.num_kv_heads >= kMinParallelRows;
+#pragma omp parallel if (parallel)
     {
         std::vector<float> weights(p.num_heads * longest);
         std::vector<float> acc(p.num_heads * p.head_dim_v);
