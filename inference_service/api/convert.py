@@ -13,6 +13,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from google.protobuf import json_format
+
 from inference_service import __version__
 from inference_service.config import SchedulerConfig
 from inference_service.engine import outputs
@@ -45,7 +47,8 @@ def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = F
         values.setdefault("return_full_text", True)
     values["stop"] = list(message.stop)
     if message.HasField("grammar"):
-        values["grammar"] = {"type": message.grammar.type, "value": message.grammar.value}
+        values["grammar"] = {"type": message.grammar.type,
+                             "value": json_format.MessageToDict(message.grammar.value)}
     return GenerateParameters(**values)
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
+from google.protobuf import json_format
 
 from textgen_client import (
     BestOfSequence,
@@ -31,12 +31,14 @@ def test_request_sets_only_given_parameters():
     assert params.seed == 2**40
 
 
-def test_request_grammar_dict_is_sent_as_json():
+def test_request_grammar_schema_is_sent_as_a_json_object():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     params = _convert.build_request("x", {"grammar": Grammar(type="json", value=schema)}).parameters
-    assert params.grammar.type == "json" and json.loads(params.grammar.value) == schema
+    assert params.grammar.type == "json"
+    assert params.grammar.value.WhichOneof("kind") == "struct_value"
+    assert json_format.MessageToDict(params.grammar.value) == schema
     params = _convert.build_request("x", {"grammar": {"type": "regex", "value": "[0-9]+"}}).parameters
-    assert (params.grammar.type, params.grammar.value) == ("regex", "[0-9]+")
+    assert (params.grammar.type, params.grammar.value.string_value) == ("regex", "[0-9]+")
 
 
 @pytest.mark.parametrize(("name", "value"), [

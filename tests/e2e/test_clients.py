@@ -66,6 +66,11 @@ def test_text_generation_validation_errors(gateway):
         client.generate(PROMPT, max_new_tokens=2, top_n_tokens=100)
     with pytest.raises(text_generation.errors.ValidationError, match="top_n_tokens"):
         list(client.generate_stream(PROMPT, max_new_tokens=2, top_n_tokens=100))
+    # The client sends a JSON schema as an object: it must reach validation (422), not fail transcoding.
+    schema = text_generation.types.Grammar(type=text_generation.types.GrammarType.Json,
+                                           value={"properties": {"a": {"type": "integer"}}})
+    with pytest.raises(text_generation.errors.ValidationError, match="grammar is not supported"):
+        client.generate(PROMPT, max_new_tokens=2, grammar=schema)
 
 
 async def test_text_generation_async_validation_errors(gateway):

@@ -135,6 +135,10 @@ def test_unknown_request_fields_and_nulls_are_accepted(gateway, validate):
     ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
     ({"temperature": 0}, "`temperature` must be strictly positive"),
     ({"top_n_tokens": 100}, "`top_n_tokens` must be >= 0 and <= 5"),
+    # TGI's grammar shapes all reach validation (a schema object, its JSON text, a regex).
+    ({"grammar": {"type": "json", "value": {"properties": {"a": {"type": "integer"}}}}}, "grammar is not supported"),
+    ({"grammar": {"type": "json", "value": '{"properties": {}}'}}, "grammar is not supported"),
+    ({"grammar": {"type": "regex", "value": "[0-9]+"}}, "grammar is not supported"),
 ])
 def test_validation_errors(gateway, validate, parameters, message):
     status, headers, body = status_and_body(gateway.curl("/generate", "-i", body={

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+from google.protobuf import json_format, struct_pb2
 
 from inference_service.api import convert
 from inference_service.config import SchedulerConfig
@@ -46,7 +47,8 @@ def test_values_are_carried_over():
         best_of=2, temperature=0.5, repetition_penalty=1.2, frequency_penalty=-0.5, top_k=7, top_p=0.75,
         typical_p=0.5, do_sample=True, max_new_tokens=12, return_full_text=True, stop=["a", "\n"],
         truncate=9, watermark=True, details=True, decoder_input_details=True, seed=2**64 - 1,
-        top_n_tokens=3, adapter_id="x", grammar=pb.Grammar(type="regex", value="[a-z]+")))
+        top_n_tokens=3, adapter_id="x",
+        grammar=pb.Grammar(type="regex", value=struct_pb2.Value(string_value="[a-z]+"))))
     domain = convert.request_from_pb(request)
     assert domain.inputs == "héllo"
     assert domain.parameters == GenerateParameters(
@@ -54,6 +56,14 @@ def test_values_are_carried_over():
         top_p=0.75, typical_p=0.5, do_sample=True, max_new_tokens=12, return_full_text=True,
         stop=["a", "\n"], truncate=9, watermark=True, details=True, decoder_input_details=True,
         seed=2**64 - 1, top_n_tokens=3, adapter_id="x", grammar={"type": "regex", "value": "[a-z]+"})
+
+
+def test_a_grammar_schema_object_reaches_validation_as_a_dict():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    grammar = pb.Grammar(type="json")
+    json_format.ParseDict(schema, grammar.value)
+    request = pb.GenerateRequest(inputs="x", parameters=pb.GenerateParameters(grammar=grammar))
+    assert convert.request_from_pb(request).parameters.grammar == {"type": "json", "value": schema}
 
 
 def test_absent_parameters_are_all_defaults():

@@ -6,10 +6,11 @@ The only module that touches message fields, so a contract change shows up in on
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable
 from typing import Any
+
+from google.protobuf import json_format
 
 from textgen_client._proto.textgen.v1 import generate_pb2 as pb
 from textgen_client.errors import ValidationError
@@ -60,8 +61,8 @@ def _set_parameter(message: pb.GenerateParameters, name: str, value: Any) -> Non
         message.stop.extend(value)
     elif name == "grammar":
         grammar = value if isinstance(value, Grammar) else Grammar(**value)
-        text = grammar.value if isinstance(grammar.value, str) else json.dumps(grammar.value)
-        message.grammar.CopyFrom(pb.Grammar(type=str(grammar.type), value=text))
+        message.grammar.type = str(grammar.type)
+        json_format.ParseDict(grammar.value, message.grammar.value)  # a schema dict stays a JSON object
     else:
         setattr(message, name, value)
 

@@ -34,7 +34,7 @@ class Grammar:
     type: str
     """`"json"` or `"regex"`."""
     value: str | dict[str, Any]
-    """The regex, or the JSON schema (a dict is sent as its JSON text)."""
+    """The regex, or the JSON schema (a dict is sent as a JSON object, as TGI takes it)."""
 
 
 @dataclass(frozen=True)

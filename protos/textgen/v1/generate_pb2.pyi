@@ -11,6 +11,7 @@ below onto these RPCs. Optional scalars are `optional` so that "absent" differs 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -208,19 +209,25 @@ Global___GenerateParameters: _TypeAlias = GenerateParameters  # noqa: Y015
 
 @_typing.final
 class Grammar(_message.Message):
+    """TGI's grammar: `{"type": "json", "value": <JSON schema object, or its JSON text>}` or
+    `{"type": "regex", "value": "<regex>"}`. A Value, so that REST callers can send the schema as the
+    JSON object TGI takes.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TYPE_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
     type: _builtins.str
-    value: _builtins.str
+    @_builtins.property
+    def value(self) -> _struct_pb2.Value: ...
     def __init__(
         self,
         *,
         type: _builtins.str = ...,
-        value: _builtins.str = ...,
+        value: _struct_pb2.Value | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["type", b"type", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
