@@ -20,8 +20,8 @@ from inference_service.errors import ModelLoadError
 from inference_service.models import loader
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.sample.sampler import Sampler
-from inference_service.worker import attention
-from inference_service.worker.cpu_kernels import decode_kernel_for
+from inference_service.worker import attention, native_linear
+from inference_service.worker.cpu_kernels import decode_kernel_for, linear_kernel_for
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 
@@ -50,6 +50,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     loaded = load(config)
     shapes = probe_layer_shapes(loaded.model, loaded.device)
     dtype = next(loaded.model.parameters()).dtype
+    linear_kernel = linear_kernel_for(loaded.device, dtype)
+    native_linears = native_linear.install(loaded.model, linear_kernel) if linear_kernel else 0
     num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
     kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
     info = make_info(config, loaded, num_blocks)
@@ -58,8 +60,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
                        config.scheduler.max_batch_size)
     logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_total_tokens=%d, "
-                "decode attention: %s", info.model_id, info.architecture, info.dtype, num_blocks, info.block_size,
-                info.max_total_tokens, "native" if runner.decode_kernel else "torch")
+                "decode attention: %s, native few-row linears: %d", info.model_id, info.architecture, info.dtype,
+                num_blocks, info.block_size, info.max_total_tokens, "native" if runner.decode_kernel else "torch",
+                native_linears)
     return engine
 
 

@@ -2,11 +2,11 @@
 
 For a tiny random model of every architecture the registry accepts, a multi-step packed schedule
 (fresh prefills, a chunked-prefill continuation, decodes, decode-only steps) on shuffled block
-tables runs through `ModelRunner.execute`, with the torch decode path and with the native CPU
-kernel; every returned logits row must equal a plain per-sequence forward of a separate eager
-model with the same weights. Sliding windows and the attention softcap get negative controls
-proving the schedule exercises them. The load-time probe must accept these models and refuse
-the ones the engine can't serve, naming the architecture.
+tables runs through `ModelRunner.execute`, with torch's paths and with the native CPU kernels
+(decode attention, few-row linears); every returned logits row must equal a plain per-sequence
+forward of a separate eager model with the same weights. Sliding windows and the attention
+softcap get negative controls proving the schedule exercises them. The load-time probe must
+accept these models and refuse the ones the engine can't serve, naming the architecture.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tiny_models import NUM_LAYERS, VOCAB_SIZE, same_weights_model, tiny_config,
 from inference_service.engine.outputs import ScheduledRequest
 from inference_service.errors import ModelLoadError
 from inference_service.models import registry
-from inference_service.worker import attention, cpu_kernels, model_runner
+from inference_service.worker import attention, cpu_kernels, model_runner, native_linear
 from inference_service.worker.kv_cache import PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 
@@ -234,6 +234,8 @@ def test_packed_paged_logits_equal_a_plain_forward(model_type, decode, monkeypat
         kernel = CountingKernel(built)
     reference_model = tiny_model(_config(model_type))
     paged_model = same_weights_model(reference_model, attention.ATTENTION_NAME)
+    if decode == "native":  # the engine's CPU fp32 setup: few-row projections go native too
+        native_linear.install(paged_model, cpu_kernels.load_small_batch_linear())
     assert reference_model.config._attn_implementation == "eager"
     assert paged_model.config._attn_implementation == attention.ATTENTION_NAME
     tokens, tables = _sequences_and_tables()

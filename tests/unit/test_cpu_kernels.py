@@ -1,4 +1,4 @@
-"""The native CPU decode kernel computes the same attention as plain float64 math and the torch path.
+"""The native CPU decode attention computes the same as plain float64 math and the torch path.
 
 Caches hold random data in shuffled blocks, so a kernel reading the wrong slot, head or block
 can't pass; contexts of 1 token, exact block multiples and long ones, grouped-query ratios up to
@@ -123,21 +123,21 @@ def test_shapes_the_kernel_refuses_take_the_torch_path(kernel, num_heads, num_kv
 
 
 def test_the_kernel_is_built_once_and_reused(kernel):
-    first = cpu_kernels._build(cpu_kernels.SOURCE)
+    first = cpu_kernels._build(cpu_kernels.SOURCES)
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels._build(cpu_kernels.SOURCE) == first
+    assert cpu_kernels._build(cpu_kernels.SOURCES) == first
     assert first.stat().st_mtime_ns == stamp
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    cpu_kernels.load_paged_decode.cache_clear()
+    cpu_kernels.load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert cpu_kernels.load_paged_decode() is None
     finally:
-        cpu_kernels.load_paged_decode.cache_clear()
+        cpu_kernels.load_library.cache_clear()
     assert "using the torch path" in caplog.text
 
 
@@ -145,20 +145,24 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
-    cpu_kernels.load_paged_decode.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, broken))
+    cpu_kernels.load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert cpu_kernels.load_paged_decode() is None
     finally:
-        cpu_kernels.load_paged_decode.cache_clear()
+        cpu_kernels.load_library.cache_clear()
     assert "broken.cpp" in caplog.text
 
 
-def test_the_kernel_applies_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch):
+@pytest.mark.parametrize(("kernel_for", "kind"), [
+    (cpu_kernels.decode_kernel_for, cpu_kernels.PagedDecodeKernel),
+    (cpu_kernels.linear_kernel_for, cpu_kernels.SmallBatchLinear),
+])
+def test_the_kernels_apply_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch, kernel_for, kind):
     cpu = torch.device("cpu")
-    assert isinstance(cpu_kernels.decode_kernel_for(cpu, torch.float32), cpu_kernels.PagedDecodeKernel)
-    assert cpu_kernels.decode_kernel_for(cpu, torch.bfloat16) is None
-    assert cpu_kernels.decode_kernel_for(torch.device("cuda"), torch.float32) is None
+    assert isinstance(kernel_for(cpu, torch.float32), kind)
+    assert kernel_for(cpu, torch.bfloat16) is None
+    assert kernel_for(torch.device("cuda"), torch.float32) is None
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
-    assert cpu_kernels.decode_kernel_for(cpu, torch.float32) is None
+    assert kernel_for(cpu, torch.float32) is None

@@ -1,0 +1,95 @@
+// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias[N]) for a few rows (M <= 8), fp32, CPU: the decode-step
+// shape of every projection. It is bound by reading W, and torch's fp32 GEMV (MKL on this kind of
+// CPU) streams W at about half the machine's bandwidth; this streams each W row once, computing
+// all M dot products from it, with several rows in flight to hide FMA latency.
+//
+// All arrays contiguous; K a multiple of 8. Threads split N (torch's OpenMP runtime, as in
+// paged_decode.cpp).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+    v8 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+constexpr int64_t kRowsPerTask = 64;                // W rows per scheduling unit
+constexpr int64_t kMinParallelElements = 1 << 16;   // below this, waking threads costs more than it saves
+
+// Output rows [n0, n1), RN weight rows at a time: RN * M accumulators stay in registers.
+template <int M, int RN>
+void rows(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t n,
+          int64_t k) {
+    int64_t j = n0;
+    for (; j + RN <= n1; j += RN) {
+        v8 acc[RN][M] = {};
+        for (int64_t c = 0; c < k; c += 8) {
+            for (int r = 0; r < RN; ++r) {
+                const v8 wv = load8(w + (j + r) * k + c);
+                for (int m = 0; m < M; ++m) acc[r][m] += wv * load8(x + m * k + c);
+            }
+        }
+        for (int r = 0; r < RN; ++r) {
+            const float b = bias ? bias[j + r] : 0.f;
+            for (int m = 0; m < M; ++m) y[m * n + j + r] = hsum(acc[r][m]) + b;
+        }
+    }
+    for (; j < n1; ++j) {
+        v8 acc[M] = {};
+        for (int64_t c = 0; c < k; c += 8) {
+            const v8 wv = load8(w + j * k + c);
+            for (int m = 0; m < M; ++m) acc[m] += wv * load8(x + m * k + c);
+        }
+        const float b = bias ? bias[j] : 0.f;
+        for (int m = 0; m < M; ++m) y[m * n + j] = hsum(acc[m]) + b;
+    }
+}
+
+template <int M>
+void rows_of(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t n,
+             int64_t k) {
+    constexpr int RN = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // RN * M + M + 1 vector registers
+    rows<M, RN>(x, w, bias, y, n0, n1, n, k);
+}
+
+// Input rows go 8 at a time over each task's W rows; the task's W slice (64 rows) stays in L2
+// between them, so W still comes from memory once.
+void run(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+    const int64_t tasks = (n + kRowsPerTask - 1) / kRowsPerTask;
+#pragma omp parallel for schedule(static) if (n * k >= kMinParallelElements)
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t n0 = t * kRowsPerTask, n1 = std::min(n, n0 + kRowsPerTask);
+        for (int64_t m0 = 0; m0 < m; m0 += 8) {
+            const float* xs = x + m0 * k;
+            float* ys = y + m0 * n;
+            switch (std::min<int64_t>(8, m - m0)) {
+                case 1: rows_of<1>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 2: rows_of<2>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 3: rows_of<3>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 4: rows_of<4>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 5: rows_of<5>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 6: rows_of<6>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 7: rows_of<7>(xs, w, bias, ys, n0, n1, n, k); break;
+                default: rows_of<8>(xs, w, bias, ys, n0, n1, n, k); break;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int small_batch_linear_f32(const float* x, const float* w, const float* bias, float* y, int64_t m,
+                                      int64_t n, int64_t k) {
+    if (k % 8 != 0 || m < 1) return 1;
+    run(x, w, bias, y, m, n, k);
+    return 0;
+}
