@@ -129,10 +129,10 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
 def _attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
-    kernel = meta.decode_kernel
-    if kernel is not None and kernel.supports(q.transpose(0, 1), key_cache, value_cache):
-        return kernel(q.transpose(0, 1), key_cache, value_cache, meta.decode_block_table,
-                      meta.decode_context_lens, meta.kv_cache.block_size, scaling, window, softcap)
+    kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
+    if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
+        return kernel(q_by_seq, key_cache, value_cache, meta.decode_block_table, meta.decode_context_lens,
+                      meta.kv_cache.block_size, scaling, window, softcap)
     block_table = meta.decode_block_table  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = meta.kv_cache.block_size
@@ -142,8 +142,7 @@ def _attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor,
     if mask is None:
         mask = _decode_mask(meta.decode_context_lens, num_blocks * block_size, window)  # [Sd, 1, 1, L]
         meta.decode_masks[window] = mask
-    q = q.transpose(0, 1).unsqueeze(2)  # [Sd, H, 1, D]
-    out = _attend(q, keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
+    out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
     return out.squeeze(2)
 
 

@@ -42,7 +42,12 @@ _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class PagedDecodeKernel:
-    """Decode attention reading the paged cache in place: q [S, H, D] → out [S, H, Dv]."""
+    """Decode attention reading the paged cache in place: q [S, H, D] → out [S, H, Dv].
+
+    Unlike torch's indexing, the kernel does not bounds-check: it trusts that each sequence's
+    table covers its context. ModelRunner indexes the table at every decode's last position, so a
+    short table raises there first, and block ids come from the block manager's own pool.
+    """
 
     def __init__(self, library: ctypes.CDLL):
         self._fn = library.paged_decode_f32
