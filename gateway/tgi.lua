@@ -34,7 +34,7 @@ local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
 -- A client only sees `cancelled` when the server cancelled (shutting down): 503, as `unavailable`.
 local ERROR_STATUS = {
   validation = 422, overloaded = 429, generation = 424, unavailable = 503, cancelled = 503,
-  internal = 500,
+  internal = 500, unauthorized = 401,
 }
 -- gRPC codes, for errors that did not come with an `x-error-type` (grpc's own, a proxy's).
 local GRPC_CODE_NAMES = {
@@ -183,7 +183,9 @@ local function shape_grpc_error(handle, kind, grpc_status)
   local message = percent_decoded(headers:get("grpc-message") or "")
   local status = ERROR_STATUS[error_type] or tonumber(headers:get(":status")) or 500
   local body, content_type = error_json(message, error_type), "application/json"
-  if kind == "stream" then  -- TGI: 200 and the error as the stream's only event
+  if status == 401 then  -- TGI's auth layer answers before any route: a bare 401, streams included
+    body, content_type = "", nil
+  elseif kind == "stream" then  -- TGI: 200 and the error as the stream's only event
     body, content_type, status = "data: " .. body .. "\n\n", "text/event-stream", 200
   elseif kind == "health" then
     body, status = error_json("unhealthy", "healthcheck"), 503
@@ -192,7 +194,7 @@ local function shape_grpc_error(handle, kind, grpc_status)
   headers = handle:headers()
   strip_grpc_headers(headers)
   headers:replace(":status", tostring(status))
-  headers:replace("content-type", content_type)
+  if content_type == nil then headers:remove("content-type") else headers:replace("content-type", content_type) end
 end
 
 -- Entry points ----------------------------------------------------------------------------------

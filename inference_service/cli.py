@@ -167,6 +167,10 @@ SERVER_FLAGS = (
          "unset, nothing is traced.", default_text="none"),
     Flag("--otlp-service-name", "server.otlp_service_name",
          "service.name of exported traces (launch: Envoy's spans get it + \"-gateway\")."),
+    Flag("--api-key", "server.api_key",
+         "Key the generation calls (Generate, GenerateStream, Tokenize; REST /, /generate, /generate_stream, "
+         "/tokenize) must carry as 'authorization: Bearer <key>'; health, info and metrics stay open.",
+         default_text="none: nothing is checked"),
     Flag("--prometheus-port", "server.prometheus_port",
          "Port of the Prometheus metrics listener on --hostname (0 = any free port); the Metrics RPC "
          "(GET /metrics through the gateway) serves the same metrics.", int),

@@ -56,5 +56,14 @@ class UnavailableError(InferenceError):
     error_type = "unavailable"
 
 
+class UnauthorizedError(InferenceError):
+    """A guarded call without the server's API key (`--api-key`)."""
+
+    error_type = "unauthorized"
+
+    def __init__(self, message: str = "Unauthorized: a valid 'authorization: Bearer <api key>' is required"):
+        super().__init__(message)
+
+
 class ModelLoadError(Exception):
     """The model can't be loaded or served exactly; the message says why in one line."""

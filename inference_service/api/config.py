@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inference_service.observability.tracing import otlp_target
 
@@ -25,6 +25,7 @@ class ServerConfig:
     otlp_endpoint: str | None = None
     otlp_service_name: str = "inference-service"
     prometheus_port: int = 9000  # metrics listener on `hostname`; 0 = any free port
+    api_key: str | None = field(default=None, repr=False)  # a secret: kept out of reprs and logs
 
     def __post_init__(self) -> None:
         _require(0 <= self.grpc_port <= 65535, "--grpc-port must be in [0, 65535]")

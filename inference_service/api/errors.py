@@ -37,6 +37,7 @@ STATUS_CODES: dict[str, grpc.StatusCode] = {
     "generation": grpc.StatusCode.INTERNAL,
     "cancelled": grpc.StatusCode.CANCELLED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "unauthorized": grpc.StatusCode.UNAUTHENTICATED,
     UNEXPECTED_ERROR_TYPE: grpc.StatusCode.UNKNOWN,
 }
 

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.config import EngineConfig
@@ -56,7 +57,10 @@ class ApiServer:
         self.servicer = TextGenerationServicer(engine_config.scheduler, metrics=self.observability.metrics.render,
                                                observer=self.observability.requests)
         self.health = HealthServicer()
-        self._server = grpc.aio.server(interceptors=self.observability.server_interceptors(), options=[
+        interceptors = self.observability.server_interceptors()
+        if server_config.api_key:
+            interceptors.append(ApiKeyInterceptor(server_config.api_key))
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", server_config.payload_limit),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ])

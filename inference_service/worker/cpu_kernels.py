@@ -27,7 +27,9 @@ from inference_service.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "small_batch_linear.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp")
+HEADERS = (CSRC / "vec8.h",)  # included by the sources: part of the cache key
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
 # flush-to-zero for the whole process (GCC < 13). It lets the exp loop use glibc's vector exp.
@@ -159,7 +161,7 @@ def _build(sources: tuple[Path, ...]) -> Path:
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [source.read_text() for source in sources]
+    texts = [path.read_text() for path in (*sources, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, compiler, version, *COMPILE_FLAGS, *LINK_FLAGS, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = Path(default_cache_dir()) / "kernels" / f"cpu_kernels-{key}.so"

@@ -33,6 +33,7 @@ SAMPLES = {
     "--json-output": (None, True), "--log-level": ("debug", "debug"),
     "--otlp-endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
     "--otlp-service-name": ("svc", "svc"), "--prometheus-port": ("9100", 9100),
+    "--api-key": ("s3cret", "s3cret"),
 }
 
 
@@ -67,6 +68,11 @@ def test_environment_variable_sets_its_field(flag):
     text, expected = SAMPLES[flag.name]
     engine, server = parse([], {flag.env: "true" if text is None else text})
     assert field_value(engine, server, flag.target) == expected
+
+
+def test_the_api_key_stays_out_of_reprs():
+    _engine, server = parse([], {"API_KEY": "s3cret"})
+    assert server.api_key == "s3cret" and "s3cret" not in repr(server)
 
 
 def test_env_names_are_tgi_style():

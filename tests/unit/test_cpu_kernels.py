@@ -8,6 +8,7 @@ must fall back to the torch path, and a machine without a compiler must still se
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -129,15 +130,22 @@ def test_the_kernel_is_built_once_and_reused(kernel):
     assert first.stat().st_mtime_ns == stamp
 
 
+@contextlib.contextmanager
+def fresh_build():
+    """`load_library` forgets the library it loaded, builds under the patched settings, then forgets again."""
+    cpu_kernels.load_library.cache_clear()
+    try:
+        yield
+    finally:
+        cpu_kernels.load_library.cache_clear()
+
+
 def test_without_a_compiler_the_engine_keeps_the_torch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    cpu_kernels.load_library.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-            assert cpu_kernels.load_paged_decode() is None
-    finally:
-        cpu_kernels.load_library.cache_clear()
+    with fresh_build(), caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load_paged_decode() is None
+        assert cpu_kernels.load_small_batch_linear() is None
     assert "using the torch path" in caplog.text
 
 
@@ -146,12 +154,8 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
     broken.write_text("this is not C++\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, broken))
-    cpu_kernels.load_library.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-            assert cpu_kernels.load_paged_decode() is None
-    finally:
-        cpu_kernels.load_library.cache_clear()
+    with fresh_build(), caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load_paged_decode() is None
     assert "broken.cpp" in caplog.text
 
 

@@ -82,6 +82,7 @@ _BY_KIND: dict[str, type[TextGenerationError]] = {
     "unavailable": UnavailableError,
     "cancelled": CancelledError,
     "deadline_exceeded": DeadlineExceededError,
+    "unauthorized": AuthenticationError,
     "internal": UnknownError,
 }
 

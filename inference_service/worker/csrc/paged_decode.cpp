@@ -16,24 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "vec8.h"
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-    v8 v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
-
 constexpr int64_t kMinParallelRows = 4096;  // (position, KV head) pairs
-
-inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 struct Problem {
     const float* q;

@@ -8,19 +8,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+
+#include "vec8.h"
 
 namespace {
-
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-    v8 v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
 constexpr int64_t kRowsPerTask = 64;                // W rows per scheduling unit
 constexpr int64_t kMinParallelElements = 1 << 16;   // below this, waking threads costs more than it saves
