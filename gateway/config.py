@@ -33,6 +33,9 @@ COLLECTOR_CLUSTER = "opentelemetry_collector"
 UNTRACED_RPCS = ("Health", "Metrics")  # probes and scrapes would flood the trace store
 # The servicer answers GenerateStream errors as a last message instead of a status when this is set.
 INBAND_ERRORS_HEADER = "x-textgen-inband-errors"
+# ...and sends a heartbeat after this many idle seconds, which the Lua filter writes as TGI's SSE
+# keep-alive comment (TGI: 15 s).
+KEEPALIVE_HEADER = "x-textgen-keepalive-s"
 # Concurrency is the server's business (--max-concurrent-requests, 429): Envoy must not cap it.
 UNLIMITED = 1_000_000
 # A whole unary answer is buffered (transcoder, Lua): /generate with every detail of a long
@@ -58,6 +61,7 @@ class GatewayConfig:
     admin_port: int | None = 9901  # None: no admin listener; 0: any free port
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for Envoy's spans; None: no tracing
     otlp_service_name: str = "inference-service-gateway"
+    sse_keepalive_s: float = 15.0  # idle seconds before an SSE stream gets a `:` comment (TGI's)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,6 +72,8 @@ class GatewayConfig:
             raise ValueError("--payload-limit must be > 0")
         if self.otlp_endpoint:
             otlp_target(self.otlp_endpoint)
+        if self.sse_keepalive_s <= 0:
+            raise ValueError("the SSE keep-alive interval must be > 0")
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -90,7 +96,7 @@ def _header(key: str, value: str) -> dict[str, Any]:
     return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
-def _route(route: RestRoute) -> dict[str, Any]:
+def _route(route: RestRoute, keepalive_s: float) -> dict[str, Any]:
     rendered: dict[str, Any] = {
         "name": route.rpc,
         "match": {"path": route.path, "headers": [{"name": ":method", "string_match": {"exact": route.method}}]},
@@ -99,14 +105,15 @@ def _route(route: RestRoute) -> dict[str, Any]:
         "metadata": _lua_metadata(route),
     }
     if route.streams:
-        rendered["request_headers_to_add"] = [_header(INBAND_ERRORS_HEADER, "1")]
+        rendered["request_headers_to_add"] = [_header(INBAND_ERRORS_HEADER, "1"),
+                                              _header(KEEPALIVE_HEADER, f"{keepalive_s:g}")]
         rendered["response_headers_to_add"] = [_header("cache-control", "no-cache"),
                                                _header("x-accel-buffering", "no")]
     return rendered
 
 
-def _routes(routes: list[RestRoute], traced: bool = False) -> list[dict[str, Any]]:
-    rendered = [_route(route) for route in routes]
+def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False) -> list[dict[str, Any]]:
+    rendered = [_route(route, keepalive_s) for route in routes]
     if traced:  # span names as OpenTelemetry's HTTP conventions have them; not sent upstream
         for route, entry in zip(routes, rendered, strict=True):
             entry["decorator"] = {"operation": f"{route.method} {route.path}", "propagate": False}
@@ -187,7 +194,8 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "stream_idle_timeout": "0s",
         "local_reply_config": _local_reply_config(config.payload_limit),
         "route_config": {"name": "rest", "virtual_hosts": [{
-            "name": "tgi", "domains": ["*"], "routes": _routes(routes, traced=bool(config.otlp_endpoint)),
+            "name": "tgi", "domains": ["*"],
+            "routes": _routes(routes, config.sse_keepalive_s, traced=bool(config.otlp_endpoint)),
             "typed_per_filter_config": {CORS_FILTER: _cors(config.cors_allow_origin)}}]},
         "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
     }

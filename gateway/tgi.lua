@@ -144,6 +144,10 @@ end
 
 local STREAM_NULLS = "generated_text,details"
 
+-- The server's heartbeat on an idle stream (`keep_alive`, asked for by the route): TGI's comment.
+local KEEPALIVE_EVENT = '"keep_alive":true'
+local KEEPALIVE_COMMENT = ":\n\n"
+
 local function tgi_event(json)
   json = tgi_json(json)
   local error_at = json:find(',"error":"', 1, true)
@@ -152,7 +156,10 @@ local function tgi_event(json)
 end
 
 local function tgi_events(text)
-  return (text:gsub("data: ([^\n]*)\n\n", function(json) return "data: " .. tgi_event(json) .. "\n\n" end))
+  return (text:gsub("data: ([^\n]*)\n\n", function(json)
+    if json:find(KEEPALIVE_EVENT, 1, true) then return KEEPALIVE_COMMENT end
+    return "data: " .. tgi_event(json) .. "\n\n"
+  end))
 end
 
 -- Events arrive whole (the transcoder prints one per gRPC message); a partial one waits anyway.

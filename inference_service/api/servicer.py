@@ -16,6 +16,7 @@ from google.api import httpbody_pb2
 
 from inference_service.api import convert
 from inference_service.api.errors import stream_errors, unary_errors
+from inference_service.api.keepalive import requested_interval, with_keepalives
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.errors import UnavailableError
@@ -82,8 +83,12 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             engine = self.engine()
             validated = call.validated(await engine.validate(convert.request_from_pb(request), stream=True))
             details, num_sent = convert.wants_details(request), 0
-            async with contextlib.aclosing(engine.generate_stream(validated)) as outputs:
-                async for output in outputs:
+            async with (contextlib.aclosing(engine.generate_stream(validated)) as outputs,
+                        contextlib.aclosing(with_keepalives(outputs, requested_interval(context))) as events):
+                async for output in events:
+                    if output is None:
+                        yield pb.StreamResponse(keep_alive=True)
+                        continue
                     call.streamed(output)
                     responses = convert.stream_responses_to_pb(output, first_index=num_sent + 1, details=details)
                     for response in responses:

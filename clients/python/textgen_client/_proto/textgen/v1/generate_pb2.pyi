@@ -490,6 +490,7 @@ class StreamResponse(_message.Message):
     DETAILS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_TYPE_FIELD_NUMBER: _builtins.int
+    KEEP_ALIVE_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """1 for the first generated token."""
     generated_text: _builtins.str
@@ -499,6 +500,11 @@ class StreamResponse(_message.Message):
     status code instead.
     """
     error_type: _builtins.str
+    keep_alive: _builtins.bool
+    """A heartbeat with nothing else set, sent only to callers that ask for one with the
+    `x-textgen-keepalive-s` request header (the REST gateway does, to write TGI's SSE keep-alive
+    comment while a request waits or prefills); it counts in no `index`.
+    """
     @_builtins.property
     def token(self) -> Global___Token: ...
     @_builtins.property
@@ -515,10 +521,11 @@ class StreamResponse(_message.Message):
         details: Global___StreamDetails | None = ...,
         error: _builtins.str | None = ...,
         error_type: _builtins.str | None = ...,
+        keep_alive: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_error_type", b"_error_type", "_generated_text", b"_generated_text", "details", b"details", "error", b"error", "error_type", b"error_type", "generated_text", b"generated_text", "token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_error_type", b"_error_type", "_generated_text", b"_generated_text", "_keep_alive", b"_keep_alive", "details", b"details", "error", b"error", "error_type", b"error_type", "generated_text", b"generated_text", "keep_alive", b"keep_alive", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_error_type", b"_error_type", "_generated_text", b"_generated_text", "details", b"details", "error", b"error", "error_type", b"error_type", "generated_text", b"generated_text", "index", b"index", "token", b"token", "top_tokens", b"top_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_error_type", b"_error_type", "_generated_text", b"_generated_text", "_keep_alive", b"_keep_alive", "details", b"details", "error", b"error", "error_type", b"error_type", "generated_text", b"generated_text", "index", b"index", "keep_alive", b"keep_alive", "token", b"token", "top_tokens", b"top_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
     _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
@@ -526,12 +533,16 @@ class StreamResponse(_message.Message):
     _WhichOneofArgType__error_type: _TypeAlias = _typing.Literal["_error_type", b"_error_type"]  # noqa: Y015
     _WhichOneofReturnType__generated_text: _TypeAlias = _typing.Literal["generated_text"]  # noqa: Y015
     _WhichOneofArgType__generated_text: _TypeAlias = _typing.Literal["_generated_text", b"_generated_text"]  # noqa: Y015
+    _WhichOneofReturnType__keep_alive: _TypeAlias = _typing.Literal["keep_alive"]  # noqa: Y015
+    _WhichOneofArgType__keep_alive: _TypeAlias = _typing.Literal["_keep_alive", b"_keep_alive"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__error_type) -> _WhichOneofReturnType__error_type | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__generated_text) -> _WhichOneofReturnType__generated_text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_alive) -> _WhichOneofReturnType__keep_alive | None: ...
 
 Global___StreamResponse: _TypeAlias = StreamResponse  # noqa: Y015
 
