@@ -76,9 +76,11 @@ def rest_routes(descriptor_set: descriptor_pb2.FileDescriptorSet | None = None) 
         if method.name not in KINDS:
             raise LookupError(f"{SERVICE}.{method.name} has a REST binding but gateway.contract.KINDS "
                               "does not say how to shape its response")
-        unwrap = rule.response_body if method.output_type != HTTP_BODY and rule.response_body else None
-        routes.append(RestRoute(method=pattern.upper(), path=getattr(rule, pattern), rpc=method.name,
-                                kind=KINDS[method.name], unwrap=unwrap, nulls=NULLS.get(method.name, ())))
+        for binding in (rule, *rule.additional_bindings):
+            pattern = binding.WhichOneof("pattern")
+            unwrap = binding.response_body if method.output_type != HTTP_BODY and binding.response_body else None
+            routes.append(RestRoute(method=pattern.upper(), path=getattr(binding, pattern), rpc=method.name,
+                                    kind=KINDS[method.name], unwrap=unwrap, nulls=NULLS.get(method.name, ())))
     return routes
 
 

@@ -13,7 +13,8 @@
 --     `{"responses":[...]}` becomes `[...]`;
 --   * failed calls become `{"error": ..., "error_type": ...}` with TGI's status codes, and on a
 --     stream an in-band SSE event (TGI answers 200 once a stream route is reached);
---   * `POST /` with `"stream": true` is routed to GenerateStream (Envoy can't route on a body);
+--   * `POST /` (and SageMaker's `POST /invocations`) with `"stream": true` is routed to
+--     GenerateStream (Envoy can't route on a body);
 --     `GET /` and `GET /ping` are /health; OPTIONS requests never reach the server.
 --
 -- Why rewriting text is safe: the patterns below all contain a quote followed by `:` or a quote
@@ -231,11 +232,11 @@ function envoy_on_request(handle)
     handle:respond({[":status"] = "200"}, "")
     return
   end
-  if path ~= "/" and path ~= "/ping" then return end
-  if method == "GET" then  -- TGI's health aliases
+  if path ~= "/" and path ~= "/ping" and path ~= "/invocations" then return end
+  if method == "GET" and path ~= "/invocations" then  -- TGI's health aliases
     handle:headers():replace(":path", "/health")
     handle:clearRouteCache()
-  elseif method == "POST" and path == "/" then
+  elseif method == "POST" and (path == "/" or path == "/invocations") then
     local body = handle:body()
     if body ~= nil and wants_stream(body:getBytes(0, body:length())) then
       handle:headers():replace(":path", "/generate_stream")

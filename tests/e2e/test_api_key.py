@@ -32,6 +32,7 @@ GUARDED_ROUTES = [
     ("/generate_stream", GENERATE),
     ("/", GENERATE),
     ("/", {**GENERATE, "stream": True}),
+    ("/invocations", GENERATE),
     ("/tokenize", {"inputs": "hello"}),
 ]
 

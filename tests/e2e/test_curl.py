@@ -72,24 +72,35 @@ def test_stream_top_tokens_are_flat(gateway, validate):
     assert events[-1]["details"] is None  # not asked
 
 
-def test_compat_route(gateway, validate):
-    body = json.loads(gateway.curl("/", body={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}))
+COMPAT_PATHS = pytest.mark.parametrize("path", ["/", "/invocations"])  # TGI's root route and SageMaker's
+
+
+@COMPAT_PATHS
+def test_compat_route(gateway, validate, path):
+    body = json.loads(gateway.curl(path, body={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}))
     validate(body, {"type": "array", "items": {"$ref": "#/components/schemas/GenerateResponse"}})
     assert len(body) == 1 and body[0]["generated_text"].startswith(PROMPT)  # return_full_text default
 
 
-def test_compat_route_streams(gateway, validate):
-    events = sse_events(gateway.curl("/", "-N", body={
+@COMPAT_PATHS
+def test_compat_route_streams(gateway, validate, path):
+    events = sse_events(gateway.curl(path, "-N", body={
         "inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}}))
     for event in events:
         validate(event, "StreamResponse")
     assert events[-1]["generated_text"].startswith(PROMPT)
 
 
-def test_compat_route_reads_stream_from_the_top_level_only(gateway):
-    body = json.loads(gateway.curl("/", body={"inputs": 'say "stream": true', "parameters": {
+@COMPAT_PATHS
+def test_compat_route_reads_stream_from_the_top_level_only(gateway, path):
+    body = json.loads(gateway.curl(path, body={"inputs": 'say "stream": true', "parameters": {
         "max_new_tokens": 2, "stream": True}}))
     assert isinstance(body, list)
+
+
+def test_get_invocations_is_not_a_health_alias(gateway):
+    status, _, body = status_and_body(gateway.curl("/invocations", "-i"))
+    assert status in (404, 405) and json.loads(body)["error"]
 
 
 def test_tokenize(gateway, validate):

@@ -35,9 +35,11 @@ def test_yaml_says_what_the_config_says():
 def test_routes_are_tgis():
     routes = {(r.method, r.path): r for r in contract.rest_routes()}
     assert set(routes) == {("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"),
-                           ("POST", "/tokenize"), ("GET", "/info"), ("GET", "/health"), ("GET", "/metrics"),
-                           ("GET", "/v1/models")}
+                           ("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/info"), ("GET", "/health"),
+                           ("GET", "/metrics"), ("GET", "/v1/models")}
     assert routes["POST", "/"].unwrap == "responses" and routes["POST", "/tokenize"].unwrap == "tokens"
+    sagemaker = routes["POST", "/invocations"]
+    assert (sagemaker.rpc, sagemaker.unwrap) == ("CompatGenerate", "responses")
     assert [r.rpc for r in routes.values() if r.streams] == ["GenerateStream"]
 
 

@@ -102,8 +102,8 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CompatGenerate(self, request, context):
-        """TGI's legacy root route: a JSON array of one response (the gateway sends `"stream": true`
-        requests to GenerateStream instead).
+        """TGI's legacy root route, also SageMaker's `/invocations`: a JSON array of one response (the
+        gateway sends `"stream": true` requests to GenerateStream instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

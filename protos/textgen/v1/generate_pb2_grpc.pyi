@@ -49,8 +49,8 @@ class TextGenerationStub:
     `generated_text` (and `details` when asked).
     """
     CompatGenerate: _grpc.UnaryUnaryMultiCallable[_generate_pb2.GenerateRequest, _generate_pb2.CompatGenerateResponse]
-    """TGI's legacy root route: a JSON array of one response (the gateway sends `"stream": true`
-    requests to GenerateStream instead).
+    """TGI's legacy root route, also SageMaker's `/invocations`: a JSON array of one response (the
+    gateway sends `"stream": true` requests to GenerateStream instead).
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generate_pb2.GenerateRequest, _generate_pb2.TokenizeResponse]
     """Tokenize the prompt as the model sees it."""
@@ -80,8 +80,8 @@ class TextGenerationAsyncStub(TextGenerationStub):
     `generated_text` (and `details` when asked).
     """
     CompatGenerate: _aio.UnaryUnaryMultiCallable[_generate_pb2.GenerateRequest, _generate_pb2.CompatGenerateResponse]  # type: ignore[assignment]
-    """TGI's legacy root route: a JSON array of one response (the gateway sends `"stream": true`
-    requests to GenerateStream instead).
+    """TGI's legacy root route, also SageMaker's `/invocations`: a JSON array of one response (the
+    gateway sends `"stream": true` requests to GenerateStream instead).
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_generate_pb2.GenerateRequest, _generate_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Tokenize the prompt as the model sees it."""
@@ -126,8 +126,8 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generate_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generate_pb2.CompatGenerateResponse, _abc.Awaitable[_generate_pb2.CompatGenerateResponse]]:
-        """TGI's legacy root route: a JSON array of one response (the gateway sends `"stream": true`
-        requests to GenerateStream instead).
+        """TGI's legacy root route, also SageMaker's `/invocations`: a JSON array of one response (the
+        gateway sends `"stream": true` requests to GenerateStream instead).
         """
 
     @_abc_1.abstractmethod
