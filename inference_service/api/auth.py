@@ -1,7 +1,8 @@
 """`--api-key`: the generation calls require `authorization: Bearer <key>`, as TGI's routes do.
 
-TGI guards generation and tokenization only (`/`, `/generate`, `/generate_stream`, `/tokenize`);
-health, info, metrics and the model list stay open, so probes and dashboards need no key. The
+TGI guards generation and tokenization only (`/`, `/invocations`, `/generate`, `/generate_stream`,
+`/tokenize`); health, info, metrics and the model list stay open, so probes and dashboards need no
+key. The
 comparison is TGI's: the whole header value, case-insensitively. Through the gateway the HTTP
 `Authorization` header arrives as this metadata, and a refusal becomes TGI's bare 401.
 """

@@ -32,6 +32,19 @@ def test_yaml_says_what_the_config_says():
     assert yaml.safe_load(render_yaml(config)) == json.loads(json.dumps(render(config)))
 
 
+def test_headers_the_gateway_adds_are_the_ones_the_server_reads():
+    from gateway import config as gateway_config
+    from inference_service.api import errors, keepalive
+
+    assert gateway_config.INBAND_ERRORS_HEADER == errors.INBAND_ERRORS_KEY
+    assert gateway_config.KEEPALIVE_HEADER == keepalive.KEEPALIVE_KEY
+    streams = [r for r in render(DEPLOY_CONFIG)["static_resources"]["listeners"][0]["filter_chains"][0]
+               ["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+               if r["name"] == "GenerateStream"]
+    added = {h["header"]["key"]: h["header"]["value"] for h in streams[0]["request_headers_to_add"]}
+    assert added == {errors.INBAND_ERRORS_KEY: "1", keepalive.KEEPALIVE_KEY: "15"}
+
+
 def test_routes_are_tgis():
     routes = {(r.method, r.path): r for r in contract.rest_routes()}
     assert set(routes) == {("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"),
