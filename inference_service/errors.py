@@ -9,6 +9,9 @@ class InferenceError(Exception):
     """Base of the errors a request can end with; `error_type` is machine-readable."""
 
     error_type = "internal"
+    # The engine's RequestTimings of the failed request, set by the engine when it got that far
+    # (traces show where a failed request spent its time). One error object per request.
+    timings = None
 
     def __init__(self, message: str):
         super().__init__(message)

@@ -287,6 +287,7 @@ class LLMEngine:
         request = self.live[request_id].request
         self.scheduler.finish(request, status)
         self._forget(request_id)
+        error.timings = request.timings
         return RequestOutput(request_id=request_id, error=error, timings=request.timings,
                              num_generated_tokens=request.num_output_tokens,
                              num_prompt_tokens=request.num_prompt_tokens)
@@ -296,8 +297,8 @@ class LLMEngine:
         return self._fail_all(list(self.live), error)
 
     def _fail_all(self, request_ids: list[str], error: Exception) -> list[RequestOutput]:
-        failure = GenerationError(f"{type(error).__name__}: {error}")
-        return [self._fail(request_id, failure, RequestStatus.FINISHED_ERROR)
+        detail = f"{type(error).__name__}: {error}"
+        return [self._fail(request_id, GenerationError(detail), RequestStatus.FINISHED_ERROR)
                 for request_id in request_ids if request_id in self.live]
 
     def _forget(self, request_id: str) -> None:

@@ -95,6 +95,9 @@ class TrackedCall:
             self._succeeded(final)
         else:
             self.trace.error = "incomplete" if error is None else failure_kind(error)
+            timings = getattr(error, "timings", None)  # the engine's, when the request got that far
+            if timings is not None:
+                self.trace.sequences = [(timings, None, None)]
             if self._observer.metrics is not None:
                 self._observer.metrics.request_failure.labels(self.trace.error).inc()
         trace_id = None

@@ -118,13 +118,21 @@ class Tracing:
                                   index if len(request.sequences) > 1 else None)
 
     def _record_sequence(self, parent: Any, clock: _Clock, request: RequestTrace, timings: RequestTimings,
-                         num_generated: int, finish_reason: str | None, index: int | None) -> None:
-        if timings.first_scheduled is None or timings.finished is None:
+                         num_generated: int | None, finish_reason: str | None, index: int | None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        if timings.finished is None:
             return
+        failed = Status(StatusCode.ERROR, request.error) if request.error else None
         common = {"textgen.best_of.index": index}
         queued_from = request.validated if request.validated is not None else timings.queued or timings.arrival
         queued = self.tracer.start_span("queued", context=parent, start_time=clock.ns(queued_from),
                                         attributes=_drop_none(common))
+        if timings.first_scheduled is None:  # it ended in the queue (cancelled, failed)
+            if failed:
+                queued.set_status(failed)
+            queued.end(end_time=clock.ns(timings.finished))
+            return
         queued.end(end_time=clock.ns(timings.first_scheduled))
         sizes = timings.batch_sizes
         attributes = _drop_none({
@@ -144,6 +152,8 @@ class Tracing:
             inference.add_event("first_token", timestamp=clock.ns(timings.first_token))
         for number, moment in enumerate(timings.preempted_at, start=1):
             inference.add_event("preempted", {"textgen.preemption": number}, timestamp=clock.ns(moment))
+        if failed:
+            inference.set_status(failed)
         inference.end(end_time=clock.ns(timings.finished))
 
     def shutdown(self) -> None:

@@ -88,6 +88,26 @@ def test_validation_failure_is_an_error_span(traced_server, otlp_receiver, trace
     assert "queued" not in spans and "inference" not in spans
 
 
+def test_a_failure_during_generation_shows_where_it_happened(traced_server, otlp_receiver, traceparent,
+                                                             monkeypatch):
+    trace_id, _, header = traceparent
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    # Scheduled, then its model step fails: queued ends, inference starts and ends in error.
+    monkeypatch.setattr(traced_server.engine._engine.runner, "execute", broken_forward)
+    with pytest.raises(grpc.RpcError) as raised:
+        traced_server.stub.Generate(request(), metadata=(("traceparent", header),), timeout=TIMEOUT)
+    assert raised.value.code() == grpc.StatusCode.INTERNAL
+    spans = spans_of(traced_server, otlp_receiver, trace_id, ENGINE_SPANS | {"/textgen.v1.TextGeneration/Generate"})
+    validation, queued, inference = (spans[name][0] for name in ("validation", "queued", "inference"))
+    assert validation.status_code != 2 and queued.status_code != 2
+    assert inference.status_code == 2  # STATUS_CODE_ERROR
+    assert validation.end_ns <= queued.start_ns and queued.end_ns == inference.start_ns <= inference.end_ns
+    assert "gen_ai.usage.output_tokens" not in inference.attributes
+
+
 def test_without_a_caller_context_a_trace_starts_here(traced_server, otlp_receiver):
     before = {span.trace_id for span in otlp_receiver.spans}
     traced_server.stub.Generate(request(2), timeout=TIMEOUT)
