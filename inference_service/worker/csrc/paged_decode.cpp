@@ -78,9 +78,9 @@ float exponentiate(float* s, int64_t n, float softcap) {
     return sum;
 }
 
-// weights [heads of the item][n] (scratch), acc [heads of the item][Dv] (scratch).
+// Scratch, per thread: weights [heads of the item][n], totals [heads], acc [heads][Dv].
 template <int G>
-void attend(const Problem& p, const Item& item, float* weights, float* acc) {
+void attend(const Problem& p, const Item& item, float* weights, float* totals, float* acc) {
     const int64_t len = p.context_lens[item.seq];
     const int64_t start = (p.window > 0 && len > p.window) ? len - p.window : 0;
     const int64_t n = len - start;
@@ -102,14 +102,7 @@ void attend(const Problem& p, const Item& item, float* weights, float* acc) {
             for (int g = 0; g < G; ++g) weights[(h0 + g) * n + (t - start)] = hsum(sum[g]) * p.scale;
         }
     });
-    float totals[8 * G];  // at most 8 KV heads per item when split; one otherwise (see plan_items)
-    std::vector<float> many_totals;
-    float* total = totals;
-    if (num_heads > 8 * G) {
-        many_totals.resize(num_heads);
-        total = many_totals.data();
-    }
-    for (int64_t h = 0; h < num_heads; ++h) total[h] = exponentiate(weights + h * n, n, p.softcap);
+    for (int64_t h = 0; h < num_heads; ++h) totals[h] = exponentiate(weights + h * n, n, p.softcap);
 
     // Weighted values: each value row is read once, accumulated into every head's output.
     std::fill(acc, acc + num_heads * p.head_dim_v, 0.f);
@@ -130,7 +123,7 @@ void attend(const Problem& p, const Item& item, float* weights, float* acc) {
     });
     float* out = p.out + (item.seq * p.num_heads + first_head) * p.head_dim_v;
     for (int64_t h = 0; h < num_heads; ++h) {
-        const float inv = 1.f / total[h];
+        const float inv = 1.f / totals[h];
         for (int64_t d = 0; d < p.head_dim_v; ++d) out[h * p.head_dim_v + d] = acc[h * p.head_dim_v + d] * inv;
     }
 }
@@ -162,10 +155,9 @@ void run(const Problem& p) {
     const bool parallel = rows * p.num_kv_heads >= kMinParallelRows;
 #pragma omp parallel if (parallel)
     {
-        std::vector<float> weights(p.num_heads * longest);
-        std::vector<float> acc(p.num_heads * p.head_dim_v);
+        std::vector<float> weights(p.num_heads * longest), totals(p.num_heads), acc(p.num_heads * p.head_dim_v);
 #pragma omp for schedule(dynamic, 1)
-        for (size_t i = 0; i < items.size(); ++i) attend<G>(p, items[i], weights.data(), acc.data());
+        for (size_t i = 0; i < items.size(); ++i) attend<G>(p, items[i], weights.data(), totals.data(), acc.data());
     }
 }
 
