@@ -1,7 +1,9 @@
-// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias[N]) for a few rows (M <= 8), fp32, CPU: the decode-step
-// shape of every projection. It is bound by reading W, and torch's fp32 GEMV (MKL on this kind of
-// CPU) streams W at about half the machine's bandwidth; this streams each W row once, computing
-// all M dot products from it, with several rows in flight to hide FMA latency.
+// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias[N]) for a few rows of x, fp32, CPU: the decode-step shape
+// of every projection. It is bound by reading W, and torch's fp32 GEMV (MKL on this kind of CPU)
+// streams W at about half the machine's bandwidth; this streams each W row once, computing up to
+// 8 rows' dot products from it, with several W rows in flight to hide FMA latency. More rows of x
+// go 8 at a time over the same L2-resident slice of W. The caller picks it for M <= 32, where it
+// beats torch's GEMM (cpu_kernels.MAX_LINEAR_ROWS).
 //
 // All arrays contiguous; K a multiple of 8. Threads split N (torch's OpenMP runtime, as in
 // paged_decode.cpp).
