@@ -4,11 +4,7 @@ restarted when it dies (and the command gives up, exit 1, when it keeps dying), 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -16,49 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.launch import MAX_RESTARTS
-
-START_TIMEOUT_S = 120
-
-
-class Launched:
-    """A running `inference-service launch`; its log lines are collected as they come."""
-
-    def __init__(self, model_dir: Path):
-        command = [str(Path(sys.executable).with_name("inference-service")), "launch",
-                   "--model-id", str(model_dir), "--device", "cpu", "--hostname", "127.0.0.1",
-                   "--port", "0", "--grpc-port", "0", "--max-total-tokens", "512",
-                   "--max-batch-total-tokens", "4096", "--graceful-termination-timeout", "5"]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._collect, daemon=True).start()
-
-    def _collect(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line.rstrip())
-
-    def matches(self, pattern: str) -> list[re.Match]:
-        return [match for line in list(self.lines) if (match := re.search(pattern, line))]
-
-    def wait_for(self, pattern: str, count: int = 1, timeout_s: float = START_TIMEOUT_S) -> re.Match:
-        """The `count`-th log line matching `pattern`, once it is there."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = self.matches(pattern)
-            if len(found) >= count:
-                return found[count - 1]
-            if self.process.poll() not in (None, 0):
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} (x{count}) in the log:\n{self.log()}")
-
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
+from tests.launched import Launched
 
 
 @pytest.fixture

@@ -5,56 +5,25 @@ JSON log line that carries the trace id and Envoy's request id."""
 from __future__ import annotations
 
 import json
-import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.launched import Launched
+
 pytestmark = pytest.mark.e2e
 
-START_TIMEOUT_S = 120
 SERVICE = "launched"
 
 
-class Launched:
-    def __init__(self, model_dir: Path, otlp_endpoint: str):
-        command = [str(Path(sys.executable).with_name("inference-service")), "launch",
-                   "--model-id", str(model_dir), "--device", "cpu", "--hostname", "127.0.0.1",
-                   "--port", "0", "--grpc-port", "0", "--prometheus-port", "0", "--max-total-tokens", "512",
-                   "--max-batch-total-tokens", "4096", "--graceful-termination-timeout", "5", "--json-output",
-                   "--otlp-endpoint", otlp_endpoint, "--otlp-service-name", SERVICE]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._collect, daemon=True).start()
+def json_message(line: str) -> str | None:
+    return json.loads(line)["message"] if line.startswith("{") else None
 
-    def _collect(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line.rstrip())
 
-    def entries(self) -> list[dict]:
-        return [json.loads(line) for line in list(self.lines) if line.startswith("{")]
-
-    def wait_for(self, pattern: str) -> re.Match:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            for entry in self.entries():
-                if match := re.search(pattern, entry["message"]):
-                    return match
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} in the log:\n" + "\n".join(self.lines))
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
+def entries(run: Launched) -> list[dict]:
+    return [json.loads(line) for line in list(run.lines) if line.startswith("{")]
 
 
 @pytest.fixture
@@ -65,7 +34,8 @@ def launched(tiny_model_dir, otlp_receiver):
         envoy_binary()
     except GatewayError as error:
         pytest.skip(str(error))
-    run = Launched(tiny_model_dir, otlp_receiver.endpoint)
+    run = Launched(tiny_model_dir, "--prometheus-port", "0", "--json-output", "--otlp-endpoint", otlp_receiver.endpoint,
+                   "--otlp-service-name", SERVICE, message_of=json_message)
     yield run
     run.stop()
 
@@ -96,6 +66,6 @@ def test_one_rest_call_traced_counted_and_logged(launched, otlp_receiver, tracep
     assert server.service == SERVICE and server.parent_span_id == rest.span_id
     assert inference.parent_span_id == server.span_id
 
-    [line] = [entry for entry in launched.entries() if entry["target"] == "inference_service.requests"]
+    [line] = [entry for entry in entries(launched) if entry["target"] == "inference_service.requests"]
     assert line["level"] == "INFO" and line["trace_id"] == trace_id and line["generated_tokens"] == 3
     assert line["request_id"] == rest.attributes["guid:x-request-id"]  # Envoy's request id, end to end
