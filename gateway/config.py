@@ -23,7 +23,7 @@ from importlib import resources
 from typing import Any
 
 from gateway import yaml_text
-from gateway.contract import SERVICE, RestRoute, envoy_descriptor, rest_routes
+from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
 from inference_service.observability.tracing import otlp_target
 
 LUA_FILTER = "envoy.filters.http.lua"
@@ -99,7 +99,7 @@ def _header(key: str, value: str) -> dict[str, Any]:
 def _route(route: RestRoute, keepalive_s: float) -> dict[str, Any]:
     rendered: dict[str, Any] = {
         "name": route.rpc,
-        "match": {"path": route.path, "headers": [{"name": ":method", "string_match": {"exact": route.method}}]},
+        "match": {**route.path_match(), "headers": [{"name": ":method", "string_match": {"exact": route.method}}]},
         # Generation may take minutes and streams idle while queued: no timeouts.
         "route": {"cluster": CLUSTER, "timeout": "0s", "idle_timeout": "0s"},
         "metadata": _lua_metadata(route),
@@ -124,8 +124,8 @@ def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False) -
     rendered.append({"name": "preflight", "match": {"prefix": "/", "headers": [
         {"name": ":method", "string_match": {"exact": "OPTIONS"}}]}, "route": {"cluster": CLUSTER}})
     # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
-    for path in dict.fromkeys(route.path for route in routes):
-        rendered.append({"name": f"method-not-allowed {path}", "match": {"path": path},
+    for route in {route.path: route for route in routes}.values():
+        rendered.append({"name": f"method-not-allowed {route.path}", "match": route.path_match(),
                          "direct_response": {"status": 405, "body": {"inline_string": "Method Not Allowed"}}})
     rendered.append({"name": "not-found", "match": {"prefix": "/"},
                      "direct_response": {"status": 404, "body": {"inline_string": "Not Found"}}})
@@ -149,13 +149,31 @@ _LOCAL_REPLY_TYPES = (
 )
 
 
+# ...and on OpenAI's routes in OpenAI's error shape. By the time the transcoder fails to parse a body
+# it has rewritten `:path` to the gRPC method, so both forms are matched.
+OPENAI_PATHS = (r"^(/v1/.*|/" + SERVICE.replace(".", r"\.") + "/(" +
+                "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("openai"))) + "))$")
+
+
 def _local_reply_config(payload_limit: int) -> dict[str, Any]:
     def json_body(error: str, error_type: str) -> dict[str, Any]:
         return {"json_format": {"error": error, "error_type": error_type}}
 
+    def openai_body(error: str, error_type: str, status: int) -> dict[str, Any]:
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        return {"json_format": {"error": {"message": error, "type": kind, "param": None, "code": error_type}}}
+
+    def status_filter(status: int) -> dict[str, Any]:
+        return {"status_code_filter": {"comparison": {
+            "op": "EQ", "value": {"default_value": status, "runtime_key": f"gateway.local_reply.{status}"}}}}
+
+    openai_path = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": OPENAI_PATHS}}}}}
     mappers = [
-        {"filter": {"status_code_filter": {"comparison": {
-            "op": "EQ", "value": {"default_value": status, "runtime_key": f"gateway.local_reply.{status}"}}}},
+        {"filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
+         "body_format_override": openai_body(error.format(limit=payload_limit), error_type, status)}
+        for status, error_type, error in _LOCAL_REPLY_TYPES
+    ] + [
+        {"filter": status_filter(status),
          "body_format_override": json_body(error.format(limit=payload_limit), error_type)}
         for status, error_type, error in _LOCAL_REPLY_TYPES
     ]

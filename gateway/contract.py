@@ -23,11 +23,16 @@ HTTP_BODY = ".google.api.HttpBody"
 
 # How the Lua filter shapes each RPC's response (see gateway/tgi.lua):
 #   json    proto3 JSON -> TGI's JSON;  stream  SSE events, errors in-band;
-#   health  errors become TGI's 503 "unhealthy";  raw  passed through (Prometheus text).
+#   health  errors become TGI's 503 "unhealthy";  raw  passed through (Prometheus text);
+#   openai  proto3 JSON -> OpenAI's JSON, errors in OpenAI's shape;
+#   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape.
 KINDS = {
     "Generate": "json", "CompatGenerate": "json", "GenerateStream": "stream", "Tokenize": "json",
-    "Info": "json", "Health": "health", "Metrics": "raw", "ListModels": "json",
+    "Info": "json", "Health": "health", "Metrics": "raw", "ListModels": "json", "GetModel": "openai",
+    "ChatCompletion": "openai", "ChatCompletionStream": "openai_stream",
+    "Completion": "openai", "CompletionStream": "openai_stream",
 }
+STREAM_KINDS = ("stream", "openai_stream")
 # Top-level fields TGI prints as null when they have no value (proto3 leaves them out).
 NULLS = {"Info": ("model_sha", "model_pipeline_tag", "sha", "docker_label")}
 
@@ -45,7 +50,13 @@ class RestRoute:
 
     @property
     def streams(self) -> bool:
-        return self.kind == "stream"
+        return self.kind in STREAM_KINDS
+
+    def path_match(self) -> dict[str, str]:
+        """Envoy's route match: the exact path, or the prefix before a `{variable}` (`/v1/models/{id=**}`)."""
+        if "{" in self.path:
+            return {"prefix": self.path.split("{", 1)[0]}
+        return {"path": self.path}
 
 
 def load_descriptor_set() -> descriptor_pb2.FileDescriptorSet:

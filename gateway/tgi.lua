@@ -14,7 +14,9 @@
 --   * failed calls become `{"error": ..., "error_type": ...}` with TGI's status codes, and on a
 --     stream an in-band SSE event (TGI answers 200 once a stream route is reached);
 --   * `POST /` (and SageMaker's `POST /invocations`) with `"stream": true` is routed to
---     GenerateStream (Envoy can't route on a body);
+--     GenerateStream (Envoy can't route on a body), and OpenAI's `POST /v1/chat/completions` and
+--     `/v1/completions` to their stream RPCs;
+--   * OpenAI's routes get OpenAI's JSON, SSE chunks ending in `data: [DONE]` and error objects;
 --     `GET /` and `GET /ping` are /health; OPTIONS requests never reach the server.
 --
 -- Why rewriting text is safe: the patterns below all contain a quote followed by `:` or a quote
@@ -22,12 +24,12 @@
 -- match the JSON structure, never the text of a prompt or a token.
 --
 -- Routes tell the filter what they hold through route metadata: `kind` ("json", "stream",
--- "health", "raw"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
+-- "health", "raw", "openai", "openai_stream"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
 -- separated).
 
 -- Kept equal to the proto's 64-bit integer and float response fields by a unit test.
 local INT64_FIELDS = {"seed", "num_steps"}
-local FLOAT_FIELDS = {"logprob", "waiting_served_ratio"}
+local FLOAT_FIELDS = {"logprob", "waiting_served_ratio", "token_logprobs"}
 -- Repeated fields TGI leaves out when empty (the transcoder prints `[]`).
 local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
 
@@ -35,7 +37,7 @@ local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
 -- A client only sees `cancelled` when the server cancelled (shutting down): 503, as `unavailable`.
 local ERROR_STATUS = {
   validation = 422, overloaded = 429, generation = 424, unavailable = 503, cancelled = 503,
-  internal = 500, unauthorized = 401,
+  internal = 500, unauthorized = 401, template_error = 422, tool_error = 422, not_found = 404,
 }
 -- gRPC codes, for errors that did not come with an `x-error-type` (grpc's own, a proxy's).
 local GRPC_CODE_NAMES = {
@@ -156,15 +158,13 @@ local function tgi_event(json)
   return with_nulls(json, STREAM_NULLS)
 end
 
-local function tgi_events(text)
-  return (text:gsub("data: ([^\n]*)\n\n", function(json)
-    if json:find(KEEPALIVE_EVENT, 1, true) then return KEEPALIVE_COMMENT end
-    return "data: " .. tgi_event(json) .. "\n\n"
-  end))
+local function tgi_sse_event(json)
+  if json:find(KEEPALIVE_EVENT, 1, true) then return KEEPALIVE_COMMENT end
+  return "data: " .. tgi_event(json) .. "\n\n"
 end
 
 -- Events arrive whole (the transcoder prints one per gRPC message); a partial one waits anyway.
-local function shape_stream(handle)
+local function shape_stream(handle, shape_event)
   local pending = ""
   for chunk in handle:bodyChunks() do
     local text = pending
@@ -172,10 +172,56 @@ local function shape_stream(handle)
     local whole, rest = text:match("^(.*\n\n)(.*)$")
     if whole == nil then whole, rest = "", text end
     pending = rest
-    chunk:setBytes(tgi_events(whole))
+    chunk:setBytes((whole:gsub("data: ([^\n]*)\n\n", shape_event)))
   end
   local trailers = handle:trailers()  -- HTTP/2 clients would see the gRPC status otherwise
   if trailers ~= nil then strip_grpc_headers(trailers) end
+end
+
+-- OpenAI -------------------------------------------------------------------------------------
+-- OpenAI's routes print OpenAI's JSON: proto3 JSON leaves unset fields out, and these rules put
+-- OpenAI's nulls back by the fields around them (the proto orders them so: a choice is index,
+-- finish_reason, logprobs, then message / delta / text), and drop empty `tool_calls`.
+local OPENAI_KINDS = {openai = true, openai_stream = true}
+local OPENAI_NULLS = {
+  {'("index":%d+),"logprobs":', '%1,"finish_reason":null,"logprobs":'},
+  {'("index":%d+),"delta":', '%1,"finish_reason":null,"logprobs":null,"delta":'},
+  {'("index":%d+),"text":', '%1,"finish_reason":null,"logprobs":null,"text":'},
+  {'("finish_reason":"[%w_]*"),"message":', '%1,"logprobs":null,"message":'},
+  {'("finish_reason":"[%w_]*"),"delta":', '%1,"logprobs":null,"delta":'},
+  {'("finish_reason":"[%w_]*"),"text":', '%1,"logprobs":null,"text":'},
+  {'("role":"assistant"),"tool_calls":%[{', '%1,"content":null,"tool_calls":[{'},
+}
+-- Error kinds -> OpenAI's HTTP status (what its SDK turns into typed exceptions) and error type.
+local OPENAI_ERROR_STATUS = {
+  validation = 400, template_error = 422, tool_error = 422, not_found = 404, unauthorized = 401,
+  overloaded = 429, generation = 500, internal = 500, unavailable = 503, cancelled = 503,
+}
+local OPENAI_ERROR_TYPE = {[401] = "authentication_error", [404] = "invalid_request_error",
+                           [429] = "rate_limit_error", [500] = "server_error", [503] = "server_error"}
+
+local function openai_error_json(message_json, code, status)
+  local error_type = OPENAI_ERROR_TYPE[status] or (status < 500 and "invalid_request_error" or "server_error")
+  return '{"error":{"message":' .. message_json .. ',"type":' .. json_string(error_type) ..
+         ',"param":null,"code":' .. json_string(code) .. '}}'
+end
+
+local function openai_json(text)
+  text = text:gsub(',"tool_calls":%[%]', ""):gsub('{"tool_calls":%[%]}', "{}")
+  for _, rule in ipairs(OPENAI_NULLS) do text = text:gsub(rule[1], rule[2]) end
+  return text
+end
+
+-- The server's last chunk (`done`), heartbeat and in-band error, as OpenAI's SSE stream has them.
+local function openai_event(json)
+  if json:find('"done":true', 1, true) then return "data: [DONE]\n\n" end
+  if json:find(KEEPALIVE_EVENT, 1, true) then return KEEPALIVE_COMMENT end
+  local message = json:match(',"error":{"message":(".-"),"type":')
+  if message ~= nil then
+    local code = json:match('"code":"([%w_]*)"') or "internal"
+    return "data: " .. openai_error_json(message, code, OPENAI_ERROR_STATUS[code] or 500) .. "\n\n"
+  end
+  return "data: " .. openai_json(json) .. "\n\n"
 end
 
 -- Errors ----------------------------------------------------------------------------------------
@@ -191,7 +237,10 @@ local function shape_grpc_error(handle, kind, grpc_status)
   local message = percent_decoded(headers:get("grpc-message") or "")
   local status = ERROR_STATUS[error_type] or tonumber(headers:get(":status")) or 500
   local body, content_type = error_json(message, error_type), "application/json"
-  if status == 401 then  -- TGI's auth layer answers before any route: a bare 401, streams included
+  if OPENAI_KINDS[kind] then  -- OpenAI's status codes and error object, streams included
+    status = OPENAI_ERROR_STATUS[error_type] or status
+    body = openai_error_json(json_string(message), error_type, status)
+  elseif status == 401 then  -- TGI's auth layer answers before any route: a bare 401, streams included
     body, content_type = "", nil
   elseif kind == "stream" then  -- TGI: 200 and the error as the stream's only event
     body, content_type, status = "data: " .. body .. "\n\n", "text/event-stream", 200
@@ -225,11 +274,21 @@ local function wants_stream(text)
   end
 end
 
+local OPENAI_STREAMABLE = {["/v1/chat/completions"] = true, ["/v1/completions"] = true}
+
 function envoy_on_request(handle)
   local headers = handle:headers()
   local method, path = headers:get(":method"), (headers:get(":path") or ""):match("^[^?]*")
   if method == "OPTIONS" then  -- a preflight the cors filter did not answer: not an allowed origin
     handle:respond({[":status"] = "200"}, "")
+    return
+  end
+  if OPENAI_STREAMABLE[path] and method == "POST" then  -- the stream RPC is bound to <path>/stream
+    local body = handle:body()
+    if body ~= nil and wants_stream(body:getBytes(0, body:length())) then
+      handle:headers():replace(":path", path .. "/stream")
+      handle:clearRouteCache()
+    end
     return
   end
   if path ~= "/" and path ~= "/ping" and path ~= "/invocations" then return end
@@ -260,11 +319,17 @@ function envoy_on_response(handle)
     end
     return
   end
-  if kind == "stream" then return shape_stream(handle) end
-  if kind ~= "json" then return end
+  if kind == "stream" then return shape_stream(handle, tgi_sse_event) end
+  if kind == "openai_stream" then return shape_stream(handle, openai_event) end
+  if kind ~= "json" and kind ~= "openai" then return end
   local body = handle:body()
   if body == nil then return end
-  local text = tgi_json(body:getBytes(0, body:length()))
+  local text = body:getBytes(0, body:length())
+  if kind == "openai" then
+    body:setBytes(openai_json(text))
+    return
+  end
+  text = tgi_json(text)
   if field ~= nil then text = unwrap(text, field) end
   if nulls ~= nil then text = with_nulls(text, nulls) end
   body:setBytes(text)

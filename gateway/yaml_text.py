@@ -18,6 +18,8 @@ INDENT = "  "
 
 
 def _scalar(value: Any) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

@@ -117,6 +117,9 @@ MODEL_FLAGS = (
          default_text="torch's choice"),
     Flag("--huggingface-hub-cache", "model.huggingface_hub_cache", "Hub cache folder.",
          default_text="the hub's, e.g. ~/.cache/huggingface/hub"),
+    Flag("--chat-template", "model.chat_template",
+         "A Jinja chat template file (or a tokenizer_config.json holding one) for /v1/chat/completions, "
+         "replacing the model's own.", default_text="the model's"),
 )
 
 ENGINE_FLAGS = (

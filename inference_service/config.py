@@ -29,6 +29,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     huggingface_hub_cache: str | None = None
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -28,6 +28,32 @@ class ValidationError(InferenceError):
         self.detail = detail
 
 
+class TemplateError(ValidationError):
+    """The chat template can't render the conversation (or the model has none)."""
+
+    error_type = "template_error"
+
+    def __init__(self, detail: str):
+        InferenceError.__init__(self, f"Template error: {detail}")
+        self.detail = detail
+
+
+class ToolError(ValidationError):
+    """Bad tool definitions or tool choice (OpenAI's chat `tools`, `tool_choice`)."""
+
+    error_type = "tool_error"
+
+    def __init__(self, detail: str):
+        InferenceError.__init__(self, f"Tool error: {detail}")
+        self.detail = detail
+
+
+class NotFoundError(InferenceError):
+    """No such resource (a model id that is not the served one)."""
+
+    error_type = "not_found"
+
+
 class OverloadedError(InferenceError):
     """More requests in flight than `--max-concurrent-requests` allows."""
 

@@ -152,6 +152,30 @@ def tiny_engine_config(tiny_model_dir):
                         limits=LimitsConfig(max_total_tokens=TINY_MODEL_MAX_POSITIONS))
 
 
+# ChatML, as many instruct models (the demo model too) write it; the tiny model has no template.
+CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_engine_config(tiny_engine_config, tmp_path_factory):
+    """The tiny model with a ChatML chat template given as a file (`--chat-template`)."""
+    import dataclasses
+
+    template = tmp_path_factory.mktemp("chat-template") / "chatml.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    return dataclasses.replace(tiny_engine_config,
+                               model=dataclasses.replace(tiny_engine_config.model, chat_template=str(template)))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_grpc_server(tiny_chat_engine_config):
+    """One loaded server on the tiny model with a chat template per test module."""
+    server = GrpcServerThread(tiny_chat_engine_config)
+    yield server
+    server.stop(timeout_s=1.0)
+
+
 @pytest.fixture
 def start_grpc_server():
     """`start_grpc_server(engine_config, load=True, **ServerConfig fields)`; all stop at teardown."""

@@ -1,10 +1,10 @@
 """`--api-key`: the generation calls require `authorization: Bearer <key>`, as TGI's routes do.
 
 TGI guards generation and tokenization only (`/`, `/invocations`, `/generate`, `/generate_stream`,
-`/tokenize`); health, info, metrics and the model list stay open, so probes and dashboards need no
-key. The
-comparison is TGI's: the whole header value, case-insensitively. Through the gateway the HTTP
-`Authorization` header arrives as this metadata, and a refusal becomes TGI's bare 401.
+`/tokenize`, `/v1/chat/completions`, `/v1/completions`); health, info, metrics and the model list
+stay open, so probes and dashboards need no key. The comparison is TGI's: the whole header value,
+case-insensitively. Through the gateway the HTTP `Authorization` header arrives as this metadata,
+and a refusal becomes TGI's bare 401 (OpenAI's routes: a 401 with OpenAI's error object).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from inference_service.errors import UnauthorizedError
 from textgen.v1 import generate_pb2
 
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-GUARDED_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in ("Generate", "GenerateStream", "CompatGenerate",
-                                                                "Tokenize"))
+GUARDED_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in (
+    "Generate", "GenerateStream", "CompatGenerate", "Tokenize",
+    "ChatCompletion", "ChatCompletionStream", "Completion", "CompletionStream"))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -152,7 +152,11 @@ def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig,
         block_size=info.block_size, stats=stats_to_pb(stats))
 
 
+def model_card(model_id: str) -> pb.ModelCard:
+    """The served model, owned by itself (TGI's answer)."""
+    return pb.ModelCard(id=model_id, object="model", created=0, owned_by=model_id)
+
+
 def models_to_pb(model_id: str) -> pb.ListModelsResponse:
-    """OpenAI's model list, as TGI answers it: the served model, owned by itself."""
-    card = pb.ModelCard(id=model_id, object="model", created=0, owned_by=model_id)
-    return pb.ListModelsResponse(object="list", data=[card])
+    """OpenAI's model list, as TGI answers it: the served model alone."""
+    return pb.ListModelsResponse(object="list", data=[model_card(model_id)])

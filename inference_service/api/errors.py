@@ -33,6 +33,9 @@ UNEXPECTED_ERROR_TYPE = "internal"
 
 STATUS_CODES: dict[str, grpc.StatusCode] = {
     "validation": grpc.StatusCode.INVALID_ARGUMENT,
+    "template_error": grpc.StatusCode.INVALID_ARGUMENT,
+    "tool_error": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
     "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "generation": grpc.StatusCode.INTERNAL,
     "cancelled": grpc.StatusCode.CANCELLED,
@@ -64,7 +67,7 @@ def wants_inband_errors(context: grpc.aio.ServicerContext) -> bool:
                for key, value in (context.invocation_metadata() or ()))
 
 
-def _log(error: Exception, code: grpc.StatusCode, method: str) -> None:
+def log_failure(error: Exception, code: grpc.StatusCode, method: str) -> None:
     if isinstance(error, InferenceError):
         logger.info("%s failed: %s (%s)", method, error.message, code.name)
     else:
@@ -74,7 +77,7 @@ def _log(error: Exception, code: grpc.StatusCode, method: str) -> None:
 async def abort(context: grpc.aio.ServicerContext, error: Exception, method: str) -> None:
     """End the call with the status that `error` maps to (raises, as `context.abort` does)."""
     code, message, error_type = describe(error)
-    _log(error, code, method)
+    log_failure(error, code, method)
     await context.abort(code, message, trailing_metadata(code, message, error_type))
 
 
@@ -113,7 +116,7 @@ def stream_errors(handler: StreamHandler) -> StreamHandler:
                 await abort(context, error, handler.__name__)
                 return
             code, message, error_type = describe(error)
-            _log(error, code, handler.__name__)
+            log_failure(error, code, handler.__name__)
             yield generate_pb2.StreamResponse(error=message, error_type=error_type)
 
     return wrapper

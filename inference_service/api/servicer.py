@@ -17,6 +17,7 @@ from google.api import httpbody_pb2
 from inference_service.api import convert
 from inference_service.api.errors import stream_errors, unary_errors
 from inference_service.api.keepalive import requested_interval, with_keepalives
+from inference_service.api.openai_servicer import OpenAIRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.errors import UnavailableError
@@ -34,8 +35,9 @@ def render_prometheus_registry() -> tuple[str, bytes]:
     return prometheus_client.CONTENT_TYPE_LATEST, body
 
 
-class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    """textgen.v1.TextGeneration over one `AsyncEngine` (attached once the model is loaded)."""
+class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServicer):
+    """textgen.v1.TextGeneration over one `AsyncEngine` (attached once the model is loaded); OpenAI's
+    routes come from `OpenAIRoutes`."""
 
     def __init__(self, scheduler: SchedulerConfig, metrics: MetricsRenderer = render_prometheus_registry,
                  observer: RequestObserver | None = None):

@@ -16,10 +16,11 @@ import queue
 import random
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
+from inference_service.engine.chat_template import ChatTemplate, load_template_file
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 from inference_service.engine.validation import (
@@ -29,7 +30,7 @@ from inference_service.engine.validation import (
     Validator,
     tokenize,
 )
-from inference_service.errors import GenerationError, OverloadedError, UnavailableError
+from inference_service.errors import GenerationError, ModelLoadError, OverloadedError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,11 @@ class _Stream:
 class AsyncEngine:
     """Thread-safe, asyncio-facing wrapper around `LLMEngine`."""
 
-    def __init__(self, engine: LLMEngine, max_concurrent_requests: int):
+    def __init__(self, engine: LLMEngine, max_concurrent_requests: int, chat_template: ChatTemplate | None = None):
         self._engine = engine
         self.info: EngineInfo = engine.info
         self.tokenizer = engine.tokenizer
+        self.chat_template = chat_template or ChatTemplate(engine.tokenizer)
         self._validator = Validator(engine.tokenizer, engine.info)
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0
@@ -63,9 +65,15 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model, size the cache and warm up (blocking; raises ModelLoadError)."""
+        template = None
+        if config.model.chat_template:
+            try:
+                template = load_template_file(config.model.chat_template)
+            except (OSError, ValueError) as error:
+                raise ModelLoadError(f"--chat-template: {error}") from error
         engine = build_engine(config)
         warm_up(engine)
-        return cls(engine, config.limits.max_concurrent_requests)
+        return cls(engine, config.limits.max_concurrent_requests, ChatTemplate(engine.tokenizer, template))
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,6 +141,31 @@ class AsyncEngine:
         best = ranked[0]
         best.best_of_sequences = ranked[1:]
         return best
+
+    async def generate_all(self, requests: Sequence[ValidatedRequest],
+                           request_id: str | None = None) -> list[GenerateResult]:
+        """Several whole generations admitted together, so they decode in the same batches (OpenAI's
+        `n`, a list of prompts); each counts against --max-concurrent-requests."""
+        self._admit(len(requests))
+        try:
+            base_id = request_id or uuid.uuid4().hex
+            return list(await asyncio.gather(*(self._collect(r, f"{base_id}-{i}") for i, r in enumerate(requests))))
+        finally:
+            self._release(len(requests))
+
+    async def stream_all(self, requests: Sequence[ValidatedRequest],
+                         request_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of several generations as they come, each with its request's index. The first
+        error ends the whole call (closing it aborts the requests still running)."""
+        self._admit(len(requests))
+        try:
+            base_id = request_id or uuid.uuid4().hex
+            streams = [self._stream(r, f"{base_id}-{i}") for i, r in enumerate(requests)]
+            async with contextlib.aclosing(_merged(streams)) as outputs:
+                async for item in outputs:
+                    yield item
+        finally:
+            self._release(len(requests))
 
     async def _collect(self, request: ValidatedRequest, request_id: str) -> GenerateResult:
         tokens, top_tokens, prefill = [], [], []
@@ -249,6 +282,37 @@ class AsyncEngine:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for stream_queue, output in items:
         stream_queue.put_nowait(output)
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Items of several streams as they come, tagged with the stream's index; each stream is drained
+    by its own task, and all of them are cancelled (their requests aborted) when this closes."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def drain(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                arrivals.put_nowait((index, output))
+            arrivals.put_nowait((index, ended))
+        except Exception as error:  # noqa: BLE001 — handed to the consumer
+            arrivals.put_nowait((index, error))
+
+    tasks = [asyncio.ensure_future(drain(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, item = await arrivals.get()
+            if item is ended:
+                num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _with_seed(request: ValidatedRequest, seed: int) -> ValidatedRequest:

@@ -270,7 +270,7 @@ class LLMEngine:
         live = self.live[request_id]
         request = live.request
         output = self._release(live, len(live.pending)) or RequestOutput(request_id=request_id)
-        text = live.text.final_text()
+        text = live.text.final_text(strip_stop=live.validated.strip_stop)
         if live.validated.return_full_text:
             text = live.validated.inputs + text
         output.finish_reason = reason

@@ -20,6 +20,8 @@ class SamplingParams:
     seed: int = 0  # always set: drawn at random when the caller gave none
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False  # TGI's decoder_input_details
+    presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: minus once for each token already seen
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     @property
     def has_warpers(self) -> bool:

@@ -54,6 +54,9 @@ class GenerateParameters:
     top_n_tokens: int | None = None
     grammar: Any = None  # unsupported: any value is rejected
     adapter_id: str | None = None  # ignored: the base model serves the request
+    # OpenAI's: subtracted once from the logit of every token already seen; added to given ids' logits.
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +65,8 @@ class GenerateRequest:
     parameters: GenerateParameters = field(default_factory=GenerateParameters)
     # False when a chat template already wrote the special tokens into `inputs`.
     add_special_tokens: bool = True
+    # OpenAI's routes end the text before a matched stop sequence; TGI's keep it.
+    strip_stop: bool = False
 
 
 @dataclass
@@ -78,6 +83,7 @@ class ValidatedRequest:
     decoder_input_details: bool
     return_full_text: bool  # None became False: `/generate`'s default; the compat route decides its own
     top_n_tokens: int
+    strip_stop: bool = False  # end the text before a matched stop sequence (OpenAI's routes)
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,9 @@ class Validator:
         best_of = self._check_best_of(params.best_of)
         _check(best_of == 1 or wants_sampling(params), "you must use sampling when `best_of` is > 1")
         _check_sampling_ranges(params)
+        vocab_size = self._info.vocab_size
+        _check(all(0 <= token_id < vocab_size for token_id in params.logit_bias),
+               f"`logit_bias` keys must be token ids in [0, {vocab_size})")
         _check(params.max_new_tokens is None or params.max_new_tokens > 0,
                "`max_new_tokens` must be strictly positive")
         self._check_stop(params.stop)
@@ -146,6 +155,7 @@ class Validator:
             decoder_input_details=bool(params.decoder_input_details),
             return_full_text=bool(params.return_full_text),
             top_n_tokens=top_n_tokens,
+            strip_stop=request.strip_stop,
         )
 
     def _check_best_of(self, best_of: int | None) -> int:
@@ -222,6 +232,8 @@ def _check_sampling_ranges(params: GenerateParameters) -> None:
     _check(_open_unit_interval(params.top_p), "`top_p` must be > 0.0 and < 1.0")
     _check(_open_unit_interval(params.typical_p), "`typical_p` must be > 0.0 and < 1.0")
     _check(params.top_k is None or params.top_k > 0, "`top_k` must be strictly positive")
+    _check(params.presence_penalty is None or -2.0 <= params.presence_penalty <= 2.0,
+           "`presence_penalty` must be >= -2.0 and <= 2.0")
 
 
 def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int) -> SamplingParams:
@@ -237,6 +249,8 @@ def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int) -
         seed=seed,
         top_n_tokens=top_n_tokens,
         prompt_logprobs=bool(params.decoder_input_details),
+        presence_penalty=params.presence_penalty or 0.0,
+        logit_bias=tuple(sorted(params.logit_bias.items())),
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from inference_service.engine.outputs import GenerateResult, RequestOutput
 from inference_service.engine.validation import ValidatedRequest
-from inference_service.errors import InferenceError
+from inference_service.errors import InferenceError, ValidationError
 from inference_service.observability.metrics import FAILURE_KINDS, ServerMetrics
 from inference_service.observability.tracing import RequestTrace, Tracing
 
@@ -28,6 +28,8 @@ TRACEPARENT_KEY = "traceparent"
 
 def failure_kind(error: BaseException) -> str:
     """tgi_request_failure's `err` for how a call ended."""
+    if isinstance(error, ValidationError):  # template and tool errors are the caller's input too
+        return "validation"
     if isinstance(error, InferenceError):
         return error.error_type if error.error_type in FAILURE_KINDS else "internal"
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):

@@ -45,15 +45,20 @@ def test_headers_the_gateway_adds_are_the_ones_the_server_reads():
     assert added == {errors.INBAND_ERRORS_KEY: "1", keepalive.KEEPALIVE_KEY: "15"}
 
 
-def test_routes_are_tgis():
+def test_routes_are_tgis_and_openais():
     routes = {(r.method, r.path): r for r in contract.rest_routes()}
     assert set(routes) == {("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"),
                            ("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/info"), ("GET", "/health"),
-                           ("GET", "/metrics"), ("GET", "/v1/models")}
+                           ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{id=**}"),
+                           ("POST", "/v1/chat/completions"), ("POST", "/v1/chat/completions/stream"),
+                           ("POST", "/v1/completions"), ("POST", "/v1/completions/stream")}
     assert routes["POST", "/"].unwrap == "responses" and routes["POST", "/tokenize"].unwrap == "tokens"
     sagemaker = routes["POST", "/invocations"]
     assert (sagemaker.rpc, sagemaker.unwrap) == ("CompatGenerate", "responses")
-    assert [r.rpc for r in routes.values() if r.streams] == ["GenerateStream"]
+    assert [r.rpc for r in routes.values() if r.streams] == ["GenerateStream", "ChatCompletionStream",
+                                                           "CompletionStream"]
+    assert routes["GET", "/v1/models/{id=**}"].path_match() == {"prefix": "/v1/models/"}
+    assert routes["GET", "/v1/models"].path_match() == {"path": "/v1/models"}
 
 
 def test_envoy_descriptor_keeps_response_body_for_http_body_only():

@@ -78,6 +78,31 @@ class TextGenerationStub:
                 request_serializer=textgen_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=textgen_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/textgen.v1.TextGeneration/GetModel',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.ModelCard.FromString,
+                _registered_method=True)
+        self.ChatCompletion = channel.unary_unary(
+                '/textgen.v1.TextGeneration/ChatCompletion',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionResponse.FromString,
+                _registered_method=True)
+        self.ChatCompletionStream = channel.unary_stream(
+                '/textgen.v1.TextGeneration/ChatCompletionStream',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionChunk.FromString,
+                _registered_method=True)
+        self.Completion = channel.unary_unary(
+                '/textgen.v1.TextGeneration/Completion',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+                _registered_method=True)
+        self.CompletionStream = channel.unary_stream(
+                '/textgen.v1.TextGeneration/CompletionStream',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -139,7 +164,47 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """OpenAI-style model list (one model per server).
+        """OpenAI's model list (one model per server); also at `/v1/models` for TGI.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModel(self, request, context):
+        """One model of the list: NOT_FOUND (REST 404) for any id but the served one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatCompletion(self, request, context):
+        """OpenAI's chat completions: the model's chat template renders `messages` (and `tools`), and
+        `n` choices are generated in one batch. REST: `POST /v1/chat/completions`; with
+        `"stream": true` in the body the gateway calls ChatCompletionStream on the same route.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatCompletionStream(self, request, context):
+        """Chat completion chunks as they are generated: the role in each choice's first delta, content
+        (or tool-call) deltas, a last chunk per choice with its `finish_reason`, and with
+        `stream_options.include_usage` a usage chunk with no choices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Completion(self, request, context):
+        """OpenAI's (legacy) text completions: `prompt` is a string or a list of strings, one choice
+        (times `n`) each. REST: `POST /v1/completions`, streaming with `"stream": true`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompletionStream(self, request, context):
+        """Text completion chunks as they are generated; choices of several prompts interleave.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +252,31 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=textgen_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
                     response_serializer=textgen_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.GetModelRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.ModelCard.SerializeToString,
+            ),
+            'ChatCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChatCompletion,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionResponse.SerializeToString,
+            ),
+            'ChatCompletionStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChatCompletionStream,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionChunk.SerializeToString,
+            ),
+            'Completion': grpc.unary_unary_rpc_method_handler(
+                    servicer.Completion,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.SerializeToString,
+            ),
+            'CompletionStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.CompletionStream,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -408,6 +498,141 @@ class TextGeneration:
             '/textgen.v1.TextGeneration/ListModels',
             textgen_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
             textgen_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/GetModel',
+            textgen_dot_v1_dot_generate__pb2.GetModelRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.ModelCard.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/ChatCompletion',
+            textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.ChatCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatCompletionStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/ChatCompletionStream',
+            textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.ChatCompletionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Completion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/Completion',
+            textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompletionStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/CompletionStream',
+            textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
             options,
             channel_credentials,
             insecure,

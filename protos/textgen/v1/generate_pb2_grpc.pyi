@@ -63,7 +63,25 @@ class TextGenerationStub:
     Metrics: _grpc.UnaryUnaryMultiCallable[_generate_pb2.MetricsRequest, _httpbody_pb2.HttpBody]
     """Prometheus text exposition of the server's metrics."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]
-    """OpenAI-style model list (one model per server)."""
+    """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
+    GetModel: _grpc.UnaryUnaryMultiCallable[_generate_pb2.GetModelRequest, _generate_pb2.ModelCard]
+    """One model of the list: NOT_FOUND (REST 404) for any id but the served one."""
+    ChatCompletion: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ChatCompletionRequest, _generate_pb2.ChatCompletionResponse]
+    """OpenAI's chat completions: the model's chat template renders `messages` (and `tools`), and
+    `n` choices are generated in one batch. REST: `POST /v1/chat/completions`; with
+    `"stream": true` in the body the gateway calls ChatCompletionStream on the same route.
+    """
+    ChatCompletionStream: _grpc.UnaryStreamMultiCallable[_generate_pb2.ChatCompletionRequest, _generate_pb2.ChatCompletionChunk]
+    """Chat completion chunks as they are generated: the role in each choice's first delta, content
+    (or tool-call) deltas, a last chunk per choice with its `finish_reason`, and with
+    `stream_options.include_usage` a usage chunk with no choices.
+    """
+    Completion: _grpc.UnaryUnaryMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]
+    """OpenAI's (legacy) text completions: `prompt` is a string or a list of strings, one choice
+    (times `n`) each. REST: `POST /v1/completions`, streaming with `"stream": true`.
+    """
+    CompletionStream: _grpc.UnaryStreamMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]
+    """Text completion chunks as they are generated; choices of several prompts interleave."""
 
 @_typing.type_check_only
 class TextGenerationAsyncStub(TextGenerationStub):
@@ -94,7 +112,25 @@ class TextGenerationAsyncStub(TextGenerationStub):
     Metrics: _aio.UnaryUnaryMultiCallable[_generate_pb2.MetricsRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
     """Prometheus text exposition of the server's metrics."""
     ListModels: _aio.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]  # type: ignore[assignment]
-    """OpenAI-style model list (one model per server)."""
+    """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
+    GetModel: _aio.UnaryUnaryMultiCallable[_generate_pb2.GetModelRequest, _generate_pb2.ModelCard]  # type: ignore[assignment]
+    """One model of the list: NOT_FOUND (REST 404) for any id but the served one."""
+    ChatCompletion: _aio.UnaryUnaryMultiCallable[_generate_pb2.ChatCompletionRequest, _generate_pb2.ChatCompletionResponse]  # type: ignore[assignment]
+    """OpenAI's chat completions: the model's chat template renders `messages` (and `tools`), and
+    `n` choices are generated in one batch. REST: `POST /v1/chat/completions`; with
+    `"stream": true` in the body the gateway calls ChatCompletionStream on the same route.
+    """
+    ChatCompletionStream: _aio.UnaryStreamMultiCallable[_generate_pb2.ChatCompletionRequest, _generate_pb2.ChatCompletionChunk]  # type: ignore[assignment]
+    """Chat completion chunks as they are generated: the role in each choice's first delta, content
+    (or tool-call) deltas, a last chunk per choice with its `finish_reason`, and with
+    `stream_options.include_usage` a usage chunk with no choices.
+    """
+    Completion: _aio.UnaryUnaryMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]  # type: ignore[assignment]
+    """OpenAI's (legacy) text completions: `prompt` is a string or a list of strings, one choice
+    (times `n`) each. REST: `POST /v1/completions`, streaming with `"stream": true`.
+    """
+    CompletionStream: _aio.UnaryStreamMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]  # type: ignore[assignment]
+    """Text completion chunks as they are generated; choices of several prompts interleave."""
 
 class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
     """Text generation with continuous batching. Errors are gRPC status codes whose details carry a
@@ -170,6 +206,54 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generate_pb2.ListModelsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generate_pb2.ListModelsResponse, _abc.Awaitable[_generate_pb2.ListModelsResponse]]:
-        """OpenAI-style model list (one model per server)."""
+        """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
+
+    @_abc_1.abstractmethod
+    def GetModel(
+        self,
+        request: _generate_pb2.GetModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.ModelCard, _abc.Awaitable[_generate_pb2.ModelCard]]:
+        """One model of the list: NOT_FOUND (REST 404) for any id but the served one."""
+
+    @_abc_1.abstractmethod
+    def ChatCompletion(
+        self,
+        request: _generate_pb2.ChatCompletionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.ChatCompletionResponse, _abc.Awaitable[_generate_pb2.ChatCompletionResponse]]:
+        """OpenAI's chat completions: the model's chat template renders `messages` (and `tools`), and
+        `n` choices are generated in one batch. REST: `POST /v1/chat/completions`; with
+        `"stream": true` in the body the gateway calls ChatCompletionStream on the same route.
+        """
+
+    @_abc_1.abstractmethod
+    def ChatCompletionStream(
+        self,
+        request: _generate_pb2.ChatCompletionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generate_pb2.ChatCompletionChunk], _abc.AsyncIterator[_generate_pb2.ChatCompletionChunk]]:
+        """Chat completion chunks as they are generated: the role in each choice's first delta, content
+        (or tool-call) deltas, a last chunk per choice with its `finish_reason`, and with
+        `stream_options.include_usage` a usage chunk with no choices.
+        """
+
+    @_abc_1.abstractmethod
+    def Completion(
+        self,
+        request: _generate_pb2.CompletionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.CompletionResponse, _abc.Awaitable[_generate_pb2.CompletionResponse]]:
+        """OpenAI's (legacy) text completions: `prompt` is a string or a list of strings, one choice
+        (times `n`) each. REST: `POST /v1/completions`, streaming with `"stream": true`.
+        """
+
+    @_abc_1.abstractmethod
+    def CompletionStream(
+        self,
+        request: _generate_pb2.CompletionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generate_pb2.CompletionResponse], _abc.AsyncIterator[_generate_pb2.CompletionResponse]]:
+        """Text completion chunks as they are generated; choices of several prompts interleave."""
 
 def add_TextGenerationServicer_to_server(servicer: TextGenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

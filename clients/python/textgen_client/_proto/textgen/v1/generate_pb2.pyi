@@ -103,7 +103,7 @@ class GenerateParameters(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def grammar(self) -> Global___Grammar:
-        """Not supported: a request that sets it gets a validation error."""
+        """Constrains the output to a JSON schema or a regex (off with --disable-grammar-support)."""
 
     def __init__(
         self,
@@ -848,3 +848,1194 @@ class ListModelsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class GetModelRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetModelRequest: _TypeAlias = GetModelRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """--- OpenAI's chat and text completions ----------------------------------------------------------
+
+    Field names are OpenAI's. Fields whose JSON may be a string or something else (`content`, `stop`,
+    `prompt`, `tool_choice`) are `google.protobuf.Value`s, so REST callers send OpenAI's JSON as it
+    is; gRPC callers set the string or list value. Response fields are in the order the gateway
+    relies on to print OpenAI's nulls (`logprobs`, `finish_reason`, `content`) where proto3 JSON
+    leaves an unset field out.
+
+    One message of a conversation. `content` is a string, a list of parts
+    (`{"type": "text", "text": ...}`), or null for an assistant message with `tool_calls`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    name: _builtins.str
+    tool_call_id: _builtins.str
+    @_builtins.property
+    def content(self) -> _struct_pb2.Value: ...
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _struct_pb2.Value | None = ...,
+        name: _builtins.str | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__tool_call_id: _TypeAlias = _typing.Literal["tool_call_id"]  # noqa: Y015
+    _WhichOneofArgType__tool_call_id: _TypeAlias = _typing.Literal["_tool_call_id", b"_tool_call_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_call_id) -> _WhichOneofReturnType__tool_call_id | None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class FunctionDefinition(_message.Message):
+    """A function the model may call; `parameters` is its arguments' JSON schema."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    STRICT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    description: _builtins.str
+    strict: _builtins.bool
+    @_builtins.property
+    def parameters(self) -> _struct_pb2.Struct: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str | None = ...,
+        parameters: _struct_pb2.Struct | None = ...,
+        strict: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_strict", b"_strict", "description", b"description", "parameters", b"parameters", "strict", b"strict"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_strict", b"_strict", "description", b"description", "name", b"name", "parameters", b"parameters", "strict", b"strict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__description: _TypeAlias = _typing.Literal["description"]  # noqa: Y015
+    _WhichOneofArgType__description: _TypeAlias = _typing.Literal["_description", b"_description"]  # noqa: Y015
+    _WhichOneofReturnType__strict: _TypeAlias = _typing.Literal["strict"]  # noqa: Y015
+    _WhichOneofArgType__strict: _TypeAlias = _typing.Literal["_strict", b"_strict"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__description) -> _WhichOneofReturnType__description | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__strict) -> _WhichOneofReturnType__strict | None: ...
+
+Global___FunctionDefinition: _TypeAlias = FunctionDefinition  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """"function" """
+    @_builtins.property
+    def function(self) -> Global___FunctionDefinition: ...
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        function: Global___FunctionDefinition | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["function", b"function"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class FunctionCall(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    arguments: _builtins.str
+    """The arguments as a JSON text (OpenAI's shape: a string, not an object)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str | None = ...,
+        arguments: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_arguments", b"_arguments", "_name", b"_name", "arguments", b"arguments", "name", b"name"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_arguments", b"_arguments", "_name", b"_name", "arguments", b"arguments", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__arguments: _TypeAlias = _typing.Literal["arguments"]  # noqa: Y015
+    _WhichOneofArgType__arguments: _TypeAlias = _typing.Literal["_arguments", b"_arguments"]  # noqa: Y015
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__arguments) -> _WhichOneofReturnType__arguments | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+
+Global___FunctionCall: _TypeAlias = FunctionCall  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A call the model made. `index` is set in stream deltas only."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    id: _builtins.str
+    type: _builtins.str
+    @_builtins.property
+    def function(self) -> Global___FunctionCall: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int | None = ...,
+        id: _builtins.str | None = ...,
+        type: _builtins.str | None = ...,
+        function: Global___FunctionCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_id", b"_id", "_index", b"_index", "_type", b"_type", "function", b"function", "id", b"id", "index", b"index", "type", b"type"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_id", b"_id", "_index", b"_index", "_type", b"_type", "function", b"function", "id", b"id", "index", b"index", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__id: _TypeAlias = _typing.Literal["id"]  # noqa: Y015
+    _WhichOneofArgType__id: _TypeAlias = _typing.Literal["_id", b"_id"]  # noqa: Y015
+    _WhichOneofReturnType__index: _TypeAlias = _typing.Literal["index"]  # noqa: Y015
+    _WhichOneofArgType__index: _TypeAlias = _typing.Literal["_index", b"_index"]  # noqa: Y015
+    _WhichOneofReturnType__type: _TypeAlias = _typing.Literal["type"]  # noqa: Y015
+    _WhichOneofArgType__type: _TypeAlias = _typing.Literal["_type", b"_type"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__id) -> _WhichOneofReturnType__id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__index) -> _WhichOneofReturnType__index | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__type) -> _WhichOneofReturnType__type | None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class JsonSchemaFormat(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    SCHEMA_FIELD_NUMBER: _builtins.int
+    STRICT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    description: _builtins.str
+    strict: _builtins.bool
+    @_builtins.property
+    def schema(self) -> _struct_pb2.Struct: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str | None = ...,
+        schema: _struct_pb2.Struct | None = ...,
+        strict: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_strict", b"_strict", "description", b"description", "schema", b"schema", "strict", b"strict"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_strict", b"_strict", "description", b"description", "name", b"name", "schema", b"schema", "strict", b"strict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__description: _TypeAlias = _typing.Literal["description"]  # noqa: Y015
+    _WhichOneofArgType__description: _TypeAlias = _typing.Literal["_description", b"_description"]  # noqa: Y015
+    _WhichOneofReturnType__strict: _TypeAlias = _typing.Literal["strict"]  # noqa: Y015
+    _WhichOneofArgType__strict: _TypeAlias = _typing.Literal["_strict", b"_strict"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__description) -> _WhichOneofReturnType__description | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__strict) -> _WhichOneofReturnType__strict | None: ...
+
+Global___JsonSchemaFormat: _TypeAlias = JsonSchemaFormat  # noqa: Y015
+
+@_typing.final
+class ResponseFormat(_message.Message):
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`
+    (OpenAI); TGI's grammar shapes are accepted too: `{"type": "json" | "json_object" | "regex",
+    "value": ...}`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    @_builtins.property
+    def json_schema(self) -> Global___JsonSchemaFormat: ...
+    @_builtins.property
+    def value(self) -> _struct_pb2.Value: ...
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        json_schema: Global___JsonSchemaFormat | None = ...,
+        value: _struct_pb2.Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["json_schema", b"json_schema", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json_schema", b"json_schema", "type", b"type", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseFormat: _TypeAlias = ResponseFormat  # noqa: Y015
+
+@_typing.final
+class StreamOptions(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCLUDE_USAGE_FIELD_NUMBER: _builtins.int
+    include_usage: _builtins.bool
+    def __init__(
+        self,
+        *,
+        include_usage: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_include_usage", b"_include_usage", "include_usage", b"include_usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_include_usage", b"_include_usage", "include_usage", b"include_usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__include_usage: _TypeAlias = _typing.Literal["include_usage"]  # noqa: Y015
+    _WhichOneofArgType__include_usage: _TypeAlias = _typing.Literal["_include_usage", b"_include_usage"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__include_usage) -> _WhichOneofReturnType__include_usage | None: ...
+
+Global___StreamOptions: _TypeAlias = StreamOptions  # noqa: Y015
+
+@_typing.final
+class ChatCompletionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    STREAM_OPTIONS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
+    TOOL_PROMPT_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    SERVICE_TIER_FIELD_NUMBER: _builtins.int
+    REASONING_EFFORT_FIELD_NUMBER: _builtins.int
+    MODALITIES_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Accepted and ignored: the served model answers (responses name it)."""
+    frequency_penalty: _builtins.float
+    logprobs: _builtins.bool
+    top_logprobs: _builtins.int
+    max_tokens: _builtins.int
+    max_completion_tokens: _builtins.int
+    n: _builtins.int
+    presence_penalty: _builtins.float
+    seed: _builtins.int
+    stream: _builtins.bool
+    """REST only: selects ChatCompletionStream (the gateway routes on it)."""
+    temperature: _builtins.float
+    """0 is greedy; absent is 1 (sampling), as OpenAI."""
+    top_p: _builtins.float
+    parallel_tool_calls: _builtins.bool
+    user: _builtins.str
+    """Accepted and ignored."""
+    tool_prompt: _builtins.str
+    """TGI's: the text put before the tool definitions when the template does not render tools."""
+    store: _builtins.bool
+    service_tier: _builtins.str
+    reasoning_effort: _builtins.str
+    top_k: _builtins.int
+    """Shared by every generated choice: top-k (vLLM's extension), repetition penalty (TGI's)."""
+    repetition_penalty: _builtins.float
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Token id (as a string, OpenAI's JSON) -> bias added to its logit, in [-100, 100]."""
+
+    @_builtins.property
+    def response_format(self) -> Global___ResponseFormat: ...
+    @_builtins.property
+    def stop(self) -> _struct_pb2.Value:
+        """A string or a list of up to --max-stop-sequences strings; the stop text is not returned."""
+
+    @_builtins.property
+    def stream_options(self) -> Global___StreamOptions: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]: ...
+    @_builtins.property
+    def tool_choice(self) -> _struct_pb2.Value:
+        """"none", "auto", "required", or {"type": "function", "function": {"name": ...}}."""
+
+    @_builtins.property
+    def documents(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]:
+        """Documents for retrieval-augmented templates, passed to the template as `documents`."""
+
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the chat template (vLLM's `chat_template_kwargs`)."""
+
+    @_builtins.property
+    def metadata(self) -> _struct_pb2.Value:
+        """Accepted and ignored (OpenAI platform features with no meaning here)."""
+
+    @_builtins.property
+    def modalities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        logit_bias: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        logprobs: _builtins.bool | None = ...,
+        top_logprobs: _builtins.int | None = ...,
+        max_tokens: _builtins.int | None = ...,
+        max_completion_tokens: _builtins.int | None = ...,
+        n: _builtins.int | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        response_format: Global___ResponseFormat | None = ...,
+        seed: _builtins.int | None = ...,
+        stop: _struct_pb2.Value | None = ...,
+        stream: _builtins.bool | None = ...,
+        stream_options: Global___StreamOptions | None = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: _struct_pb2.Value | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
+        user: _builtins.str | None = ...,
+        tool_prompt: _builtins.str | None = ...,
+        documents: _abc.Iterable[_struct_pb2.Struct] | None = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
+        metadata: _struct_pb2.Value | None = ...,
+        store: _builtins.bool | None = ...,
+        service_tier: _builtins.str | None = ...,
+        reasoning_effort: _builtins.str | None = ...,
+        modalities: _abc.Iterable[_builtins.str] | None = ...,
+        top_k: _builtins.int | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "metadata", b"metadata", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "service_tier", b"service_tier", "stop", b"stop", "store", b"store", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_completion_tokens", b"_max_completion_tokens", "_max_tokens", b"_max_tokens", "_n", b"_n", "_parallel_tool_calls", b"_parallel_tool_calls", "_presence_penalty", b"_presence_penalty", "_reasoning_effort", b"_reasoning_effort", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_user", b"_user", "chat_template_kwargs", b"chat_template_kwargs", "documents", b"documents", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_completion_tokens", b"max_completion_tokens", "max_tokens", b"max_tokens", "messages", b"messages", "metadata", b"metadata", "modalities", b"modalities", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "presence_penalty", b"presence_penalty", "reasoning_effort", b"reasoning_effort", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "service_tier", b"service_tier", "stop", b"stop", "store", b"store", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__max_completion_tokens: _TypeAlias = _typing.Literal["max_completion_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_completion_tokens: _TypeAlias = _typing.Literal["_max_completion_tokens", b"_max_completion_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
+    _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_effort: _TypeAlias = _typing.Literal["reasoning_effort"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_effort: _TypeAlias = _typing.Literal["_reasoning_effort", b"_reasoning_effort"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__service_tier: _TypeAlias = _typing.Literal["service_tier"]  # noqa: Y015
+    _WhichOneofArgType__service_tier: _TypeAlias = _typing.Literal["_service_tier", b"_service_tier"]  # noqa: Y015
+    _WhichOneofReturnType__store: _TypeAlias = _typing.Literal["store"]  # noqa: Y015
+    _WhichOneofArgType__store: _TypeAlias = _typing.Literal["_store", b"_store"]  # noqa: Y015
+    _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
+    _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__tool_prompt: _TypeAlias = _typing.Literal["tool_prompt"]  # noqa: Y015
+    _WhichOneofArgType__tool_prompt: _TypeAlias = _typing.Literal["_tool_prompt", b"_tool_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_logprobs: _TypeAlias = _typing.Literal["top_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__top_logprobs: _TypeAlias = _typing.Literal["_top_logprobs", b"_top_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__user: _TypeAlias = _typing.Literal["user"]  # noqa: Y015
+    _WhichOneofArgType__user: _TypeAlias = _typing.Literal["_user", b"_user"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_completion_tokens) -> _WhichOneofReturnType__max_completion_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_effort) -> _WhichOneofReturnType__reasoning_effort | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__service_tier) -> _WhichOneofReturnType__service_tier | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__store) -> _WhichOneofReturnType__store | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_prompt) -> _WhichOneofReturnType__tool_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_logprobs) -> _WhichOneofReturnType__top_logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__user) -> _WhichOneofReturnType__user | None: ...
+
+Global___ChatCompletionRequest: _TypeAlias = ChatCompletionRequest  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    logprob: _builtins.float
+    @_builtins.property
+    def bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        bytes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "logprob", b"logprob", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """OpenAI's logprob of one generated token: raw (before penalties and temperature), UTF-8 bytes of
+    its text, and the `top_logprobs` alternatives.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    logprob: _builtins.float
+    @_builtins.property
+    def bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]: ...
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        bytes: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "logprob", b"logprob", "token", b"token", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class ChoiceLogprobs(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]: ...
+    def __init__(
+        self,
+        *,
+        content: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceLogprobs: _TypeAlias = ChoiceLogprobs  # noqa: Y015
+
+@_typing.final
+class ChatCompletionMessage(_message.Message):
+    """The assistant's reply: `content` is null when it called tools."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    content: _builtins.str
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "content", b"content"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "content", b"content", "role", b"role", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__content: _TypeAlias = _typing.Literal["content"]  # noqa: Y015
+    _WhichOneofArgType__content: _TypeAlias = _typing.Literal["_content", b"_content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__content) -> _WhichOneofReturnType__content | None: ...
+
+Global___ChatCompletionMessage: _TypeAlias = ChatCompletionMessage  # noqa: Y015
+
+@_typing.final
+class ChatCompletionChoice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    finish_reason: _builtins.str
+    """"stop" (end of text or a stop sequence), "length", "tool_calls"."""
+    @_builtins.property
+    def logprobs(self) -> Global___ChoiceLogprobs: ...
+    @_builtins.property
+    def message(self) -> Global___ChatCompletionMessage: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        finish_reason: _builtins.str = ...,
+        logprobs: Global___ChoiceLogprobs | None = ...,
+        message: Global___ChatCompletionMessage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatCompletionChoice: _TypeAlias = ChatCompletionChoice  # noqa: Y015
+
+@_typing.final
+class Usage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    completion_tokens: _builtins.int
+    total_tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        prompt_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        total_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class ChatCompletionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OBJECT_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    object: _builtins.str
+    """"chat.completion" """
+    created: _builtins.int
+    model: _builtins.str
+    system_fingerprint: _builtins.str
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatCompletionChoice]: ...
+    @_builtins.property
+    def usage(self) -> Global___Usage: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        object: _builtins.str = ...,
+        created: _builtins.int = ...,
+        model: _builtins.str = ...,
+        system_fingerprint: _builtins.str = ...,
+        choices: _abc.Iterable[Global___ChatCompletionChoice] | None = ...,
+        usage: Global___Usage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "created", b"created", "id", b"id", "model", b"model", "object", b"object", "system_fingerprint", b"system_fingerprint", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatCompletionResponse: _TypeAlias = ChatCompletionResponse  # noqa: Y015
+
+@_typing.final
+class ChatCompletionDelta(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    content: _builtins.str
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
+    def __init__(
+        self,
+        *,
+        role: _builtins.str | None = ...,
+        content: _builtins.str | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_role", b"_role", "content", b"content", "role", b"role"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_role", b"_role", "content", b"content", "role", b"role", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__content: _TypeAlias = _typing.Literal["content"]  # noqa: Y015
+    _WhichOneofArgType__content: _TypeAlias = _typing.Literal["_content", b"_content"]  # noqa: Y015
+    _WhichOneofReturnType__role: _TypeAlias = _typing.Literal["role"]  # noqa: Y015
+    _WhichOneofArgType__role: _TypeAlias = _typing.Literal["_role", b"_role"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__content) -> _WhichOneofReturnType__content | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__role) -> _WhichOneofReturnType__role | None: ...
+
+Global___ChatCompletionDelta: _TypeAlias = ChatCompletionDelta  # noqa: Y015
+
+@_typing.final
+class ChatCompletionChunkChoice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    finish_reason: _builtins.str
+    """Set on a choice's last chunk only."""
+    @_builtins.property
+    def logprobs(self) -> Global___ChoiceLogprobs: ...
+    @_builtins.property
+    def delta(self) -> Global___ChatCompletionDelta: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        finish_reason: _builtins.str | None = ...,
+        logprobs: Global___ChoiceLogprobs | None = ...,
+        delta: Global___ChatCompletionDelta | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "delta", b"delta", "finish_reason", b"finish_reason", "logprobs", b"logprobs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "delta", b"delta", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
+    _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__finish_reason) -> _WhichOneofReturnType__finish_reason | None: ...
+
+Global___ChatCompletionChunkChoice: _TypeAlias = ChatCompletionChunkChoice  # noqa: Y015
+
+@_typing.final
+class OpenAIError(_message.Message):
+    """An error inside a REST stream (OpenAI's `{"error": {...}}` event); gRPC callers get a status."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    PARAM_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    type: _builtins.str
+    param: _builtins.str
+    code: _builtins.str
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+        type: _builtins.str = ...,
+        param: _builtins.str | None = ...,
+        code: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_code", b"_code", "_param", b"_param", "code", b"code", "param", b"param"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_code", b"_code", "_param", b"_param", "code", b"code", "message", b"message", "param", b"param", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__code: _TypeAlias = _typing.Literal["code"]  # noqa: Y015
+    _WhichOneofArgType__code: _TypeAlias = _typing.Literal["_code", b"_code"]  # noqa: Y015
+    _WhichOneofReturnType__param: _TypeAlias = _typing.Literal["param"]  # noqa: Y015
+    _WhichOneofArgType__param: _TypeAlias = _typing.Literal["_param", b"_param"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__code) -> _WhichOneofReturnType__code | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__param) -> _WhichOneofReturnType__param | None: ...
+
+Global___OpenAIError: _TypeAlias = OpenAIError  # noqa: Y015
+
+@_typing.final
+class ChatCompletionChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OBJECT_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    KEEP_ALIVE_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    object: _builtins.str
+    """"chat.completion.chunk" """
+    created: _builtins.int
+    model: _builtins.str
+    system_fingerprint: _builtins.str
+    keep_alive: _builtins.bool
+    """REST streams only (asked for by the gateway's `x-textgen-inband-errors` header): a heartbeat
+    (written as an SSE comment), the end of the stream (`data: [DONE]`), an error event.
+    """
+    done: _builtins.bool
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatCompletionChunkChoice]: ...
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Only on the usage chunk (stream_options.include_usage), whose `choices` is empty."""
+
+    @_builtins.property
+    def error(self) -> Global___OpenAIError: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        object: _builtins.str = ...,
+        created: _builtins.int = ...,
+        model: _builtins.str = ...,
+        system_fingerprint: _builtins.str = ...,
+        choices: _abc.Iterable[Global___ChatCompletionChunkChoice] | None = ...,
+        usage: Global___Usage | None = ...,
+        keep_alive: _builtins.bool | None = ...,
+        done: _builtins.bool | None = ...,
+        error: Global___OpenAIError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_done", b"_done", "_keep_alive", b"_keep_alive", "done", b"done", "error", b"error", "keep_alive", b"keep_alive", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_done", b"_done", "_keep_alive", b"_keep_alive", "choices", b"choices", "created", b"created", "done", b"done", "error", b"error", "id", b"id", "keep_alive", b"keep_alive", "model", b"model", "object", b"object", "system_fingerprint", b"system_fingerprint", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__done: _TypeAlias = _typing.Literal["done"]  # noqa: Y015
+    _WhichOneofArgType__done: _TypeAlias = _typing.Literal["_done", b"_done"]  # noqa: Y015
+    _WhichOneofReturnType__keep_alive: _TypeAlias = _typing.Literal["keep_alive"]  # noqa: Y015
+    _WhichOneofArgType__keep_alive: _TypeAlias = _typing.Literal["_keep_alive", b"_keep_alive"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__done) -> _WhichOneofReturnType__done | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_alive) -> _WhichOneofReturnType__keep_alive | None: ...
+
+Global___ChatCompletionChunk: _TypeAlias = ChatCompletionChunk  # noqa: Y015
+
+@_typing.final
+class CompletionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    STREAM_OPTIONS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    ECHO_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    BEST_OF_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    SUFFIX_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Accepted and ignored: the served model answers."""
+    max_tokens: _builtins.int
+    temperature: _builtins.float
+    top_p: _builtins.float
+    n: _builtins.int
+    stream: _builtins.bool
+    logprobs: _builtins.int
+    """Alternatives per token, at most --max-top-n-tokens (OpenAI allows 5)."""
+    echo: _builtins.bool
+    """The prompt is returned before the completion (with its logprobs when asked)."""
+    presence_penalty: _builtins.float
+    frequency_penalty: _builtins.float
+    best_of: _builtins.int
+    user: _builtins.str
+    seed: _builtins.int
+    suffix: _builtins.str
+    """Fill in the middle: only for models with FIM tokens; others refuse it."""
+    top_k: _builtins.int
+    repetition_penalty: _builtins.float
+    @_builtins.property
+    def prompt(self) -> _struct_pb2.Value:
+        """A string or a list of strings (one choice each, times `n`)."""
+
+    @_builtins.property
+    def stream_options(self) -> Global___StreamOptions: ...
+    @_builtins.property
+    def stop(self) -> _struct_pb2.Value: ...
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def response_format(self) -> Global___ResponseFormat: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        prompt: _struct_pb2.Value | None = ...,
+        max_tokens: _builtins.int | None = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        n: _builtins.int | None = ...,
+        stream: _builtins.bool | None = ...,
+        stream_options: Global___StreamOptions | None = ...,
+        logprobs: _builtins.int | None = ...,
+        echo: _builtins.bool | None = ...,
+        stop: _struct_pb2.Value | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        best_of: _builtins.int | None = ...,
+        logit_bias: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        user: _builtins.str | None = ...,
+        seed: _builtins.int | None = ...,
+        suffix: _builtins.str | None = ...,
+        top_k: _builtins.int | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        response_format: Global___ResponseFormat | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "best_of", b"best_of", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_best_of", b"_best_of", "_echo", b"_echo", "_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_stream", b"_stream", "_suffix", b"_suffix", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_user", b"_user", "best_of", b"best_of", "echo", b"echo", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "model", b"model", "n", b"n", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "response_format", b"response_format", "seed", b"seed", "stop", b"stop", "stream", b"stream", "stream_options", b"stream_options", "suffix", b"suffix", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
+    _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
+    _WhichOneofReturnType__echo: _TypeAlias = _typing.Literal["echo"]  # noqa: Y015
+    _WhichOneofArgType__echo: _TypeAlias = _typing.Literal["_echo", b"_echo"]  # noqa: Y015
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
+    _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__stream: _TypeAlias = _typing.Literal["stream"]  # noqa: Y015
+    _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
+    _WhichOneofReturnType__suffix: _TypeAlias = _typing.Literal["suffix"]  # noqa: Y015
+    _WhichOneofArgType__suffix: _TypeAlias = _typing.Literal["_suffix", b"_suffix"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__user: _TypeAlias = _typing.Literal["user"]  # noqa: Y015
+    _WhichOneofArgType__user: _TypeAlias = _typing.Literal["_user", b"_user"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__best_of) -> _WhichOneofReturnType__best_of | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__echo) -> _WhichOneofReturnType__echo | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__suffix) -> _WhichOneofReturnType__suffix | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__user) -> _WhichOneofReturnType__user | None: ...
+
+Global___CompletionRequest: _TypeAlias = CompletionRequest  # noqa: Y015
+
+@_typing.final
+class CompletionLogprobs(_message.Message):
+    """The legacy logprobs object of a text completion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def token_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]: ...
+    @_builtins.property
+    def text_offset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[_builtins.str] | None = ...,
+        token_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_logprobs: _abc.Iterable[_struct_pb2.Struct] | None = ...,
+        text_offset: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text_offset", b"text_offset", "token_logprobs", b"token_logprobs", "tokens", b"tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompletionLogprobs: _TypeAlias = CompletionLogprobs  # noqa: Y015
+
+@_typing.final
+class CompletionChoice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    finish_reason: _builtins.str
+    """"stop" or "length"; unset on stream chunks before a choice's last."""
+    text: _builtins.str
+    @_builtins.property
+    def logprobs(self) -> Global___CompletionLogprobs: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        finish_reason: _builtins.str | None = ...,
+        logprobs: Global___CompletionLogprobs | None = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "logprobs", b"logprobs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
+    _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__finish_reason) -> _WhichOneofReturnType__finish_reason | None: ...
+
+Global___CompletionChoice: _TypeAlias = CompletionChoice  # noqa: Y015
+
+@_typing.final
+class CompletionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OBJECT_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    KEEP_ALIVE_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    object: _builtins.str
+    """"text_completion" """
+    created: _builtins.int
+    model: _builtins.str
+    system_fingerprint: _builtins.str
+    keep_alive: _builtins.bool
+    """REST streams only, as in ChatCompletionChunk."""
+    done: _builtins.bool
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompletionChoice]: ...
+    @_builtins.property
+    def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def error(self) -> Global___OpenAIError: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        object: _builtins.str = ...,
+        created: _builtins.int = ...,
+        model: _builtins.str = ...,
+        system_fingerprint: _builtins.str = ...,
+        choices: _abc.Iterable[Global___CompletionChoice] | None = ...,
+        usage: Global___Usage | None = ...,
+        keep_alive: _builtins.bool | None = ...,
+        done: _builtins.bool | None = ...,
+        error: Global___OpenAIError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_done", b"_done", "_keep_alive", b"_keep_alive", "done", b"done", "error", b"error", "keep_alive", b"keep_alive", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_done", b"_done", "_keep_alive", b"_keep_alive", "choices", b"choices", "created", b"created", "done", b"done", "error", b"error", "id", b"id", "keep_alive", b"keep_alive", "model", b"model", "object", b"object", "system_fingerprint", b"system_fingerprint", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__done: _TypeAlias = _typing.Literal["done"]  # noqa: Y015
+    _WhichOneofArgType__done: _TypeAlias = _typing.Literal["_done", b"_done"]  # noqa: Y015
+    _WhichOneofReturnType__keep_alive: _TypeAlias = _typing.Literal["keep_alive"]  # noqa: Y015
+    _WhichOneofArgType__keep_alive: _TypeAlias = _typing.Literal["_keep_alive", b"_keep_alive"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__done) -> _WhichOneofReturnType__done | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_alive) -> _WhichOneofReturnType__keep_alive | None: ...
+
+Global___CompletionResponse: _TypeAlias = CompletionResponse  # noqa: Y015
