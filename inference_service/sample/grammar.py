@@ -78,7 +78,8 @@ def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
 
 
 def _schema_text(value: Any) -> str:
-    """A schema object, or a string holding one, as canonical JSON text (equal schemas share a cache entry)."""
+    """A schema object, or a string holding one, as compact JSON text. Keys keep their order: the
+    output's properties come in the schema's order."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -86,7 +87,7 @@ def _schema_text(value: Any) -> str:
             raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None
     if not isinstance(value, (dict, bool)):
         raise ValidationError("grammar is not valid: a JSON schema must be an object")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return json.dumps(value, separators=(",", ":"))
 
 
 class CompiledGrammar:

@@ -14,7 +14,7 @@ from inference_service.sample import ops
 from inference_service.sample.grammar import GrammarCompiler, GrammarSpec, fill_bitmasks, grammar_spec_from_tgi
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-SCHEMA_TEXT = json.dumps(SCHEMA, sort_keys=True, separators=(",", ":"))
+SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
 
 
 @pytest.mark.parametrize("grammar", [
@@ -24,7 +24,7 @@ SCHEMA_TEXT = json.dumps(SCHEMA, sort_keys=True, separators=(",", ":"))
     {"type": "json_schema", "value": {"name": "thing", "schema": SCHEMA}},
     {"type": "json_schema", "value": {"schema": SCHEMA}},
 ])
-def test_tgi_json_shapes_give_one_canonical_spec(grammar):
+def test_tgi_json_shapes_give_one_compact_spec(grammar):
     assert grammar_spec_from_tgi(grammar) == GrammarSpec("json", SCHEMA_TEXT)
 
 
@@ -47,6 +47,11 @@ def test_bad_tgi_shapes(grammar, message):
     with pytest.raises(ValidationError, match=re.escape(message)) as error:
         grammar_spec_from_tgi(grammar)
     assert error.value.detail.startswith("grammar is not valid: ")
+
+
+def test_schema_keys_keep_their_order():  # the output's properties come in this order
+    spec = grammar_spec_from_tgi({"type": "json", "value": {"properties": {"z": {}, "a": {}}}})
+    assert spec.value == '{"properties":{"z":{},"a":{}}}'
 
 
 def test_spec_kinds_are_checked():
@@ -163,3 +168,16 @@ def test_apply_token_bitmask_matches_a_per_id_reference():
             if not (int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1:
                 expected[row, token_id] = float("-inf")
     assert torch.equal(ops.apply_token_bitmask(logits, bitmask), expected)
+
+
+def test_every_engine_eos_id_ends_a_complete_grammar(byte_tokenizer):
+    """The tokenizer's EOS (<|endoftext|>) and a generation-config EOS (<|im_end|>, as SmolLM2-Instruct)."""
+    im_end = byte_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [byte_tokenizer.eos_token_id, im_end])
+    state = compiler.compile(GrammarSpec("regex", "[0-9]")).new_state()
+    assert allowed_ids(fill_bitmasks([state], len(byte_tokenizer))[0], len(byte_tokenizer)).isdisjoint(
+        {byte_tokenizer.eos_token_id, im_end})
+    state.accept(byte_tokenizer.convert_tokens_to_ids("7"))
+    assert state.is_complete
+    assert allowed_ids(fill_bitmasks([state], len(byte_tokenizer))[0], len(byte_tokenizer)) == {
+        byte_tokenizer.eos_token_id, im_end}
