@@ -167,7 +167,8 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
         return {"status_code_filter": {"comparison": {
             "op": "EQ", "value": {"default_value": status, "runtime_key": f"gateway.local_reply.{status}"}}}}
 
-    openai_path = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": OPENAI_PATHS}}}}}
+    path_regex = {"safe_regex": {"regex": OPENAI_PATHS}}
+    openai_path = {"header_filter": {"header": {"name": ":path", "string_match": path_regex}}}
     mappers = [
         {"filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
          "body_format_override": openai_body(error.format(limit=payload_limit), error_type, status)}

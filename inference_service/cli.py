@@ -139,6 +139,8 @@ ENGINE_FLAGS = (
     Flag("--watermark-gamma", "limits.watermark_gamma",
          "Green-list fraction of the watermark (requests with watermark=true).", float),
     Flag("--watermark-delta", "limits.watermark_delta", "Logit bias added to green-list tokens.", float),
+    Flag("--disable-grammar-support", "limits.disable_grammar_support",
+         "Refuse requests with a grammar (structured output) with a validation error.", _parse_bool),
     Flag("--max-batch-prefill-tokens", "scheduler.max_batch_prefill_tokens",
          "Token budget of one engine step (prefill chunks + decodes).", int, default_text="by device"),
     Flag("--max-batch-size", "scheduler.max_batch_size", "Most requests in one step.", int,

@@ -88,6 +88,7 @@ class LimitsConfig:
     max_concurrent_requests: int = 128
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
+    disable_grammar_support: bool = False  # True: every request with a grammar is refused
 
     def __post_init__(self) -> None:
         _require(self.max_input_tokens is None or self.max_input_tokens > 0, "--max-input-tokens must be > 0")

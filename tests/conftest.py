@@ -39,6 +39,14 @@ def byte_tokenizer():
     return tokenizer
 
 
+@pytest.fixture(scope="session")
+def byte_grammar_compiler(byte_tokenizer):
+    """A grammar compiler over the byte tokenizer, logits as wide as its vocabulary, EOS <|endoftext|>."""
+    from inference_service.sample.grammar import GrammarCompiler
+
+    return GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [byte_tokenizer.eos_token_id])
+
+
 TINY_MODEL_MAX_POSITIONS = 512
 
 

@@ -48,8 +48,20 @@ def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = F
     values["stop"] = list(message.stop)
     if message.HasField("grammar"):
         values["grammar"] = {"type": message.grammar.type,
-                             "value": json_format.MessageToDict(message.grammar.value)}
+                             "value": integral_numbers_as_ints(json_format.MessageToDict(message.grammar.value))}
     return GenerateParameters(**values)
+
+
+def integral_numbers_as_ints(value: Any) -> Any:
+    """A protobuf Value holds every number as a double, so a schema's `"maxLength": 8` arrives as 8.0,
+    which JSON-schema compilers refuse where an integer is required: give whole numbers back as ints."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: integral_numbers_as_ints(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [integral_numbers_as_ints(item) for item in value]
+    return value
 
 
 def request_from_pb(request: pb.GenerateRequest, *, compat_route: bool = False) -> GenerateRequest:

@@ -51,7 +51,7 @@ class AsyncEngine:
         self.info: EngineInfo = engine.info
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template or ChatTemplate(engine.tokenizer)
-        self._validator = Validator(engine.tokenizer, engine.info)
+        self._validator = Validator(engine.tokenizer, engine.info, grammar_compiler=engine.grammar_compiler)
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0
         self._commands: queue.Queue = queue.Queue()

@@ -19,6 +19,7 @@ from inference_service.engine.outputs import EngineInfo, ScheduledRequest
 from inference_service.errors import ModelLoadError
 from inference_service.models import loader
 from inference_service.models.registry import check_architecture, probe_model
+from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler
 from inference_service.worker import attention, native_linear
 from inference_service.worker.cpu_kernels import decode_kernel_for, linear_kernel_for
@@ -57,13 +58,24 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     info = make_info(config, loaded, num_blocks)
     runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype))
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
+    grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
-                       config.scheduler.max_batch_size)
+                       config.scheduler.max_batch_size, grammar_compiler)
     logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_total_tokens=%d, "
                 "decode attention: %s, native few-row linears: %d", info.model_id, info.architecture, info.dtype,
                 num_blocks, info.block_size, info.max_total_tokens, "native" if runner.decode_kernel else "torch",
                 native_linears)
     return engine
+
+
+def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo) -> GrammarCompiler | None:
+    """The grammar compiler over the model's tokenizer; None (grammars refused) where the grammar engine
+    can't read the tokenizer (it needs a fast one): the server still serves everything else."""
+    try:
+        return GrammarCompiler(loaded.tokenizer, info.vocab_size, info.eos_token_ids)
+    except Exception as error:  # noqa: BLE001 — a missing feature, not a failed load
+        logger.warning("grammar support is off: the grammar engine can't use this tokenizer (%s)", error)
+        return None
 
 
 def load(config: EngineConfig) -> LoadedModel:

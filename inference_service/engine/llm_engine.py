@@ -31,6 +31,7 @@ from inference_service.engine.request import FINISHED_STATUS, Request, RequestSt
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.validation import ValidatedRequest
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
+from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
 from inference_service.worker.model_runner import ModelRunner, StepLogits
 
@@ -83,9 +84,12 @@ class LLMEngine:
     """Owns the scheduler, the KV block manager, the model runner and the sampler."""
 
     def __init__(self, info: EngineInfo, tokenizer, runner: ModelRunner, sampler: Sampler,
-                 max_batch_prefill_tokens: int, max_batch_size: int | None):
+                 max_batch_prefill_tokens: int, max_batch_size: int | None,
+                 grammar_compiler: GrammarCompiler | None = None):
         self.info = info
         self.tokenizer = tokenizer
+        # Compiles requests' grammars during validation (off this thread); None: grammars are refused.
+        self.grammar_compiler = grammar_compiler
         self.runner = runner
         self.sampler = sampler
         self.kv = KVCacheManager(info.num_blocks, info.block_size)
@@ -105,10 +109,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(validated.prompt_token_ids), validated.sampling_params,
                           validated.stopping_params)
+        # Each sequence walks its own copy of the grammar (best_of variants share the compiled one).
+        grammar = validated.grammar.new_state() if validated.grammar is not None else None
         self.live[request_id] = _Live(
             request=request,
             validated=validated,
-            sampling=SamplingState(validated.sampling_params, request.prompt_token_ids, self.info.vocab_size),
+            sampling=SamplingState(validated.sampling_params, request.prompt_token_ids, self.info.vocab_size,
+                                   grammar=grammar),
             text=TextState(self.tokenizer, request.prompt_token_ids, validated.stopping_params.stop_sequences),
         )
         self.requests[request_id] = request
@@ -198,6 +205,9 @@ class LLMEngine:
         for row, request_id in enumerate(step_logits.sample_ids):
             try:
                 output = self._on_token(request_id, sampled, row)
+            except GenerationError as error:  # already says what went wrong (a token off the grammar)
+                logger.error("request %s failed: %s", request_id, error.detail)
+                output = self._fail(request_id, error, RequestStatus.FINISHED_ERROR)
             except Exception as error:  # noqa: BLE001 — only this request fails
                 logger.exception("post-processing failed for request %s", request_id)
                 output = self._fail(request_id, GenerationError(f"{type(error).__name__}: {error}"),
@@ -232,18 +242,25 @@ class LLMEngine:
             Token(i, self._token_text(i), lp, self._is_special(i))
             for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
         ])
-        reason = self._finish_reason(request, token_id, added.stop_matched)
+        grammar = live.sampling.grammar
+        reason = self._finish_reason(request, token_id, added.stop_matched,
+                                     grammar is not None and grammar.is_complete)
         if reason is not None:
             return self._finish(request_id, reason)
         num_held = live.text.num_tokens - live.text.num_releasable_tokens()
         return self._release(live, len(live.pending) - num_held)
 
-    def _finish_reason(self, request: Request, token_id: int, stop_matched: bool) -> FinishReason | None:
-        """TGI's precedence: length, then EOS, then a stop sequence."""
+    def _finish_reason(self, request: Request, token_id: int, stop_matched: bool,
+                       grammar_complete: bool) -> FinishReason | None:
+        """TGI's precedence: length, then EOS, then a stop sequence.
+
+        A complete grammar (nothing but EOS allowed next) ends the request as if EOS had been
+        sampled, without spending a step on it: what the model could still say is EOS alone.
+        """
         if (request.num_output_tokens >= request.stopping.max_new_tokens
                 or request.num_tokens >= self.info.max_total_tokens):
             return FinishReason.LENGTH
-        if token_id in self._eos_ids and not request.stopping.ignore_eos:
+        if grammar_complete or (token_id in self._eos_ids and not request.stopping.ignore_eos):
             return FinishReason.EOS_TOKEN
         if stop_matched:
             return FinishReason.STOP_SEQUENCE

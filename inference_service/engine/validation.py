@@ -14,6 +14,11 @@ Deliberate differences from TGI:
 - A prompt that tokenizes to no tokens at all is rejected as empty.
 - `adapter_id` is accepted and ignored: no LoRA adapters are loaded, and TGI serves an unknown
   adapter id with the base model.
+- A JSON-schema grammar needs no top-level `properties` (TGI requires one): any schema the grammar
+  engine compiles is accepted, `{"type": "object"}` (JSON mode) included, and it is not checked
+  against the draft 2020-12 meta-schema; an invalid one gets "grammar is not valid: " followed by
+  the grammar engine's own message. TGI's "cannot compile regex from schema" never occurs: schemas
+  are not turned into regexes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 from inference_service.engine.outputs import EngineInfo
 from inference_service.engine.sampling_params import SamplingParams, StoppingParams
 from inference_service.errors import ValidationError
+from inference_service.sample.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, grammar_spec_from_tgi
 
 MAX_SEED = 2**64 - 1
 
@@ -52,7 +58,8 @@ class GenerateParameters:
     decoder_input_details: bool = False
     seed: int | None = None
     top_n_tokens: int | None = None
-    grammar: Any = None  # unsupported: any value is rejected
+    # TGI's dict ({"type": ..., "value": ...}) or a GrammarSpec (the OpenAI layer builds its own).
+    grammar: dict | GrammarSpec | None = None
     adapter_id: str | None = None  # ignored: the base model serves the request
     # OpenAI's: subtracted once from the logit of every token already seen; added to given ids' logits.
     presence_penalty: float | None = None
@@ -84,6 +91,7 @@ class ValidatedRequest:
     return_full_text: bool  # None became False: `/generate`'s default; the compat route decides its own
     top_n_tokens: int
     strip_stop: bool = False  # end the text before a matched stop sequence (OpenAI's routes)
+    grammar: CompiledGrammar | None = None  # the output must match it
 
 
 @dataclass(frozen=True)
@@ -118,10 +126,12 @@ def _open_unit_interval(value: float | None) -> bool:
 class Validator:
     """Checks a request against TGI's rules and the engine's limits, and tokenizes its prompt."""
 
-    def __init__(self, tokenizer: Any, info: EngineInfo, *, rng: random.Random | None = None):
+    def __init__(self, tokenizer: Any, info: EngineInfo, *, rng: random.Random | None = None,
+                 grammar_compiler: GrammarCompiler | None = None):
         self._tokenizer = tokenizer
         self._info = info
         self._rng = rng or random.SystemRandom()
+        self._grammar_compiler = grammar_compiler  # None: grammar support disabled
 
     def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
         """Raise `ValidationError` with the first failing check, in TGI's order."""
@@ -143,7 +153,7 @@ class Validator:
         self._check_truncate(params.truncate)
         prompt_token_ids = self._tokenize(request, params.truncate)
         max_new_tokens = self._check_lengths(len(prompt_token_ids), params.max_new_tokens)
-        _check(params.grammar is None, "grammar is not supported")
+        grammar = self._compile_grammar(params.grammar)
         return ValidatedRequest(
             inputs=request.inputs,
             prompt_token_ids=prompt_token_ids,
@@ -156,7 +166,16 @@ class Validator:
             return_full_text=bool(params.return_full_text),
             top_n_tokens=top_n_tokens,
             strip_stop=request.strip_stop,
+            grammar=grammar,
         )
+
+    def _compile_grammar(self, grammar: dict | GrammarSpec | None) -> CompiledGrammar | None:
+        """Compiled here, on the validation thread: a slow schema never stalls the engine's steps."""
+        if grammar is None:
+            return None
+        _check(self._grammar_compiler is not None, "grammar is not supported")
+        spec = grammar if isinstance(grammar, GrammarSpec) else grammar_spec_from_tgi(grammar)
+        return self._grammar_compiler.compile(spec)
 
     def _check_best_of(self, best_of: int | None) -> int:
         best_of = 1 if best_of is None else best_of

@@ -25,6 +25,17 @@ NEG_INF = float("-inf")
 CANDIDATE_TIERS = (256, 4096)
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """-inf where the bitmask disallows: bit j of word w of a row allows token 32 * w + j.
+
+    logits [R, V], bitmask [R, ceil(V / 32)] int32 on the logits' device.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool()  # [R, W, 32]
+    allowed = allowed.flatten(1)[:, : logits.shape[-1]]  # [R, V]
+    return logits.masked_fill(~allowed, NEG_INF)
+
+
 def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: Tensor) -> Tensor:
     """Penalize each seen token once: `x * p` if x < 0 else `x / p` (p = 1: off).
 

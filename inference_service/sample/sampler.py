@@ -1,12 +1,14 @@
 """The batched sampler: per-request parameters become per-row tensors over one `[B, V]` pass.
 
-Order, as TGI: watermark, repetition penalty, frequency penalty, temperature, top-k, top-p,
-typical-p. Each step is applied only to the rows that enable it. Greedy rows take the argmax of
-the processed logits (penalties and watermark apply to them too); sampling rows draw one uniform
-from their request's own generator, so a seeded request's tokens do not depend on its batch.
+Rows with a grammar first get their token bitmask (disallowed ids become -inf), all masks of the
+step filled together; free rows skip it and pay nothing. Then, as TGI: watermark, repetition
+penalty, frequency penalty, temperature, top-k, top-p, typical-p. Each step is applied only to
+the rows that enable it. Greedy rows take the argmax of the processed logits (penalties and
+watermark apply to them too); sampling rows draw one uniform from their request's own generator,
+so a seeded request's tokens do not depend on its batch.
 
-Reported logprobs are RAW: `log_softmax` of the model's logits before any penalty, temperature or
-filter (vLLM's default), for the chosen token and for the top-n alternatives.
+Reported logprobs are RAW: `log_softmax` of the model's logits before any grammar mask, penalty,
+temperature or filter (vLLM's default), for the chosen token and for the top-n alternatives.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.sample import ops
+from inference_service.sample.grammar import GrammarState, fill_bitmasks
 from inference_service.sample.watermark import Watermark
 
 
@@ -26,16 +29,17 @@ class SamplingState:
     """One request's sampling state, owned by the model runner; call `append` after each token.
 
     Holds the request's generator (sampling requests only), the counts and distinct ids of the
-    tokens seen in prompt + output (penalties only), the previous token (watermark) and the total
-    length (frequency penalty).
+    tokens seen in prompt + output (penalties only), the previous token (watermark), the total
+    length (frequency penalty) and the grammar's position (constrained requests only).
     """
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", grammar: GrammarState | None = None) -> None:
         if params.watermark and not prompt_token_ids:
             raise ValueError("the watermark needs at least one prompt token to seed its greenlist")
         self.params = params
         self.vocab_size = vocab_size
+        self.grammar = grammar
         self.generator: torch.Generator | None = None
         if not params.is_greedy:
             self.generator = torch.Generator(device="cpu")
@@ -52,7 +56,9 @@ class SamplingState:
         self.num_tokens = len(prompt_token_ids)
 
     def append(self, token_id: int) -> None:
-        """Record a generated token."""
+        """Record a generated token; a token the grammar rejects raises `GenerationError` first."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.token_counts is not None and 0 <= token_id < self.vocab_size:
             self.token_counts[token_id] += 1
             self._seen.setdefault(token_id)
@@ -105,11 +111,22 @@ class Sampler:
                              f"of vocab size {self.vocab_size}")
         logits = logits.float()  # [B, V]
         params = [s.params for s in states]
+        allowed = self.apply_grammars(logits, states)  # [B, V]; logprobs stay those of the raw logits
         if all(p.is_greedy and not p.has_penalties and not p.watermark for p in params):
-            token_ids = logits.argmax(dim=-1)  # [B]
+            token_ids = allowed.argmax(dim=-1)  # [B]
         else:
-            token_ids = self._choose(self.process(logits, states), states)  # [B]
+            token_ids = self._choose(self.process(allowed, states), states)  # [B]
         return _gather_output(logits, token_ids, params)
+
+    def apply_grammars(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """The logits with -inf where a row's grammar disallows (a new tensor; `logits` itself when
+        no row has a grammar)."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not rows:
+            return logits
+        bitmask = fill_bitmasks([states[i].grammar for i in rows], self.vocab_size)  # [R, W] on CPU
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        return _update_rows(logits.clone(), rows, lambda sub: ops.apply_token_bitmask(sub, bitmask))
 
     def process(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         """The logits each row samples from, after its request's processors (a new tensor)."""

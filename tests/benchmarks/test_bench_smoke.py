@@ -37,6 +37,17 @@ def test_engine_bench_quick(tmp_path, tiny_model_dir):
         assert row["floor"]["decode_ms"] > 0
 
 
+def test_grammar_bench_quick(tmp_path, tiny_model_dir):
+    run_script("grammar_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
+    assert "JSON schema ms/step" in (tmp_path / "grammar.md").read_text()
+    results = json.loads((tmp_path / "grammar.json").read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 2]
+    for row in results:
+        for name in ("free", "json"):
+            assert row[name]["step_ms"]["n"] == 8 - 1  # one run of 7 decode steps, both ways
+            assert row[name]["sample_ms"]["n"] == 8 - 1
+
+
 @pytest.mark.e2e
 def test_serve_bench_quick(tmp_path, tiny_model_dir):
     run_script("serve_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))

@@ -134,8 +134,10 @@ async def test_validation_error_async(server):
             _ = [r async for r in client.generate_stream(PROMPT, top_p=1.0)]
         with pytest.raises(ValidationError, match="max_new_tokens"):
             await client.generate(PROMPT, max_new_tokens=10_000)
-        with pytest.raises(ValidationError):
-            await client.generate(PROMPT, grammar=Grammar(type="regex", value="[0-9]+"))
+        with pytest.raises(ValidationError, match="grammar is not valid"):
+            await client.generate(PROMPT, grammar=Grammar(type="regex", value="[0-9"))
+        response = await client.generate(PROMPT, max_new_tokens=20, grammar=Grammar(type="regex", value="[0-9]{4}"))
+        assert len(response.generated_text) == 4 and response.generated_text.isdigit()
 
 
 def test_overloaded_sync(busy_server):

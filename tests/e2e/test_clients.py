@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
 
+import jsonschema
 import pytest
 
 from textgen.v1 import generate_pb2 as pb
@@ -68,9 +71,23 @@ def test_text_generation_validation_errors(gateway):
         list(client.generate_stream(PROMPT, max_new_tokens=2, top_n_tokens=100))
     # The client sends a JSON schema as an object: it must reach validation (422), not fail transcoding.
     schema = text_generation.types.Grammar(type=text_generation.types.GrammarType.Json,
-                                           value={"properties": {"a": {"type": "integer"}}})
-    with pytest.raises(text_generation.errors.ValidationError, match="grammar is not supported"):
+                                           value={"properties": {"a": {"type": "nope"}}})
+    with pytest.raises(text_generation.errors.ValidationError, match="grammar is not valid: Invalid type: nope"):
         client.generate(PROMPT, max_new_tokens=2, grammar=schema)
+
+
+def test_text_generation_grammars_constrain_the_output(gateway):
+    client = text_generation.Client(gateway.url, timeout=60)
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "kind": {"enum": ["a", "b"]}},
+              "required": ["id", "kind"], "additionalProperties": False}
+    response = client.generate(PROMPT, max_new_tokens=60, grammar=text_generation.types.Grammar(
+        type=text_generation.types.GrammarType.Json, value=schema))
+    jsonschema.validate(json.loads(response.generated_text), schema)
+    assert response.details.finish_reason == "eos_token"
+    response = client.generate(PROMPT, max_new_tokens=60, grammar=text_generation.types.Grammar(
+        type=text_generation.types.GrammarType.Regex, value="[0-9]{3}-[a-z]{2,4}"))
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", response.generated_text), response.generated_text
 
 
 async def test_text_generation_async_validation_errors(gateway):

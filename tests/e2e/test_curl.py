@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from rest_helpers import sse_events, status_and_body
@@ -147,9 +148,10 @@ def test_unknown_request_fields_and_nulls_are_accepted(gateway, validate):
     ({"temperature": 0}, "`temperature` must be strictly positive"),
     ({"top_n_tokens": 100}, "`top_n_tokens` must be >= 0 and <= 5"),
     # TGI's grammar shapes all reach validation (a schema object, its JSON text, a regex).
-    ({"grammar": {"type": "json", "value": {"properties": {"a": {"type": "integer"}}}}}, "grammar is not supported"),
-    ({"grammar": {"type": "json", "value": '{"properties": {}}'}}, "grammar is not supported"),
-    ({"grammar": {"type": "regex", "value": "[0-9]+"}}, "grammar is not supported"),
+    ({"grammar": {"type": "json", "value": {"properties": {"a": {"type": "nope"}}}}},
+     "grammar is not valid: Invalid type: nope"),
+    ({"grammar": {"type": "json", "value": '{"properties": '}}, "grammar is not valid: the schema is not JSON"),
+    ({"grammar": {"type": "regex", "value": "[0-9"}}, "grammar is not valid: "),
 ])
 def test_validation_errors(gateway, validate, parameters, message):
     status, headers, body = status_and_body(gateway.curl("/generate", "-i", body={
@@ -159,6 +161,28 @@ def test_validation_errors(gateway, validate, parameters, message):
     assert (status, error["error_type"]) == (422, "validation") and message in error["error"]
     assert headers["content-type"] == "application/json"
     assert not any(name.startswith("grpc-") for name in headers)
+
+
+@pytest.mark.parametrize("grammar", [
+    {"type": "json", "value": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
+                               "required": ["n"], "additionalProperties": False}},
+    {"type": "json_schema", "value": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+        "additionalProperties": False}}},
+    {"type": "regex", "value": "[0-9]{3}-[a-z]{2,4}"},
+])
+def test_grammar_constrains_generate_and_stream(gateway, validate, grammar):
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 60, "grammar": grammar, "details": True}}
+    response = json.loads(gateway.curl("/generate", body=body))
+    validate(response, "GenerateResponse")
+    text = response["generated_text"]
+    if grammar["type"] == "regex":
+        assert re.fullmatch(grammar["value"], text), text
+    else:
+        assert list(json.loads(text)) == ["n"] and json.loads(text)["n"] <= 99
+        assert response["details"]["finish_reason"] == "eos_token"
+    events = sse_events(status_and_body(gateway.curl("/generate_stream", "-i", body=body))[2])
+    assert events[-1]["generated_text"] == text
 
 
 def test_stream_errors_are_in_band(gateway, validate):

@@ -15,14 +15,15 @@ import pytest
 from textgen.v1 import generate_pb2 as pb
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "the quick brown fox"}]
+# Small definitions: the tiny model's context is 512 tokens of a 330-token vocabulary.
 WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Tokyo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
 TIME_TOOL = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+SHORT_TOOL_PROMPT = {"tool_prompt": "Tools:"}  # TGI's field, sent as the SDK's extra_body
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_json_schema_response_format_validates(client):
 def test_tool_calls_are_forced(client, tool_choice):
     response = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=80,
                                               tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
-                                              parallel_tool_calls=False)
+                                              parallel_tool_calls=False, extra_body=SHORT_TOOL_PROMPT)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -153,7 +154,8 @@ def test_tool_calls_are_forced(client, tool_choice):
 
     streamed = list(client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=80,
                                                    tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
-                                                   parallel_tool_calls=False, stream=True))
+                                                   parallel_tool_calls=False, stream=True,
+                                                   extra_body=SHORT_TOOL_PROMPT))
     deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == call.function.name and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
@@ -163,7 +165,7 @@ def test_tool_calls_are_forced(client, tool_choice):
 def test_auto_tool_choice_gives_text_or_a_valid_call(client):
     for seed in range(3):
         response = client.chat.completions.create(model="m", messages=MESSAGES, temperature=1.0, seed=seed,
-                                                  max_tokens=60, tools=[WEATHER_TOOL])
+                                                  max_tokens=60, tools=[WEATHER_TOOL], extra_body=SHORT_TOOL_PROMPT)
         message = response.choices[0].message
         if message.tool_calls:
             assert response.choices[0].finish_reason == "tool_calls"

@@ -24,7 +24,7 @@ SAMPLES = {
     "--max-concurrent-requests": ("7", 7), "--max-best-of": ("3", 3), "--max-stop-sequences": ("6", 6),
     "--max-top-n-tokens": ("9", 9), "--max-input-tokens": ("100", 100), "--max-input-length": ("101", 101),
     "--max-total-tokens": ("200", 200), "--watermark-gamma": ("0.25", 0.25),
-    "--watermark-delta": ("1.5", 1.5),
+    "--watermark-delta": ("1.5", 1.5), "--disable-grammar-support": (None, True),
     "--max-batch-prefill-tokens": ("512", 512), "--max-batch-size": ("8", 8),
     "--waiting-served-ratio": ("1.2", 1.2), "--max-waiting-tokens": ("5", 5),
     "--max-batch-total-tokens": ("4096", 4096), "--kv-cache-memory": ("512MiB", "512MiB"),

@@ -59,6 +59,15 @@ def test_values_are_carried_over():
         seed=2**64 - 1, top_n_tokens=3, adapter_id="x", grammar={"type": "regex", "value": "[a-z]+"})
 
 
+def test_whole_numbers_of_a_grammar_schema_come_back_as_ints():
+    schema = {"type": "string", "maxLength": 8, "minimum": 0.5, "enum": [1, 2.5, True, None, "3"]}
+    grammar = pb.Grammar(type="json")
+    json_format.ParseDict(schema, grammar.value)  # a Value: every number is a double
+    value = convert.parameters_from_pb(pb.GenerateParameters(grammar=grammar)).grammar["value"]
+    assert value == schema and type(value["maxLength"]) is int and type(value["enum"][0]) is int
+    assert value["enum"][2] is True
+
+
 def test_a_grammar_schema_object_reaches_validation_as_a_dict():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     grammar = pb.Grammar(type="json")

@@ -95,7 +95,8 @@ def test_completion_prompts_and_refusals():
 # -- chat templates ----------------------------------------------------------------------------------
 def test_template_renders_parts_tool_calls_and_continues_a_last_assistant_message(byte_tokenizer):
     template = ChatTemplate(byte_tokenizer, CHATML)
-    prompt = template.render([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    prompt = template.render([{"role": "user", "content": parts}])
     assert prompt == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
     prompt = template.render([{"role": "user", "content": "hi"},
@@ -145,7 +146,8 @@ def test_tool_grammar_is_lark_with_each_functions_schema():
     assert json.dumps(TOOL["function"]["parameters"]) in grammar.value
     assert openai_tools.combined_grammar(None, {"type": "regex", "value": "a"}) == {"type": "regex", "value": "a"}
     with pytest.raises(ToolError):
-        openai_tools.combined_grammar(openai_tools.tool_call_format([TOOL], "auto", True), {"type": "regex", "value": "a"})
+        auto = openai_tools.tool_call_format([TOOL], "auto", True)
+        openai_tools.combined_grammar(auto, {"type": "regex", "value": "a"})
 
 
 def test_calls_are_parsed_whole_and_while_streaming():

@@ -16,6 +16,7 @@ from inference_service.engine.validation import (
     tokenize,
 )
 from inference_service.errors import ValidationError
+from inference_service.sample.grammar import GrammarSpec
 
 MAX_INPUT = 30
 MAX_TOTAL = 40
@@ -33,8 +34,8 @@ def engine_info(**overrides) -> EngineInfo:
 
 
 @pytest.fixture
-def validator(byte_tokenizer):
-    return Validator(byte_tokenizer, engine_info(), rng=random.Random(7))
+def validator(byte_tokenizer, byte_grammar_compiler):
+    return Validator(byte_tokenizer, engine_info(), rng=random.Random(7), grammar_compiler=byte_grammar_compiler)
 
 
 def request(inputs: str = PROMPT, **parameters) -> GenerateRequest:
@@ -81,10 +82,34 @@ def text_with_num_tokens_over(tokenizer, num_tokens: int) -> str:
     (dict(truncate=0), f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 0"),
     (dict(truncate=MAX_INPUT + 1),
      f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}"),
-    (dict(grammar={"type": "json", "value": {"properties": {}}}), "grammar is not supported"),
 ])
 def test_each_message(validator, parameters, message):
     assert error_of(validator, request(**parameters)) == message
+
+
+@pytest.mark.parametrize("grammar", [{"type": "json", "value": {"properties": {}}},
+                                     GrammarSpec("regex", "[0-9]+")])
+def test_grammar_is_refused_when_support_is_disabled(byte_tokenizer, grammar):
+    validator = Validator(byte_tokenizer, engine_info(), grammar_compiler=None)  # --disable-grammar-support
+    assert error_of(validator, request(grammar=grammar)) == "grammar is not supported"
+
+
+def test_grammar_compiles_into_the_validated_request(validator):
+    validated = validator.validate(request(grammar={"type": "regex", "value": "[0-9]{3}"}), stream=False)
+    assert validated.grammar is not None and validated.grammar.spec == GrammarSpec("regex", "[0-9]{3}")
+    validated = validator.validate(request(grammar=GrammarSpec("json", '{"type": "object"}')), stream=False)
+    assert validated.grammar.spec.kind == "json"
+    assert validator.validate(request(), stream=False).grammar is None
+
+
+@pytest.mark.parametrize(("grammar", "message"), [
+    ({"type": "regex", "value": "[0-9"}, "grammar is not valid: "),
+    ({"type": "json", "value": {"type": "foo"}}, "grammar is not valid: Invalid type: foo"),
+    ({"type": "json", "value": "{not json"}, "grammar is not valid: the schema is not JSON"),
+    ({"type": "xml", "value": "<a/>"}, "grammar is not valid: unknown grammar type 'xml'"),
+])
+def test_invalid_grammar_messages(validator, grammar, message):
+    assert error_of(validator, request(grammar=grammar)).startswith(message)
 
 
 def test_empty_inputs(validator):
@@ -146,7 +171,7 @@ def test_checks_run_in_tgi_order(validator, byte_tokenizer):
     """Start with every check failing; fixing the first failure reveals the next one."""
     params = dict(do_sample=True, best_of=2, seed=1, temperature=0.0, repetition_penalty=0.0,
                   frequency_penalty=3.0, top_p=1.0, typical_p=1.0, top_k=0, max_new_tokens=0,
-                  stop=FIVE_STOPS, top_n_tokens=9, truncate=0, grammar={"type": "regex", "value": "a+"})
+                  stop=FIVE_STOPS, top_n_tokens=9, truncate=0, grammar={"type": "regex", "value": "a+("})
     long_prompt = text_with_num_tokens_over(byte_tokenizer, MAX_INPUT)
     steps = [
         ("temperature", 0.5, "`temperature` must be strictly positive"),
@@ -163,7 +188,7 @@ def test_checks_run_in_tgi_order(validator, byte_tokenizer):
         ("truncate", None, f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 0"),
         ("max_new_tokens", 5, "`inputs` tokens + `max_new_tokens` must be <= 40. Given: "),
         ("inputs", PROMPT, f"`inputs` must have less than {MAX_INPUT} tokens. Given: "),
-        ("grammar", None, "grammar is not supported"),
+        ("grammar", {"type": "regex", "value": "a+"}, "grammar is not valid: "),
     ]
     inputs = ""
     for field_name, fixed_value, message in steps:

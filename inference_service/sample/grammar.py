@@ -1,0 +1,211 @@
+"""Grammar-constrained generation: grammar specs, their compilation, and per-sequence matcher state.
+
+The grammar engine is llguidance (chosen by measurement, see `benchmarks/grammar_libraries.py`):
+it compiles a JSON schema in about a millisecond and fills a token mask in tens of microseconds,
+with no dependency of its own. Compilation runs where validation runs, on a worker thread, so a
+slow schema never stalls the engine thread; the engine thread only copies a compiled matcher per
+sequence, fills mask rows and advances matchers.
+
+A mask is a bitmask `[R, ceil(V / 32)]` int32 (bit j of word w allows token 32 * w + j), one row
+per constrained sequence; the sampler turns it into -inf logits (`ops.apply_token_bitmask`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from torch import Tensor
+
+from inference_service.errors import GenerationError, ValidationError
+
+KINDS = ("json", "regex", "lark")
+# One whitespace style: flexible whitespace lets a weak model loop on blanks until max_new_tokens.
+# The separators are the usual `json.dumps` ones, the spacing models most often write.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+DEFAULT_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match. `kind`: "json" (`value` is a JSON schema as JSON text), "regex"
+    (the whole output full-matches `value`) or "lark" (llguidance's Lark syntax, `%json{...}` allowed)."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValidationError(f"grammar is not valid: unknown grammar kind {self.kind!r}; "
+                                  f"expected one of {', '.join(KINDS)}")
+        if not isinstance(self.value, str):
+            raise ValidationError(f"grammar is not valid: a {self.kind} grammar's value must be a string")
+
+
+def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
+    """TGI's `parameters.grammar`: `{"type": "json" | "json_object", "value": schema or its JSON text}`,
+    `{"type": "json_schema", "value": {"name"?: str, "schema": {...}}}` or `{"type": "regex", "value": str}`.
+
+    Unlike TGI, any schema is accepted (no top-level `properties` needed): `{"type": "object"}` is JSON mode.
+    """
+    if not isinstance(grammar, dict):
+        raise ValidationError("grammar is not valid: expected an object with `type` and `value`")
+    kind, value = grammar.get("type"), grammar.get("value")
+    if kind in ("json", "json_object"):
+        return GrammarSpec("json", _schema_text(value))
+    if kind == "json_schema":
+        if not isinstance(value, dict) or "schema" not in value:
+            raise ValidationError("grammar is not valid: a json_schema grammar's value must be "
+                                  '{"name"?: string, "schema": {...}}')
+        if not isinstance(value.get("name", ""), str):
+            raise ValidationError("grammar is not valid: a json_schema grammar's `name` must be a string")
+        return GrammarSpec("json", _schema_text(value["schema"]))
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise ValidationError("grammar is not valid: a regex grammar's value must be a string")
+        return GrammarSpec("regex", value)
+    raise ValidationError(f"grammar is not valid: unknown grammar type {kind!r}; "
+                          "expected json, json_object, json_schema or regex")
+
+
+def _schema_text(value: Any) -> str:
+    """A schema object, or a string holding one, as compact JSON text. Keys keep their order: the
+    output's properties come in the schema's order."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValidationError("grammar is not valid: a JSON schema must be an object")
+    return json.dumps(value, separators=(",", ":"))
+
+
+class CompiledGrammar:
+    """A checked grammar, bound to the engine's tokenizer; immutable and shared by its requests."""
+
+    def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher):
+        self.spec = spec
+        self._initial = matcher  # never advanced: each sequence advances its own copy
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(self._initial.deep_copy())
+
+
+class GrammarState:
+    """One sequence's position in its grammar: fills its mask row, accepts its sampled tokens."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+
+    def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (CPU int32, contiguous)."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token; a token the grammar rejects is a `GenerationError`."""
+        if not self.matcher.consume_token(token_id):
+            reason = (self.matcher.get_error() or "rejected").splitlines()[0]  # the rest is a parser dump
+            raise GenerationError(f"token {token_id} does not match the request's grammar: {reason}")
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar is satisfied and allows nothing but EOS: the sequence is done."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def fill_bitmasks(states: Sequence[GrammarState], vocab_size: int) -> Tensor:
+    """The masks of all constrained rows of a step `[R, ceil(V / 32)]`, filled together in llguidance's
+    thread pool (a single row is filled in place: no pool hand-off)."""
+    bitmask = torch.empty(len(states), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
+    if len(states) == 1:
+        states[0].fill_bitmask(bitmask, 0)
+        return bitmask
+    llguidance.torch.fill_next_token_bitmask_par(
+        _shared_executor(), [(s.matcher, row) for row, s in enumerate(states)], bitmask)
+    return bitmask
+
+
+def _shared_executor() -> llguidance.LLExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+class GrammarCompiler:
+    """Compiles grammar specs for one engine's tokenizer; thread-safe, with a bounded LRU cache.
+
+    `vocab_size` is the model's logits width, which may exceed the tokenizer's: the extra ids are
+    never allowed. `eos_token_ids` are all the ids that end generation (generation config and
+    tokenizer); each one is allowed once the grammar is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                 max_cache_size: int = DEFAULT_CACHE_SIZE):
+        eos_ids = sorted(set(eos_token_ids))
+        if not eos_ids:
+            raise ValueError("grammar support needs at least one EOS token id")
+        self.vocab_size = vocab_size
+        self.max_cache_size = max_cache_size
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids)
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # compilations run (cache misses), for tests and metrics
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar of `spec` (from the cache when seen before); `ValidationError` if invalid.
+
+        Concurrent callers of one new spec wait for a single compilation; other specs don't wait.
+        """
+        with self._lock:
+            future = self._cache.get(spec)
+            owner = future is None
+            if owner:
+                future = self._cache[spec] = Future()
+                self.num_compiled += 1
+                while len(self._cache) > self.max_cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(spec)
+        if not owner:
+            return future.result()
+        try:
+            compiled = self._compile(spec)
+        except BaseException as error:
+            with self._lock:
+                if self._cache.get(spec) is future:
+                    del self._cache[spec]  # invalid specs are not kept: the cache holds grammars
+            future.set_exception(error)
+            raise
+        future.set_result(compiled)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        try:
+            if spec.kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
+            elif spec.kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
+        except ValueError as error:
+            raise ValidationError(f"grammar is not valid: {error}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValidationError(f"grammar is not valid: {matcher.get_error()}")
+        return CompiledGrammar(spec, matcher)
