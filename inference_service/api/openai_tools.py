@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_service.errors import ToolError
-from inference_service.sample.grammar import GrammarSpec
+from inference_service.sample.grammar import GrammarSpec, lark_json
 
 _CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 _FREE_TEXT = r"/[^{\s][\s\S]*/"
@@ -71,7 +71,7 @@ def combined_grammar(calls: ToolCallFormat | None, response_grammar: dict[str, A
         head = json.dumps(f'{{"name": {json.dumps(name)}, "arguments": ')
         alternatives.append(f"call{i}")
         rules.append(f'call{i}: {head} args{i} "}}"')
-        rules.append(f"args{i}: %json {json.dumps(schema)}")
+        rules.append(f"args{i}: {lark_json(schema)}")
     rules.append("call: " + " | ".join(alternatives))
     start = "calls"
     if calls.text_allowed:
@@ -80,7 +80,7 @@ def combined_grammar(calls: ToolCallFormat | None, response_grammar: dict[str, A
         elif response_grammar.get("type") in ("json", "json_object"):
             schema = response_grammar["value"]
             schema = json.loads(schema) if isinstance(schema, str) else schema
-            start, text_rule = "calls | reply", f"reply: %json {json.dumps(schema)}"
+            start, text_rule = "calls | reply", f"reply: {lark_json(schema)}"
         else:
             raise ToolError("with tools, `response_format` can only be a JSON schema")
         rules.append(text_rule)

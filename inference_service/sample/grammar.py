@@ -77,6 +77,13 @@ def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
                           "expected json, json_object, json_schema or regex")
 
 
+def lark_json(schema: Any) -> str:
+    """A Lark rule body matching `schema`'s JSON, in the same whitespace style as the "json" kind."""
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    return f"%json {json.dumps(schema)}"
+
+
 def _schema_text(value: Any) -> str:
     """A schema object, or a string holding one, as compact JSON text. Keys keep their order: the
     output's properties come in the schema's order."""

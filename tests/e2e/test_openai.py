@@ -24,6 +24,7 @@ TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
 SHORT_TOOL_PROMPT = {"tool_prompt": "Tools:"}  # TGI's field, sent as the SDK's extra_body
+TOOL_MESSAGES = [{"role": "user", "content": "weather?"}]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_json_schema_response_format_validates(client):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_tool_calls_are_forced(client, tool_choice):
-    response = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=80,
+    response = client.chat.completions.create(model="m", messages=TOOL_MESSAGES, temperature=0, max_tokens=80,
                                               tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
                                               parallel_tool_calls=False, extra_body=SHORT_TOOL_PROMPT)
     choice = response.choices[0]
@@ -152,7 +153,7 @@ def test_tool_calls_are_forced(client, tool_choice):
         assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name]["function"]["parameters"])
 
-    streamed = list(client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=80,
+    streamed = list(client.chat.completions.create(model="m", messages=TOOL_MESSAGES, temperature=0, max_tokens=80,
                                                    tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice,
                                                    parallel_tool_calls=False, stream=True,
                                                    extra_body=SHORT_TOOL_PROMPT))
@@ -164,7 +165,7 @@ def test_tool_calls_are_forced(client, tool_choice):
 
 def test_auto_tool_choice_gives_text_or_a_valid_call(client):
     for seed in range(3):
-        response = client.chat.completions.create(model="m", messages=MESSAGES, temperature=1.0, seed=seed,
+        response = client.chat.completions.create(model="m", messages=TOOL_MESSAGES, temperature=1.0, seed=seed,
                                                   max_tokens=60, tools=[WEATHER_TOOL], extra_body=SHORT_TOOL_PROMPT)
         message = response.choices[0].message
         if message.tool_calls:

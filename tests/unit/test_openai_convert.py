@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from inference_service.api import openai_convert, openai_tools
 from inference_service.engine.chat_template import ChatTemplate, tool_calls_text
 from inference_service.errors import TemplateError, ToolError, ValidationError
+from inference_service.sample import grammar as grammar_module
 from textgen.v1 import generate_pb2 as pb
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -143,7 +144,7 @@ def test_tool_choice_decides_the_call_format():
 def test_tool_grammar_is_lark_with_each_functions_schema():
     grammar = openai_tools.combined_grammar(openai_tools.tool_call_format([TOOL], "auto", True), None)
     assert grammar.kind == "lark" and grammar.value.startswith("start: calls | TEXT")
-    assert json.dumps(TOOL["function"]["parameters"]) in grammar.value
+    assert grammar_module.lark_json(TOOL["function"]["parameters"]) in grammar.value
     assert openai_tools.combined_grammar(None, {"type": "regex", "value": "a"}) == {"type": "regex", "value": "a"}
     with pytest.raises(ToolError):
         auto = openai_tools.tool_call_format([TOOL], "auto", True)
