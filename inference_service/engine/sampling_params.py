@@ -20,7 +20,7 @@ class SamplingParams:
     seed: int = 0  # always set: drawn at random when the caller gave none
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False  # TGI's decoder_input_details
-    presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: minus once for each token already seen
+    presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: minus once for each token generated so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     @property
@@ -35,7 +35,13 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Penalties over the prompt's and the output's tokens (TGI's two)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything moves the logits a greedy request takes the argmax of."""
+        return self.has_penalties or self.presence_penalty != 0.0 or bool(self.logit_bias) or self.watermark
 
 
 @dataclass(frozen=True)

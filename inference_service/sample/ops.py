@@ -59,6 +59,20 @@ def apply_frequency_penalty(logits: Tensor, token_ids: Tensor, token_counts: Ten
     return logits.scatter(1, token_ids, scores - freq * penalty.to(logits.dtype)[:, None])  # [B, V]
 
 
+def apply_presence_penalty(logits: Tensor, token_ids: Tensor, penalty: Tensor) -> Tensor:
+    """OpenAI's presence penalty: `x -= penalty` once for each id in `token_ids` `[B, T]`, the
+    distinct ids generated so far (pad a row by repeating one of its ids)."""
+    scores = logits.gather(1, token_ids)  # [B, T]
+    return logits.scatter(1, token_ids, scores - penalty.to(logits.dtype)[:, None])  # [B, V]
+
+
+def apply_logit_bias(logits: Tensor, token_ids: Tensor, bias: Tensor) -> Tensor:
+    """OpenAI's `logit_bias`: `x[id] += bias` for each `token_ids` `[B, T]` and `bias` `[B, T]`
+    (pad a row by repeating one of its pairs)."""
+    scores = logits.gather(1, token_ids)  # [B, T]
+    return logits.scatter(1, token_ids, scores + bias.to(logits.dtype))  # [B, V]
+
+
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     """Divide by the row's temperature (1.0: off)."""
     return logits / temperature.to(logits.dtype)[:, None]  # [B, V]

@@ -1,10 +1,11 @@
 """The batched sampler: per-request parameters become per-row tensors over one `[B, V]` pass.
 
 Rows with a grammar first get their token bitmask (disallowed ids become -inf), all masks of the
-step filled together; free rows skip it and pay nothing. Then, as TGI: watermark, repetition
-penalty, frequency penalty, temperature, top-k, top-p, typical-p. Each step is applied only to
-the rows that enable it. Greedy rows take the argmax of the processed logits (penalties and
-watermark apply to them too); sampling rows draw one uniform from their request's own generator,
+step filled together; free rows skip it and pay nothing. Then OpenAI's logit bias; as TGI:
+watermark, repetition penalty, frequency penalty; OpenAI's presence penalty (generated tokens
+only); temperature, top-k, top-p, typical-p. Each step is applied only to the rows that enable
+it. Greedy rows take the argmax of the processed logits (biases, penalties and watermark apply to
+them too); sampling rows draw one uniform from their request's own generator,
 so a seeded request's tokens do not depend on its batch.
 
 Reported logprobs are RAW: `log_softmax` of the model's logits before any grammar mask, penalty,
@@ -29,8 +30,9 @@ class SamplingState:
     """One request's sampling state, owned by the model runner; call `append` after each token.
 
     Holds the request's generator (sampling requests only), the counts and distinct ids of the
-    tokens seen in prompt + output (penalties only), the previous token (watermark), the total
-    length (frequency penalty) and the grammar's position (constrained requests only).
+    tokens seen in prompt + output (penalties only), the distinct generated ids (presence penalty),
+    the previous token (watermark), the total length (frequency penalty) and the grammar's position
+    (constrained requests only).
     """
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
@@ -52,6 +54,8 @@ class SamplingState:
             self._seen = dict.fromkeys(int(t) for t in prompt_token_ids if 0 <= t < vocab_size)
             ids = torch.tensor([int(t) for t in prompt_token_ids if 0 <= t < vocab_size], dtype=torch.int64)
             self.token_counts = torch.bincount(ids, minlength=vocab_size).to(torch.int32).to(device)
+        # OpenAI's presence penalty counts the output only; None when the request has none.
+        self.generated_ids: dict[int, None] | None = {} if params.presence_penalty != 0.0 else None
         self.last_token_id: int | None = int(prompt_token_ids[-1]) if prompt_token_ids else None
         self.num_tokens = len(prompt_token_ids)
 
@@ -62,6 +66,8 @@ class SamplingState:
         if self.token_counts is not None and 0 <= token_id < self.vocab_size:
             self.token_counts[token_id] += 1
             self._seen.setdefault(token_id)
+        if self.generated_ids is not None and 0 <= token_id < self.vocab_size:
+            self.generated_ids.setdefault(token_id)
         self.last_token_id = token_id
         self.num_tokens += 1
 
@@ -112,7 +118,7 @@ class Sampler:
         logits = logits.float()  # [B, V]
         params = [s.params for s in states]
         allowed = self.apply_grammars(logits, states)  # [B, V]; logprobs stay those of the raw logits
-        if all(p.is_greedy and not p.has_penalties and not p.watermark for p in params):
+        if all(p.is_greedy and not p.changes_logits for p in params):
             token_ids = allowed.argmax(dim=-1)  # [B]
         else:
             token_ids = self._choose(self.process(allowed, states), states)  # [B]
@@ -132,11 +138,21 @@ class Sampler:
         """The logits each row samples from, after its request's processors (a new tensor)."""
         params = [s.params for s in states]
         x = logits.clone()  # [B, V]
+        rows = _rows(params, lambda p: bool(p.logit_bias))
+        if rows:
+            ids, bias = _padded([[t for t, _ in params[i].logit_bias] for i in rows],
+                                [[b for _, b in params[i].logit_bias] for i in rows], x.device)
+            x = _update_rows(x, rows, lambda sub: ops.apply_logit_bias(sub, ids, bias))
         rows = _rows(params, lambda p: p.watermark)
         if rows:
             previous = [states[i].last_token_id for i in rows]
             x = _update_rows(x, rows, lambda sub: self.watermark.apply(sub, previous))
         x = _apply_penalties(x, states)
+        rows = [i for i, s in enumerate(states) if s.generated_ids]
+        if rows:
+            ids, _ = _padded([list(states[i].generated_ids) for i in rows], None, x.device)
+            penalty = _param(x, [params[i].presence_penalty for i in rows], torch.float32)
+            x = _update_rows(x, rows, lambda sub: ops.apply_presence_penalty(sub, ids, penalty))
         rows = _rows(params, lambda p: p.temperature != 1.0)
         if rows:
             temperature = _param(x, [params[i].temperature for i in rows], torch.float32)
@@ -207,6 +223,18 @@ def _seen_tokens(states: Sequence[SamplingState]) -> tuple[Tensor, Tensor]:
     token_counts = torch.stack([s.token_counts.gather(0, ids)
                                 for s, ids in zip(states, token_ids, strict=True)])  # [R, T]
     return token_ids, token_counts
+
+
+def _padded(ids: list[list[int]], values: list[list[float]] | None,
+            device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """Ragged rows of ids (and their values) as `[R, T]` tensors, each row padded by repeating its
+    first entry, which scatters the same result twice."""
+    width = max(len(row) for row in ids)
+    token_ids = torch.tensor([row + row[:1] * (width - len(row)) for row in ids], device=device)
+    if values is None:
+        return token_ids, None
+    return token_ids, torch.tensor([row + row[:1] * (width - len(row)) for row in values],
+                                   dtype=torch.float32, device=device)
 
 
 def _take(t: Tensor, rows: list[int]) -> Tensor:

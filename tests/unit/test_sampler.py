@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -32,7 +33,11 @@ MIXED_PARAMS = [
     SamplingParams(typical_p=0.9, temperature=1.3, seed=4),
     SamplingParams(watermark=True, repetition_penalty=0.9, top_n_tokens=1),
     SamplingParams(top_p=0.999, temperature=0.9, seed=6),
+    SamplingParams(logit_bias=((3, 5.0), (17, -100.0)), presence_penalty=1.5, repetition_penalty=1.1,
+                   temperature=0.8, seed=7),
+    SamplingParams(presence_penalty=-0.5, frequency_penalty=0.3, top_n_tokens=2),
 ]
+GENERATED = [4, 9, 4, 600]  # appended to every row: the presence penalty counts these only
 
 
 def _logits(num_rows: int, vocab_size: int, seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -49,10 +54,14 @@ def _states(params: list[SamplingParams], prompts: list[list[int]], vocab_size: 
     return [SamplingState(p, prompt, vocab_size) for p, prompt in zip(params, prompts, strict=True)]
 
 
-def _reference_row(logits: torch.Tensor, params: SamplingParams, token_ids: list[int]) -> torch.Tensor:
-    """One row through TGI's order with transformers' processors and plain loops."""
+def _reference_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+                   generated: list[int] = ()) -> torch.Tensor:
+    """One row through our order with transformers' processors and plain loops."""
     x = logits[None, :].clone()  # [1, V]
+    token_ids = [*prompt, *generated]
     ids = torch.tensor([token_ids])  # [1, T]
+    if params.logit_bias:
+        x = SequenceBiasLogitsProcessor({(t,): b for t, b in params.logit_bias})(ids, x)
     if params.watermark:
         x = Watermark(x.shape[-1], GAMMA, DELTA).apply(x, [token_ids[-1]])
     if params.repetition_penalty != 1.0:
@@ -60,6 +69,8 @@ def _reference_row(logits: torch.Tensor, params: SamplingParams, token_ids: list
     if params.frequency_penalty != 0.0:
         for token_id in set(token_ids):
             x[0, token_id] -= params.frequency_penalty * token_ids.count(token_id) / len(token_ids)
+    for token_id in set(generated):
+        x[0, token_id] -= params.presence_penalty
     warpers = [(params.temperature != 1.0, lambda: TemperatureLogitsWarper(params.temperature)),
                (params.top_k != 0, lambda: TopKLogitsWarper(params.top_k)),
                (params.top_p < 1.0, lambda: TopPLogitsWarper(params.top_p)),
@@ -71,13 +82,17 @@ def _reference_row(logits: torch.Tensor, params: SamplingParams, token_ids: list
 
 
 @pytest.mark.parametrize("vocab_size", [1000, 49152])
-def test_process_applies_every_feature_in_tgi_order(vocab_size: int) -> None:
+def test_process_applies_every_feature_in_order(vocab_size: int) -> None:
     logits = _logits(len(MIXED_PARAMS), vocab_size, seed=vocab_size)
     prompts = _prompts(len(MIXED_PARAMS), vocab_size, seed=1)
     sampler = Sampler(vocab_size, GAMMA, DELTA)
-    processed = sampler.process(logits, _states(MIXED_PARAMS, prompts, vocab_size))
+    states = _states(MIXED_PARAMS, prompts, vocab_size)
+    for state in states:
+        for token_id in GENERATED:
+            state.append(token_id)
+    processed = sampler.process(logits, states)
     for i, params in enumerate(MIXED_PARAMS):
-        ref = _reference_row(logits[i], params, prompts[i])
+        ref = _reference_row(logits[i], params, prompts[i], GENERATED)
         assert torch.equal(processed[i] == NEG_INF, ref == NEG_INF), f"row {i}: kept sets differ"
         torch.testing.assert_close(processed[i], ref, rtol=0, atol=1e-5, msg=f"row {i}")
     assert torch.equal(processed[0], logits[0])
@@ -101,6 +116,20 @@ def test_greedy_rows_take_argmax_of_processed_logits() -> None:
     out = Sampler(vocab_size)(logits, states)
     penalized = RepetitionPenaltyLogitsProcessor(50.0)(torch.tensor([[best[0]]]), logits[:1].clone())
     assert out.token_ids[0] == int(penalized.argmax()) != best[0]
+
+
+def test_greedy_rows_follow_logit_bias_and_presence_penalty() -> None:
+    vocab_size = 1000
+    logits = _logits(3, vocab_size, seed=5)
+    best = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(logit_bias=((7, 100.0),)), SamplingParams(logit_bias=((best[1], -100.0),)),
+              SamplingParams(presence_penalty=2.0)]
+    states = _states(params, [[1]] * 3, vocab_size)
+    assert Sampler(vocab_size)(logits, states).token_ids[:2] == [7, int(logits[1].topk(2).indices[1])]
+    states[2].append(best[2])  # generated once: now penalized; in the prompt only, it would not be
+    expected = logits[2].clone()
+    expected[best[2]] -= 2.0
+    assert Sampler(vocab_size)(logits, states).token_ids[2] == int(expected.argmax())
 
 
 def test_logprobs_and_top_n_are_raw_log_softmax() -> None:
