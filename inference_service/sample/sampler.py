@@ -22,7 +22,7 @@ from torch import Tensor
 
 from inference_service.engine.sampling_params import SamplingParams
 from inference_service.sample import ops
-from inference_service.sample.grammar import GrammarState, fill_bitmasks
+from inference_service.sample.grammar import GrammarState, fill_bitmasks, prefetch_masks
 from inference_service.sample.watermark import Watermark
 
 
@@ -133,6 +133,13 @@ class Sampler:
         bitmask = fill_bitmasks([states[i].grammar for i in rows], self.vocab_size)  # [R, W] on CPU
         bitmask = bitmask.to(logits.device, non_blocking=True)
         return _update_rows(logits.clone(), rows, lambda sub: ops.apply_token_bitmask(sub, bitmask))
+
+    def prefetch_grammars(self, states: Sequence[SamplingState]) -> None:
+        """After a step's tokens are appended: start the next masks of the rows with a grammar, to be
+        filled while the model runs."""
+        grammars = [s.grammar for s in states if s.grammar is not None]
+        if grammars:
+            prefetch_masks(grammars, self.vocab_size)
 
     def process(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         """The logits each row samples from, after its request's processors (a new tensor)."""

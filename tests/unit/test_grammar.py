@@ -11,7 +11,13 @@ import torch
 
 from inference_service.errors import GenerationError, ValidationError
 from inference_service.sample import ops
-from inference_service.sample.grammar import GrammarCompiler, GrammarSpec, fill_bitmasks, grammar_spec_from_tgi
+from inference_service.sample.grammar import (
+    GrammarCompiler,
+    GrammarSpec,
+    fill_bitmasks,
+    grammar_spec_from_tgi,
+    prefetch_masks,
+)
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
@@ -140,6 +146,22 @@ def test_states_are_independent_and_rows_fill_together(byte_tokenizer, byte_gram
     assert byte_tokenizer.convert_tokens_to_ids("b") not in allowed_ids(together[1], vocab_size)
 
 
+def test_prefetched_masks_are_the_masks_of_the_current_position(byte_tokenizer, byte_grammar_compiler):
+    vocab_size = len(byte_tokenizer)
+    compiled = byte_grammar_compiler.compile(GrammarSpec("regex", "(ab|cd)[0-9]"))
+    states = [compiled.new_state() for _ in range(3)]
+    states[0].accept(byte_tokenizer.convert_tokens_to_ids("a"))
+    expected = fill_bitmasks(states, vocab_size)
+    prefetch_masks(states[:2], vocab_size)  # the third is filled on the spot
+    assert torch.equal(fill_bitmasks(states, vocab_size), expected)
+    # Prefetched, then advanced without being used: the next mask is the new position's.
+    prefetch_masks(states, vocab_size)
+    states[1].accept(byte_tokenizer.convert_tokens_to_ids("c"))
+    (after_c,) = fill_bitmasks([states[1]], vocab_size)
+    assert allowed_ids(after_c, vocab_size) == {byte_tokenizer.convert_tokens_to_ids("d")}
+    assert torch.equal(fill_bitmasks([states[0]], vocab_size)[0], expected[0])
+
+
 def test_logits_wider_than_the_tokenizer_never_allow_the_extra_ids(byte_tokenizer):
     vocab_size = len(byte_tokenizer) + 45  # models often pad their embedding to a multiple of 64
     compiler = GrammarCompiler(byte_tokenizer, vocab_size, [1])
@@ -168,6 +190,8 @@ def test_apply_token_bitmask_matches_a_per_id_reference():
             if not (int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1:
                 expected[row, token_id] = float("-inf")
     assert torch.equal(ops.apply_token_bitmask(logits, bitmask), expected)
+    # The accelerator's unpacking, run here on CPU: the same allowed set.
+    assert torch.equal(ops.unpack_bitmask_torch(bitmask, vocab_size), ops.unpack_bitmask_numpy(bitmask, vocab_size))
 
 
 def test_every_engine_eos_id_ends_a_complete_grammar(byte_tokenizer):
