@@ -70,3 +70,50 @@ def test_a_model_without_template_is_told_how_to_fix_it(tiny_grpc_server):
     with pytest.raises(grpc.RpcError) as failed:
         tiny_grpc_server.stub.ChatCompletion(chat(), timeout=60)
     assert error_type(failed.value) == "template_error" and "--chat-template" in failed.value.details()
+
+
+def test_seeded_choices_logprobs_and_metrics(tiny_chat_grpc_server):
+    stub = tiny_chat_grpc_server.stub
+
+    def counter(name: str) -> float:
+        text = stub.Metrics(pb.MetricsRequest(), timeout=10).data.decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    before = counter("tgi_request_success")
+    request = chat(temperature=1.0, seed=7, n=3, max_tokens=6, logprobs=True, top_logprobs=3)
+    first, again = stub.ChatCompletion(request, timeout=60), stub.ChatCompletion(request, timeout=60)
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices] and len(set(texts)) > 1
+    for choice in first.choices:
+        entries = choice.logprobs.content
+        assert entries and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
+        assert all(e.top_logprobs[0].logprob >= e.logprob for e in entries)  # the best alternative comes first
+    assert counter("tgi_request_success") == before + 2  # a call counts once, whatever its choices
+
+
+def test_json_schema_and_tools_over_grpc(tiny_chat_grpc_server):
+    import json
+
+    import jsonschema
+    from google.protobuf import json_format
+
+    stub = tiny_chat_grpc_server.stub
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    response_format = pb.ResponseFormat(type="json_schema", json_schema=pb.JsonSchemaFormat(
+        name="answer", schema=json_format.ParseDict(schema, struct_pb2.Struct())))
+    reply = stub.ChatCompletion(chat(temperature=0, max_tokens=20, response_format=response_format), timeout=60)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+
+    parameters = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                  "additionalProperties": False}
+    tool = pb.Tool(type="function", function=pb.FunctionDefinition(
+        name="get_time", parameters=json_format.ParseDict(parameters, struct_pb2.Struct())))
+    named = struct_pb2.Value(struct_value=json_format.ParseDict(
+        {"type": "function", "function": {"name": "get_time"}}, struct_pb2.Struct()))
+    reply = stub.ChatCompletion(chat(temperature=0, max_tokens=80, tools=[tool], tool_choice=named,
+                                     tool_prompt="Tools:"), timeout=60)
+    (choice,) = reply.choices
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
