@@ -4,7 +4,7 @@
 -- fields in field-number order, compact). This filter sits before it in the chain, so it sees the
 -- request before the transcoder and the transcoded response after it, and turns that JSON into
 -- TGI's:
---   * 64-bit integers (`seed`, `num_steps`) are strings in proto3 JSON: printed as numbers;
+--   * 64-bit integers (`seed`, `num_steps`, `weights_memory_bytes`) are strings in proto3 JSON: printed as numbers;
 --   * NaN/Infinity floats (the first prompt token's logprob) are strings: printed as null;
 --   * `top_tokens` is a list of lists in TGI (`repeated TopTokens{tokens}` in the proto);
 --   * `top_tokens`/`best_of_sequences` are left out when empty, `seed` is null when absent,
@@ -28,7 +28,7 @@
 -- separated).
 
 -- Kept equal to the proto's 64-bit integer and float response fields by a unit test.
-local INT64_FIELDS = {"seed", "num_steps"}
+local INT64_FIELDS = {"seed", "num_steps", "weights_memory_bytes"}
 local FLOAT_FIELDS = {"logprob", "waiting_served_ratio", "token_logprobs"}
 -- Repeated fields TGI leaves out when empty (the transcoder prints `[]`).
 local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}

@@ -120,6 +120,10 @@ MODEL_FLAGS = (
     Flag("--chat-template", "model.chat_template",
          "A Jinja chat template file (or a tokenizer_config.json holding one) for /v1/chat/completions, "
          "replacing the model's own.", default_text="the model's"),
+    Flag("--quantize", "model.quantize",
+         "Weight quantization: bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, eetq or fp8 quantize while "
+         "loading; gptq, awq and compressed-tensors checkpoints are recognised without it; gguf keeps a GGUF "
+         "file's quantized tensors.", default_text="as the checkpoint is stored"),
 )
 
 ENGINE_FLAGS = (

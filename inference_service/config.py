@@ -11,6 +11,9 @@ import re
 from dataclasses import dataclass, field
 
 DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# TGI's --quantize values and ours (gguf); worker/quant/schemes.py says what each one does.
+QUANTIZE_SCHEMES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "fp8", "gptq", "awq",
+                    "compressed-tensors", "gguf")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -30,6 +33,7 @@ class ModelConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     huggingface_hub_cache: str | None = None
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
+    quantize: str | None = None  # a scheme of worker/quant/schemes.py; None: as the checkpoint is stored
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -37,6 +41,8 @@ class ModelConfig:
         _require(self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         _require(self.num_threads is None or self.num_threads > 0, "--num-threads must be > 0")
+        _require(self.quantize is None or self.quantize in QUANTIZE_SCHEMES,
+                 f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, not {self.quantize!r}")
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,8 @@ def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig,
         router=ROUTER, version=__version__, waiting_served_ratio=scheduler.waiting_served_ratio,
         max_batch_total_tokens=info.max_batch_total_tokens, max_waiting_tokens=scheduler.max_waiting_tokens,
         max_batch_size=info.max_batch_size, max_batch_prefill_tokens=info.max_batch_prefill_tokens,
-        block_size=info.block_size, stats=stats_to_pb(stats))
+        block_size=info.block_size, stats=stats_to_pb(stats), quantize=info.quantize,
+        weights_memory_bytes=info.weights_nbytes)
 
 
 def model_card(model_id: str) -> pb.ModelCard:

@@ -25,6 +25,8 @@ from inference_service.worker import attention, native_linear
 from inference_service.worker.cpu_kernels import decode_kernel_for, linear_kernel_for
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.quant import schemes
+from inference_service.worker.quant.at_load import quantize_at_load, weights_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class LoadedModel:
     device: torch.device
     model_id: str
     model_sha: str | None
+    quantize: str | None = None  # the scheme serving; None: full precision
+    num_quantized: int = 0  # linears replaced by quantized ones
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -61,10 +65,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
                        config.scheduler.max_batch_size, grammar_compiler)
-    logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_total_tokens=%d, "
-                "decode attention: %s, native few-row linears: %d", info.model_id, info.architecture, info.dtype,
-                num_blocks, info.block_size, info.max_total_tokens, "native" if runner.decode_kernel else "torch",
-                native_linears)
+    logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
+                "tokens, max_total_tokens=%d, decode attention: %s, native few-row linears: %d", info.model_id,
+                info.architecture, info.dtype, info.quantize or "unquantized", info.weights_nbytes / 2**20,
+                loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens,
+                "native" if runner.decode_kernel else "torch", native_linears)
     return engine
 
 
@@ -88,13 +93,17 @@ def load(config: EngineConfig) -> LoadedModel:
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"can't read the model config in {resolved.path}: {error}") from error
     check_architecture(hf_config)
+    scheme = schemes.resolve_scheme(config.model.quantize,
+                                    schemes.checkpoint_scheme(getattr(hf_config, "quantization_config", None)),
+                                    is_gguf=resolved.source in ("gguf", "demo"))
     attention.register()
     model = loader.load_model(resolved.path, dtype=dtype, device=device,
                               attn_implementation=attention.ATTENTION_NAME,
                               trust_remote_code=config.model.trust_remote_code)
+    num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
     tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
     probe_model(model, device)
-    return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha)
+    return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized)
 
 
 def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype,
@@ -145,7 +154,7 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         architecture=getattr(text_config, "model_type", "unknown"),
         dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         device=loaded.device.type,
-        vocab_size=loaded.model.get_output_embeddings().weight.shape[0],
+        vocab_size=loaded.model.get_output_embeddings().out_features,
         eos_token_ids=_eos_token_ids(loaded.model, loaded.tokenizer),
         block_size=config.cache.block_size,
         num_blocks=num_blocks,
@@ -157,6 +166,8 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         max_best_of=limits.max_best_of,
         max_stop_sequences=limits.max_stop_sequences,
         max_top_n_tokens=limits.max_top_n_tokens,
+        quantize=loaded.quantize,
+        weights_nbytes=weights_nbytes(loaded.model),
     )
 
 

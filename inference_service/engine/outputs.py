@@ -163,6 +163,8 @@ class EngineInfo:
     max_best_of: int
     max_stop_sequences: int
     max_top_n_tokens: int
+    quantize: str | None = None  # the weight quantization scheme serving; None: full precision
+    weights_nbytes: int = 0  # memory the weights take
 
     @property
     def max_batch_total_tokens(self) -> int:

@@ -21,6 +21,7 @@ SAMPLES = {
     "--dtype": ("bfloat16", "bfloat16"), "--device": ("cuda:1", "cuda:1"),
     "--trust-remote-code": (None, True), "--num-threads": ("3", 3),
     "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"), "--chat-template": ("chat.jinja", "chat.jinja"),
+    "--quantize": ("eetq", "eetq"),
     "--max-concurrent-requests": ("7", 7), "--max-best-of": ("3", 3), "--max-stop-sequences": ("6", 6),
     "--max-top-n-tokens": ("9", 9), "--max-input-tokens": ("100", 100), "--max-input-length": ("101", 101),
     "--max-total-tokens": ("200", 200), "--watermark-gamma": ("0.25", 0.25),

@@ -674,6 +674,8 @@ class InfoResponse(_message.Message):
     MAX_BATCH_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    QUANTIZE_FIELD_NUMBER: _builtins.int
+    WEIGHTS_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     model_sha: _builtins.str
     model_pipeline_tag: _builtins.str
@@ -697,6 +699,11 @@ class InfoResponse(_message.Message):
     max_batch_size: _builtins.int
     max_batch_prefill_tokens: _builtins.int
     block_size: _builtins.int
+    quantize: _builtins.str
+    """The weight quantization serving (`--quantize`'s values; unset: full precision) and the bytes
+    the weights take in memory (packed weights, embeddings, norms).
+    """
+    weights_memory_bytes: _builtins.int
     @_builtins.property
     def stats(self) -> Global___EngineStats: ...
     def __init__(
@@ -725,10 +732,12 @@ class InfoResponse(_message.Message):
         max_batch_prefill_tokens: _builtins.int = ...,
         block_size: _builtins.int = ...,
         stats: Global___EngineStats | None = ...,
+        quantize: _builtins.str | None = ...,
+        weights_memory_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_sha", b"_sha", "docker_label", b"docker_label", "max_batch_size", b"max_batch_size", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "sha", b"sha", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "docker_label", b"docker_label", "max_batch_size", b"max_batch_size", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "sha", b"sha", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_sha", b"_sha", "block_size", b"block_size", "docker_label", b"docker_label", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_size", b"max_batch_size", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_client_batch_size", b"max_client_batch_size", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_total_tokens", b"max_total_tokens", "max_waiting_tokens", b"max_waiting_tokens", "model_device_type", b"model_device_type", "model_dtype", b"model_dtype", "model_id", b"model_id", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "router", b"router", "sha", b"sha", "stats", b"stats", "validation_workers", b"validation_workers", "version", b"version", "waiting_served_ratio", b"waiting_served_ratio"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "block_size", b"block_size", "docker_label", b"docker_label", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_size", b"max_batch_size", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_client_batch_size", b"max_client_batch_size", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_total_tokens", b"max_total_tokens", "max_waiting_tokens", b"max_waiting_tokens", "model_device_type", b"model_device_type", "model_dtype", b"model_dtype", "model_id", b"model_id", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "router", b"router", "sha", b"sha", "stats", b"stats", "validation_workers", b"validation_workers", "version", b"version", "waiting_served_ratio", b"waiting_served_ratio", "weights_memory_bytes", b"weights_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__docker_label: _TypeAlias = _typing.Literal["docker_label"]  # noqa: Y015
     _WhichOneofArgType__docker_label: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label"]  # noqa: Y015
@@ -738,6 +747,8 @@ class InfoResponse(_message.Message):
     _WhichOneofArgType__model_pipeline_tag: _TypeAlias = _typing.Literal["_model_pipeline_tag", b"_model_pipeline_tag"]  # noqa: Y015
     _WhichOneofReturnType__model_sha: _TypeAlias = _typing.Literal["model_sha"]  # noqa: Y015
     _WhichOneofArgType__model_sha: _TypeAlias = _typing.Literal["_model_sha", b"_model_sha"]  # noqa: Y015
+    _WhichOneofReturnType__quantize: _TypeAlias = _typing.Literal["quantize"]  # noqa: Y015
+    _WhichOneofArgType__quantize: _TypeAlias = _typing.Literal["_quantize", b"_quantize"]  # noqa: Y015
     _WhichOneofReturnType__sha: _TypeAlias = _typing.Literal["sha"]  # noqa: Y015
     _WhichOneofArgType__sha: _TypeAlias = _typing.Literal["_sha", b"_sha"]  # noqa: Y015
     @_typing.overload
@@ -748,6 +759,8 @@ class InfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__model_pipeline_tag) -> _WhichOneofReturnType__model_pipeline_tag | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__model_sha) -> _WhichOneofReturnType__model_sha | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__quantize) -> _WhichOneofReturnType__quantize | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sha) -> _WhichOneofReturnType__sha | None: ...
 

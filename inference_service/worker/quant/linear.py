@@ -1,0 +1,23 @@
+"""Placeholder until the native kernel lands: a linear over a PackedWeight, by dequantizing."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inference_service.worker.quant.packed import PackedWeight
+
+
+class QuantLinear(torch.nn.Module):
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_packed(cls, packed: PackedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
+        return cls(packed, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.packed.dequantize().to(x.dtype), self.bias)
