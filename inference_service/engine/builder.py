@@ -18,6 +18,7 @@ from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.outputs import EngineInfo, ScheduledRequest
 from inference_service.errors import ModelLoadError
 from inference_service.models import loader
+from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler
@@ -97,10 +98,13 @@ def load(config: EngineConfig) -> LoadedModel:
                                     schemes.checkpoint_scheme(getattr(hf_config, "quantization_config", None)),
                                     is_gguf=resolved.source in ("gguf", "demo"))
     attention.register()
-    model = loader.load_model(resolved.path, dtype=dtype, device=device,
-                              attn_implementation=attention.ATTENTION_NAME,
-                              trust_remote_code=config.model.trust_remote_code)
-    num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
+    options = {"dtype": dtype, "device": device, "attn_implementation": attention.ATTENTION_NAME,
+               "trust_remote_code": config.model.trust_remote_code}
+    if scheme in schemes.CHECKPOINT_FORMATS:
+        model, num_quantized = load_prequantized(resolved.path, hf_config, scheme, **options)
+    else:
+        model = loader.load_model(resolved.path, **options)
+        num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
     tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
     probe_model(model, device)
     return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized)

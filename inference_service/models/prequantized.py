@@ -1,0 +1,111 @@
+"""Loading a checkpoint stored quantized (GPTQ, AWQ, compressed-tensors) into our quantized linears.
+
+transformers would hand these to quantizer libraries (gptqmodel, autoawq, compressed-tensors) that
+need a GPU or are archived. Instead the model is built from its config with uninitialized weights
+(no memory is touched for them), each quantized linear's tensors are repacked once into our layout,
+and the other tensors (embeddings, norms, an unquantized head) are loaded as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from inference_service.errors import ModelLoadError
+from inference_service.worker.quant.at_load import replace_module
+from inference_service.worker.quant.linear import QuantLinear
+from inference_service.worker.quant.packed import PackedWeight
+
+logger = logging.getLogger(__name__)
+
+# The tensor that marks a linear as stored quantized, per format.
+QUANTIZED_MARKERS = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
+Converter = Callable[[dict[str, torch.Tensor]], "tuple[PackedWeight, torch.Tensor | None]"]
+
+
+def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch.dtype, device: torch.device,
+                      attn_implementation: str, trust_remote_code: bool) -> tuple[torch.nn.Module, int]:
+    """The model in `folder` with its quantized linears as `QuantLinear`s; returns (model, count)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    quantization_config = dict(hf_config.quantization_config)
+    convert = converter(scheme, quantization_config)
+    config = hf_config.__class__.from_dict({k: v for k, v in hf_config.to_dict().items() if k != "quantization_config"})
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    tensors = _read_safetensors(folder)
+    marker = QUANTIZED_MARKERS[scheme]
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or f"{name}.{marker}" not in tensors:
+            continue
+        own = {key[len(name) + 1:]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
+        try:
+            packed, perm = convert(own)
+        except (ValueError, KeyError) as error:
+            raise ModelLoadError(f"could not read the {scheme} weights of {name}: {error}") from None
+        bias = own.get("bias")
+        replace_module(model, name, QuantLinear.from_packed(packed, None if bias is None else bias.float(),
+                                                             input_perm=perm))
+        count += 1
+    if count == 0:
+        raise ModelLoadError(f"the checkpoint in {folder} says {scheme} but holds no {marker} tensors")
+    _load_the_rest(model, tensors, dtype, folder)
+    return model.to(device).eval(), count
+
+
+def converter(scheme: str, quantization_config: dict[str, Any]) -> Converter:
+    """A function from one linear's checkpoint tensors to its packed weight and input permutation."""
+    if scheme == "gptq":
+        from inference_service.worker.quant.gptq import packed_from_gptq
+
+        bits, group_size = int(quantization_config.get("bits", 4)), int(quantization_config.get("group_size", 128))
+        sym = bool(quantization_config.get("sym", True))
+        checkpoint_format = str(quantization_config.get("checkpoint_format", "gptq"))
+        return lambda t: packed_from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bits=bits,
+                                          group_size=group_size, sym=sym, checkpoint_format=checkpoint_format)
+    if scheme == "awq":
+        from inference_service.worker.quant.gptq import packed_from_awq
+
+        bits, group_size = int(quantization_config.get("bits", 4)), int(quantization_config.get("group_size", 128))
+        if str(quantization_config.get("version", "gemm")).lower() != "gemm":
+            raise ModelLoadError(f"AWQ version {quantization_config.get('version')!r} is not supported; "
+                                 "re-export the checkpoint with version 'gemm'")
+        return lambda t: (packed_from_awq(t["qweight"], t["qzeros"], t["scales"], bits=bits,
+                                          group_size=group_size), None)
+    from inference_service.worker.quant.compressed_tensors import packed_from_compressed_tensors
+
+    return lambda t: (packed_from_compressed_tensors(t, quantization_config), None)
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"the quantized checkpoint in {folder} has no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 — safe_open is not a mapping
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def _load_the_rest(model: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                   folder: Path) -> None:
+    """Embeddings, norms and any unquantized linear; every parameter must come from the checkpoint
+    (or be tied to one that does)."""
+    state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in tensors.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    parameters = list(model.named_parameters(remove_duplicate=False))
+    loaded = {tensor.data_ptr() for name, tensor in parameters if name in state}
+    missing = [name for name, tensor in parameters if name not in state and tensor.data_ptr() not in loaded]
+    if missing:
+        raise ModelLoadError(f"the checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[0]}")
