@@ -1,13 +1,16 @@
-"""GGUF blocks decoded into packed weights: the same floats as gguf-py.
+"""GGUF blocks decoded into packed weights: the same floats as gguf-py, mapped onto the right linears.
 
 The reference is `gguf.quants.dequantize` (what transformers' GGUF reader uses). Random blocks cover
 every code and sub-scale pattern; the fp16 block scales are set to finite values, zeros, subnormals
-and the largest fp16 included.
+and the largest fp16 included. A tiny llama written as a GGUF with mixed types checks the mapping
+against the folder `convert_gguf` makes from the same file.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,13 +18,19 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file
+from test_gguf import add_tokenizer, digit_splitting_tokenizer, gguf_tensors
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, GGUFTensor, LlamaTensorProcessor
 
+from inference_service.models.gguf import convert_gguf
 from inference_service.worker.quant.gguf_blocks import (
     SUPPORTED_TYPES,
     is_quantized_type,
     is_supported_type,
     packed_from_gguf,
 )
+from inference_service.worker.quant.gguf_weights import gguf_linear_weights
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Byte offsets of each type's fp16 fields (d, and m or dmin), the bytes random data could make inf/NaN.
@@ -138,3 +147,156 @@ def test_type_checks_and_refusals():
         packed_from_gguf(raw, Q.Q4_0, (2, 16))
     with pytest.raises(ValueError, match="36 uint8 bytes, got 18"):
         packed_from_gguf(raw[:1], Q.Q4_0, (2, 32))
+
+
+# -- the mapping onto a transformers model ------------------------------------------------------------
+HIDDEN, INTERMEDIATE = 256, 512  # K-quant rows are multiples of 256
+# Layer 0 covers every supported type (q and k are K-quants: rows llama.cpp permutes); layer 1 keeps
+# an F16, an F32 and an unsupported quantized type (Q2_K) that must stay dense.
+TENSOR_TYPES = {
+    "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q6_K, "blk.0.attn_v.weight": Q.Q8_0,
+    "blk.0.attn_output.weight": Q.Q4_0, "blk.0.ffn_gate.weight": Q.Q5_K, "blk.0.ffn_up.weight": Q.Q4_1,
+    "blk.0.ffn_down.weight": Q.Q4_K,
+    "blk.1.attn_q.weight": Q.Q4_0, "blk.1.attn_k.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.F16,
+    "blk.1.attn_output.weight": Q.Q6_K, "blk.1.ffn_gate.weight": Q.Q2_K, "blk.1.ffn_up.weight": Q.Q5_K,
+    "blk.1.ffn_down.weight": Q.F32,
+    "token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K,
+}
+DENSE_LINEARS = {"model.layers.1.self_attn.v_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.down_proj"}
+
+
+def tiny_llama(vocab_size: int, tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def write_quantized_gguf(path: Path, model: LlamaForCausalLM, types: dict[str, Q]) -> Path:
+    """`model` as llama.cpp writes it, each tensor in `types[name]` (F32 if absent).
+
+    gguf-py quantizes Q4_0/Q4_1/Q8_0 itself; the other types get random blocks with scales near
+    0.01, which exercise the decoders just as well (the test compares against what transformers reads).
+    """
+    config, rng = model.config, np.random.default_rng(4)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny quantized llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    add_tokenizer(writer, digit_splitting_tokenizer())
+    small_scales = (rng.standard_normal(64) * 0.01).astype(np.float16)
+    for name, weights in gguf_tensors(model).items():
+        quant_type = types.get(name, Q.F32)
+        if quant_type in (Q.F32, Q.F16):
+            writer.add_tensor(name, weights.astype(np.float32 if quant_type == Q.F32 else np.float16))
+        elif quant_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            writer.add_tensor(name, gguf.quants.quantize(weights, quant_type), raw_dtype=quant_type)
+        else:
+            writer.add_tensor(name, random_blocks(rng, quant_type, weights.shape, small_scales), raw_dtype=quant_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def meta_model(folder: Path) -> torch.nn.Module:
+    """The converted folder's model without weights: the mapping needs only its structure."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory) -> tuple[Path, Path]:
+    """`(tiny mixed-type GGUF, the folder convert_gguf makes of it)`."""
+    root = tmp_path_factory.mktemp("gguf-packed")
+    vocab_size = digit_splitting_tokenizer().get_vocab_size()
+    path = write_quantized_gguf(root / "tiny-mixed.gguf", tiny_llama(vocab_size, tied=False), TENSOR_TYPES)
+    return path, convert_gguf(path, root / "converted")
+
+
+def test_every_packed_linear_is_the_weight_transformers_loads(quantized_gguf, caplog):
+    path, folder = quantized_gguf
+    model = meta_model(folder)
+    with caplog.at_level(logging.INFO, logger="inference_service.worker.quant.gguf_weights"):
+        packed = gguf_linear_weights(path, model)
+
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert set(packed) == linears - DENSE_LINEARS  # lm_head (output.weight, Q6_K) included
+    expected = load_file(folder / "model.safetensors")
+    for name, weight in packed.items():
+        assert torch.equal(weight.dequantize(), expected[f"{name}.weight"]), name
+    assert (packed["lm_head"].bits, packed["lm_head"].group_size) == LAYOUT[Q.Q6_K]
+    assert (packed["model.layers.0.self_attn.q_proj"].bits, packed["model.layers.0.mlp.up_proj"].bits) == (4, 4)
+    assert "type Q2_K has no packed decoder: blk.1.ffn_gate.weight" in caplog.text
+    assert "12 of 15 linears kept packed" in caplog.text
+
+
+def test_q_and_k_rows_follow_transformers_reverse_permutation(quantized_gguf):
+    """The raw GGUF rows of attn_q/attn_k are in llama.cpp's order; the packed ones in HF's."""
+    path, folder = quantized_gguf
+    packed = gguf_linear_weights(path, meta_model(folder))
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+    in_file_order = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    hf_order = packed["model.layers.0.self_attn.q_proj"].dequantize().numpy()
+    assert not np.array_equal(hf_order, in_file_order)
+    heads, half = 4, HIDDEN // 4 // 2  # HF row (h, j·half + i) is llama.cpp row (h, 2i + j)
+    np.testing.assert_array_equal(hf_order.reshape(heads, 2, half, -1),
+                                  in_file_order.reshape(heads, half, 2, -1).swapaxes(1, 2))
+
+
+class UnusualProcessor(LlamaTensorProcessor):
+    """Llama's processor plus transforms of the kinds other architectures use."""
+
+    def process(self, weights, name, **kwargs):
+        if "blk.0.ffn_up." in name:
+            return GGUFTensor(weights[::-1], name, {})  # a row permutation: replayed on packed rows
+        if "blk.0.ffn_gate." in name:
+            return GGUFTensor(weights * 2, name, {})
+        if "blk.0.attn_output." in name:
+            return GGUFTensor(weights.T, name, {})  # square, so only the values tell
+        if "blk.0.ffn_down." in name:
+            return GGUFTensor(np.abs(weights), name, {})
+        if "blk.0.attn_v." in name:
+            kwargs["parsed_parameters"]["tensors"]["model.layers.0.self_attn.v_proj.weight"] = weights
+            return GGUFTensor(weights, None, {})  # stored by the processor itself
+        return super().process(weights, name, **kwargs)
+
+
+def test_only_row_permutations_are_replayed(quantized_gguf, monkeypatch, caplog):
+    path, folder = quantized_gguf
+    monkeypatch.setitem(TENSOR_PROCESSORS, "llama", UnusualProcessor)
+    with caplog.at_level(logging.INFO, logger="inference_service.worker.quant.gguf_weights"):
+        packed = gguf_linear_weights(path, meta_model(folder))
+
+    dropped = {"model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+               "model.layers.0.self_attn.v_proj"}
+    assert not dropped & set(packed)
+    assert "does more than reorder rows: blk.0.attn_output.weight, blk.0.ffn_gate.weight, blk.0.ffn_down" in caplog.text
+    assert "processor stores it itself: blk.0.attn_v.weight" in caplog.text
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    reversed_rows = gguf.quants.dequantize(tensor.data, tensor.tensor_type)[::-1]
+    np.testing.assert_array_equal(packed["model.layers.0.mlp.up_proj"].dequantize().numpy(), reversed_rows)
+
+
+def test_tied_lm_head_stays_with_the_dense_embedding(tmp_path, caplog):
+    vocab_size = digit_splitting_tokenizer().get_vocab_size()
+    types = {name: Q.Q8_0 for name in TENSOR_TYPES}
+    path = write_quantized_gguf(tmp_path / "tied.gguf", tiny_llama(vocab_size, tied=True), types)
+    folder = convert_gguf(path, tmp_path / "converted")
+    with caplog.at_level(logging.INFO, logger="inference_service.worker.quant.gguf_weights"):
+        packed = gguf_linear_weights(path, meta_model(folder))
+    assert len(packed) == 14 and "lm_head" not in packed
+    assert "lm_head tied to the embedding" in caplog.text
+    expected = load_file(folder / "model.safetensors")
+    assert all(torch.equal(weight.dequantize(), expected[f"{name}.weight"]) for name, weight in packed.items())
