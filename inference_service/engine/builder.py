@@ -17,7 +17,7 @@ from inference_service.config import CacheConfig, EngineConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.outputs import EngineInfo, ScheduledRequest
 from inference_service.errors import ModelLoadError
-from inference_service.models import loader
+from inference_service.models import demo, loader
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.sample.grammar import GrammarCompiler
@@ -28,6 +28,7 @@ from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 from inference_service.worker.quant import schemes
 from inference_service.worker.quant.at_load import quantize_at_load, weights_nbytes
+from inference_service.worker.quant.install import install_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +106,16 @@ def load(config: EngineConfig) -> LoadedModel:
     else:
         model = loader.load_model(resolved.path, **options)
         num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
+        if scheme == schemes.GGUF:
+            num_quantized = install_gguf(model, _gguf_file(config, resolved))
     tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
     probe_model(model, device)
     return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized)
+
+
+def _gguf_file(config: EngineConfig, resolved: loader.ResolvedModel):
+    """The GGUF file a converted folder came from (the demo's is kept in its cache)."""
+    return demo.ensure_demo_gguf() if resolved.source == "demo" else config.model.model_id
 
 
 def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype,
