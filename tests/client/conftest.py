@@ -22,3 +22,11 @@ def busy_server(tiny_model_dir) -> Iterator[ServerThread]:
     thread = ServerThread(engine_config(tiny_model_dir, max_concurrent_requests=1)).start()
     yield thread
     thread.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_server(tiny_chat_engine_config) -> Iterator[ServerThread]:
+    """The tiny model with a ChatML template, for the OpenAI-style calls."""
+    thread = ServerThread(tiny_chat_engine_config).start()
+    yield thread
+    thread.stop()

@@ -7,9 +7,12 @@
     for response in client.generate_stream("Why is the sky blue?"):
         print(response.token.text, end="")
 
+    reply = client.chat([{"role": "user", "content": "Why is the sky blue?"}], max_tokens=40)
+    print(reply.choices[0].message.content)
+
 `AsyncClient` has the same methods for asyncio. Responses are the dataclasses of
-`textgen_client.types`; failures raise the `TextGenerationError` subclasses of
-`textgen_client.errors`.
+`textgen_client.types` (OpenAI-style calls: `textgen_client.openai_types`); failures raise the
+`TextGenerationError` subclasses of `textgen_client.errors`.
 """
 
 from textgen_client._async_client import DEFAULT_TARGET, AsyncClient
@@ -22,6 +25,7 @@ from textgen_client.errors import (
     DeadlineExceededError,
     GenerationError,
     IncompleteGenerationError,
+    NotFoundError,
     OverloadedError,
     TextGenerationError,
     UnavailableError,
@@ -29,6 +33,7 @@ from textgen_client.errors import (
     UnknownError,
     ValidationError,
 )
+from textgen_client.openai_types import ChatCompletion, ChatCompletionChunk, Completion
 from textgen_client.types import (
     BestOfSequence,
     Details,
@@ -51,7 +56,10 @@ __all__ = [
     "AuthenticationError",
     "BestOfSequence",
     "CancelledError",
+    "ChatCompletion",
+    "ChatCompletionChunk",
     "Client",
+    "Completion",
     "DeadlineExceededError",
     "Details",
     "EngineStats",
@@ -61,6 +69,7 @@ __all__ = [
     "IncompleteGenerationError",
     "InfoResponse",
     "InputToken",
+    "NotFoundError",
     "OverloadedError",
     "PrefillToken",
     "Response",

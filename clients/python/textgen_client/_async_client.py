@@ -10,6 +10,7 @@ import grpc
 from google.api import httpbody_pb2
 
 from textgen_client import _channel, _convert
+from textgen_client._openai_methods import OpenAIMethods
 from textgen_client._proto.textgen.v1 import generate_pb2 as pb
 from textgen_client._retry import NO_RETRY, RetryPolicy, is_retryable
 from textgen_client._tracing import trace_metadata
@@ -55,9 +56,36 @@ class _Methods:
         self.health = channel.unary_unary(
             _SERVICE + "Health", request_serializer=pb.HealthRequest.SerializeToString,
             response_deserializer=httpbody_pb2.HttpBody.FromString)
+        self.chat = channel.unary_unary(
+            _SERVICE + "ChatCompletion", request_serializer=pb.ChatCompletionRequest.SerializeToString,
+            response_deserializer=pb.ChatCompletionResponse.FromString)
+        self.chat_stream = channel.unary_stream(
+            _SERVICE + "ChatCompletionStream", request_serializer=pb.ChatCompletionRequest.SerializeToString,
+            response_deserializer=pb.ChatCompletionChunk.FromString)
+        self.complete = channel.unary_unary(
+            _SERVICE + "Completion", request_serializer=pb.CompletionRequest.SerializeToString,
+            response_deserializer=pb.CompletionResponse.FromString)
+        self.complete_stream = channel.unary_stream(
+            _SERVICE + "CompletionStream", request_serializer=pb.CompletionRequest.SerializeToString,
+            response_deserializer=pb.CompletionResponse.FromString)
 
 
-class AsyncClient:
+class _StreamEnd:
+    """Converts a stream's messages (an in-band error raises) and knows when the stream is whole:
+    for `GenerateStream`, once a message carries `generated_text`."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def convert(self, message: Any) -> Any:
+        if message.HasField("error"):
+            raise from_kind(message.error_type, message.error)
+        response = _convert.stream_response(message)
+        self.finished = response.generated_text is not None
+        return response
+
+
+class AsyncClient(OpenAIMethods):
     """asyncio client of a textgen server: `await client.generate(...)`,
     `async for response in client.generate_stream(...)`.
 
@@ -211,31 +239,8 @@ class AsyncClient:
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "truncate": truncate,
             "typical_p": typical_p, "watermark": watermark, "details": details,
             "top_n_tokens": top_n_tokens, "grammar": grammar, "adapter_id": adapter_id})
-        deadline = self._deadline(timeout)
-        retry = 0
-        while True:
-            call = self._bind().generate_stream(
-                request, timeout=self._remaining(deadline), metadata=self._call_metadata(metadata))
-            received_any = finished = False
-            try:
-                async for message in call:
-                    received_any = True
-                    if message.HasField("error"):
-                        raise from_kind(message.error_type, message.error)
-                    response = _convert.stream_response(message)
-                    finished = response.generated_text is not None
-                    yield response
-                if not finished:
-                    raise IncompleteGenerationError("Incomplete generation stream", "incomplete_generation")
-                return
-            except grpc.RpcError as rpc_error:
-                error = from_rpc_error(rpc_error)
-            finally:
-                call.cancel()  # no-op once finished; stops the server's work when we leave early
-            if not is_retryable(error, received_any):
-                raise error
-            await self._backoff(error, retry, deadline)
-            retry += 1
+        async for response in self._stream("generate_stream", request, timeout, metadata, _StreamEnd()):
+            yield response
 
     async def tokenize(self, prompt: str, *, timeout: float | None = None,
                        metadata: Metadata | None = None) -> list[SimpleToken]:
@@ -317,6 +322,33 @@ class AsyncClient:
             if not is_retryable(error, received_any=False):
                 raise error
             await self._backoff(error, retry, deadline, policy)
+            retry += 1
+
+    async def _stream(self, name: str, request: Any, timeout: float | None, metadata: Metadata | None,
+                      end: _StreamEnd) -> AsyncIterator[Any]:
+        """The converted messages of a streaming call; retried only before its first message."""
+        deadline = self._deadline(timeout)
+        retry = 0
+        while True:
+            call = getattr(self._bind(), name)(request, timeout=self._remaining(deadline),
+                                               metadata=self._call_metadata(metadata))
+            received_any = False
+            try:
+                async for message in call:
+                    received_any = True
+                    converted = end.convert(message)
+                    if converted is not None:
+                        yield converted
+                if not end.finished:
+                    raise IncompleteGenerationError("Incomplete generation stream", "incomplete_generation")
+                return
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+            finally:
+                call.cancel()  # no-op once finished; stops the server's work when we leave early
+            if not is_retryable(error, received_any):
+                raise error
+            await self._backoff(error, retry, deadline)
             retry += 1
 
     async def _backoff(self, error: TextGenerationError, retry: int, deadline: float | None,

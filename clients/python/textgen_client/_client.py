@@ -212,6 +212,10 @@ class Client:
     tokenize = _blocking(AsyncClient.tokenize)
     info = _blocking(AsyncClient.info)
     health = _blocking(AsyncClient.health)
+    chat = _blocking(AsyncClient.chat)
+    chat_stream = _blocking_stream(AsyncClient.chat_stream)
+    complete = _blocking(AsyncClient.complete)
+    complete_stream = _blocking_stream(AsyncClient.complete_stream)
 
     @property
     def target(self) -> str:

@@ -70,12 +70,19 @@ class UnimplementedError(TextGenerationError):
     """The server does not have this method (an older server, or not a textgen server)."""
 
 
+class NotFoundError(TextGenerationError):
+    """The thing asked for does not exist on the server (e.g. a model id it does not serve)."""
+
+
 class UnknownError(TextGenerationError):
     """Any other failure, including an unexpected error inside the server."""
 
 
 _BY_KIND: dict[str, type[TextGenerationError]] = {
     "validation": ValidationError,
+    "template_error": ValidationError,  # the chat template refused the messages
+    "tool_error": ValidationError,  # the tools or tool_choice are invalid
+    "not_found": NotFoundError,
     "overloaded": OverloadedError,
     "generation": GenerationError,
     "incomplete_generation": IncompleteGenerationError,
@@ -98,6 +105,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TextGenerationError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
 }
 
 

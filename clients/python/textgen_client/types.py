@@ -28,7 +28,7 @@ class FinishReason(StrEnum):
 class Grammar:
     """A guided-generation grammar, as the `text-generation` client takes it.
 
-    Sent as is; this server answers a request with a grammar with a `ValidationError`.
+    Sent as is; the server constrains generation to it (an invalid one is a `ValidationError`).
     """
 
     type: str
