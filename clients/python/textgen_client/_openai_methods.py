@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from textgen_client._async_client import Metadata
 
 
+def _stream_request(message_type: type, body: dict[str, Any], parameters: dict[str, Any],
+                    include_usage: bool) -> Any:
+    body = {**body, **(parameters.pop("extra", None) or {}), **parameters}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return _openai_convert.build(message_type, body)
+
+
 class _ChoicesEnd:
     """An OpenAI stream is whole once every choice it started has a finish reason; an in-band
     error chunk (sent to REST gateways) raises the error it carries."""
@@ -90,10 +98,7 @@ class OpenAIMethods:
         Raises:
             the errors of `chat`; `IncompleteGenerationError` if the stream ended early.
         """
-        body = {"messages": messages, **(parameters.pop("extra", None) or {}), **parameters}
-        if include_usage:
-            body["stream_options"] = {"include_usage": True}
-        request = _openai_convert.build(pb.ChatCompletionRequest, body)
+        request = _stream_request(pb.ChatCompletionRequest, {"messages": messages}, parameters, include_usage)
         end = _ChoicesEnd(_openai_convert.chat_chunk)
         async for chunk in self._stream("chat_stream", request, timeout, metadata, end):  # type: ignore[attr-defined]
             yield chunk
@@ -126,10 +131,7 @@ class OpenAIMethods:
         Raises:
             the errors of `complete`; `IncompleteGenerationError` if the stream ended early.
         """
-        body = {"prompt": prompt, **(parameters.pop("extra", None) or {}), **parameters}
-        if include_usage:
-            body["stream_options"] = {"include_usage": True}
-        request = _openai_convert.build(pb.CompletionRequest, body)
+        request = _stream_request(pb.CompletionRequest, {"prompt": prompt}, parameters, include_usage)
         end = _ChoicesEnd(_openai_convert.completion)
         async for event in self._stream("complete_stream", request, timeout, metadata, end):  # type: ignore[attr-defined]
             yield event
