@@ -207,7 +207,10 @@ def test_malformed_requests_get_json_errors(gateway, validate, args, status, err
 
 
 def test_unknown_routes_are_json_404(gateway, validate):
-    for path in ("/nope", "/v1/chat/completions/x", "/generate/extra"):
+    for path in ("/nope", "/generate/extra"):
         status, _, body = status_and_body(gateway.curl(path, "-i"))
         validate(json.loads(body), "ErrorResponse")
         assert status == 404, path
+    # Under OpenAI's /v1 the 404 is OpenAI's error object, what its SDK reads.
+    status, _, body = status_and_body(gateway.curl("/v1/chat/completions/x", "-i"))
+    assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
