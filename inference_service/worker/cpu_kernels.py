@@ -42,7 +42,7 @@ MAX_GROUPS = 8  # query heads per KV head that the attention kernel is instantia
 MAX_LINEAR_ROWS = 32
 # Up to this many rows the packed-weight kernel beats dequantizing to fp32 + torch's GEMM
 # (benchmarks/quant_kernels.py); above it QuantLinear dequantizes and uses torch's GEMM.
-MAX_QUANT_ROWS = 64
+MAX_QUANT_ROWS = 48
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -129,12 +129,25 @@ class QuantLinearKernel:
         self._supported = library.quant_linear_supported
         self._supported.restype = ctypes.c_int
         self._supported.argtypes = [_I64] * 3
+        self._dequantize = library.quant_dequantize_f32
+        self._dequantize.restype = ctypes.c_int
+        self._dequantize.argtypes = [_POINTER] * 4 + [_I64] * 4
 
     def supports(self, packed: PackedWeight) -> bool:
         """Whether the kernel reads this weight (group sizes a multiple of 8, or one group over K)."""
         return (packed.codes.device.type == "cpu" and all(t.is_contiguous() for t in
                                                              (packed.codes, packed.scales, packed.offsets))
                 and bool(self._supported(packed.bits, packed.group_size, packed.in_features)))
+
+    def dequantize(self, packed: PackedWeight) -> torch.Tensor:
+        """fp32 [N, K], as packed.dequantize() computes it, in one pass (any group size)."""
+        out = torch.empty(packed.out_features, packed.in_features)
+        status = self._dequantize(packed.codes.data_ptr(), packed.scales.data_ptr(), packed.offsets.data_ptr(),
+                                  out.data_ptr(), packed.out_features, packed.in_features, packed.bits,
+                                  packed.group_size)
+        if status != 0:
+            raise RuntimeError(f"dequantize kernel refused {packed.bits}-bit codes")
+        return out
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x fp32 [..., K]; bias fp32 [N] contiguous or None."""

@@ -22,6 +22,10 @@
 
 #include "vec8.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
@@ -30,10 +34,16 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 constexpr int64_t kRowsPerTask = 64;               // W rows per scheduling unit
 constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
 
-inline i32x8 widen(const uint8_t* p) {  // 8 bytes → 8 int32 (vpmovzxbd)
+// 8 bytes → 8 int32. GCC scalarizes __builtin_convertvector from bytes (eight inserts: 3x slower
+// overall), so on x86 it is the one vpmovzxbd it should be.
+inline i32x8 widen(const uint8_t* p) {
+#if defined(__AVX2__)
+    return reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
     u8x8 b;
     std::memcpy(&b, p, 8);
     return __builtin_convertvector(b, i32x8);
+#endif
 }
 
 inline v8 to_f32(i32x8 v) { return __builtin_convertvector(v, v8); }
@@ -191,5 +201,36 @@ extern "C" int quant_linear_f32(const float* x, const uint8_t* codes, const floa
     if (bits == 8) run<8, 8>(a, m);
     else if (ch == 16) run<4, 16>(a, m);
     else run<4, 8>(a, m);
+    return 0;
+}
+
+// w [n, k] fp32 = dequant(codes, scales, offsets): what QuantLinear multiplies by torch's GEMM for
+// many rows of x (prefill), a slice of output rows at a time. Same math as PackedWeight.dequantize
+// (code * scale + offset), at memory speed instead of torch's several passes over [N, K] temporaries.
+extern "C" int quant_dequantize_f32(const uint8_t* codes, const float* scales, const float* offsets, float* w,
+                                    int64_t n, int64_t k, int64_t bits, int64_t group_size) {
+    if ((bits != 4 && bits != 8) || group_size < 1 || k < 1) return 1;
+    const int64_t groups = (k + group_size - 1) / group_size, row_bytes = bits == 8 ? k : (k + 1) / 2;
+#pragma omp parallel for schedule(static) if (n * k >= kMinParallelElements)
+    for (int64_t r = 0; r < n; ++r) {
+        const uint8_t* c = codes + r * row_bytes;
+        float* out = w + r * k;
+        for (int64_t g = 0; g < groups; ++g) {
+            const float s = scales[r * groups + g], o = offsets[r * groups + g];
+            const int64_t k0 = g * group_size, k1 = std::min(k, k0 + group_size);
+            if (bits == 8) {
+                for (int64_t i = k0; i < k1; ++i) out[i] = static_cast<float>(c[i]) * s + o;
+            } else {
+                int64_t i = k0;
+                if (i % 2 && i < k1) { out[i] = static_cast<float>(c[i / 2] >> 4) * s + o; ++i; }
+                for (; i + 1 < k1; i += 2) {  // one byte: two codes
+                    const uint8_t b = c[i / 2];
+                    out[i] = static_cast<float>(b & 15) * s + o;
+                    out[i + 1] = static_cast<float>(b >> 4) * s + o;
+                }
+                if (i < k1) out[i] = static_cast<float>(c[i / 2] & 15) * s + o;
+            }
+        }
+    }
     return 0;
 }

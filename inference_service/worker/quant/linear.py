@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from inference_service.worker import cpu_kernels
 from inference_service.worker.quant.packed import PackedWeight
 
-DEQUANT_SLICE_ELEMENTS = 1 << 21  # fp32 weight elements dequantized at once by the torch path (8 MiB)
+DEQUANT_SLICE_ELEMENTS = 1 << 18  # fp32 weight elements dequantized at once (1 MiB: stays in L2)
 _UNRESOLVED = object()
 
 
@@ -61,32 +61,40 @@ class QuantLinear(torch.nn.Module):
         if self.input_perm is not None:
             x = x[..., self.input_perm]
         packed = self.packed
-        kernel = self._native_kernel(packed)
-        if (kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        kernel, fits = self._native_kernel(packed)
+        if (fits and x.dtype == torch.float32 and x.device.type == "cpu"
                 and x.numel() <= cpu_kernels.MAX_QUANT_ROWS * self.in_features
                 and not (x.requires_grad and torch.is_grad_enabled())):
             return kernel(x, packed, self.bias)
-        return dequantized_linear(x, packed, self.bias)
+        return dequantized_linear(x, packed, self.bias, kernel)
 
-    def _native_kernel(self, packed: PackedWeight) -> cpu_kernels.QuantLinearKernel | None:
+    def _native_kernel(self, packed: PackedWeight) -> tuple[cpu_kernels.QuantLinearKernel | None, bool]:
+        """The native library (None: torch only) and whether its matmul takes this weight and bias."""
         if self._kernel is _UNRESOLVED:
             kernel = cpu_kernels.quant_kernel_for(packed.codes.device, packed.scales.dtype)
+            if kernel is not None and not all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets)):
+                kernel = None
             bias_ok = self.bias is None or self.bias.dtype == torch.float32
-            self._kernel = kernel if kernel is not None and bias_ok and kernel.supports(packed) else None
+            self._kernel = kernel, kernel is not None and bias_ok and kernel.supports(packed)
         return self._kernel
 
 
-def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch path: dequantize slices of output rows to x's dtype and multiply; x [..., K] → [..., N]."""
+def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
+                       kernel: cpu_kernels.QuantLinearKernel | None = None) -> torch.Tensor:
+    """Dequantize slices of output rows to x's dtype and multiply by torch's GEMM; x [..., K] → [..., N].
+
+    With `kernel`, the slices are dequantized natively (one pass); else by PackedWeight.dequantize.
+    """
     n, k = packed.out_features, packed.in_features
     step = max(1, DEQUANT_SLICE_ELEMENTS // max(k, 1))
-    if step >= n:
-        return F.linear(x, packed.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
-    out = x.new_empty(*x.shape[:-1], n)
+    out = x.new_empty(*x.shape[:-1], n) if step < n else None
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        part = PackedWeight(packed.bits, packed.codes[n0:n1], packed.scales[n0:n1], packed.offsets[n0:n1],
-                            packed.group_size, k)
-        out[..., n0:n1] = F.linear(x, part.dequantize().to(x.dtype),
-                                   None if bias is None else bias[n0:n1].to(x.dtype))
-    return out
+        part = packed if out is None else PackedWeight(packed.bits, packed.codes[n0:n1], packed.scales[n0:n1],
+                                                       packed.offsets[n0:n1], packed.group_size, k)
+        weight = (kernel.dequantize(part) if kernel is not None else part.dequantize()).to(x.dtype)  # [n1-n0, K]
+        part_bias = None if bias is None else bias[n0:n1].to(x.dtype)
+        if out is None:
+            return F.linear(x, weight, part_bias)
+        out[..., n0:n1] = F.linear(x, weight, part_bias)
+    return out if out is not None else x.new_empty(*x.shape[:-1], 0)
