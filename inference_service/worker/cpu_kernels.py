@@ -1,8 +1,9 @@
 """Native CPU kernels: compiled on first use with the machine's C++ compiler, cached on disk.
 
-Two kernels, for the two places where torch's CPU path wastes memory bandwidth at decode (each
-source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`) and
-projections of a few rows (`csrc/small_batch_linear.cpp`). The shared library is plain C ABI
+Three kernels, for the places where torch's CPU path wastes memory bandwidth at decode (each
+source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`),
+projections of a few rows (`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed
+weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). The shared library is plain C ABI
 called through ctypes, so building it needs a C++ compiler and nothing of torch's build tooling:
 about two seconds. Where no compiler works, or `INFERENCE_SERVICE_CPU_KERNELS=off`, the engine
 keeps torch's paths, which compute the same thing more slowly.

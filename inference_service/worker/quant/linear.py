@@ -52,6 +52,15 @@ class QuantLinear(torch.nn.Module):
             self._kernel = _UNRESOLVED
         return view
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` moves but does not round scales and offsets: PackedWeight keeps them fp32."""
+        kept = {name: getattr(self, name) for name in ("scales", "offsets")}
+        super()._apply(fn, recurse)
+        for name, original in kept.items():
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, original.to(getattr(self, name).device))
+        return self
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, "
