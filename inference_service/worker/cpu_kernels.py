@@ -41,8 +41,9 @@ MAX_GROUPS = 8  # query heads per KV head that the attention kernel is instantia
 # Up to this many rows the linear kernel beats torch's fp32 GEMM here (measured: 1.9x at 1 row,
 # 2.2x at 8, 1.15x at 32, 1.1x at 48, 0.85x at 64); above it torch's GEMM is used.
 MAX_LINEAR_ROWS = 32
-# Up to this many rows the packed-weight kernel beats dequantizing to fp32 + torch's GEMM
-# (benchmarks/quant_kernels.py); above it QuantLinear dequantizes and uses torch's GEMM.
+# Up to this many rows QuantLinear uses the packed-weight kernel, above it (prefill) native dequantize
+# + torch's GEMM. Measured crossover (benchmarks/quant_kernels.py, 4-bit gs 32, 1 thread): M = 32 for
+# the demo model's 576-wide projections (a tie there), M = 128 for the 1536-wide ones and the head.
 MAX_QUANT_ROWS = 48
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
