@@ -1,8 +1,9 @@
 """Native CPU kernels: compiled on first use with the machine's C++ compiler, cached on disk.
 
-Two kernels, for the two places where torch's CPU path wastes memory bandwidth at decode (each
-source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`) and
-projections of a few rows (`csrc/small_batch_linear.cpp`). The shared library is plain C ABI
+Three kernels, for the places where torch's CPU path wastes memory bandwidth at decode (each
+source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`),
+projections of a few rows (`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed
+weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). The shared library is plain C ABI
 called through ctypes, so building it needs a C++ compiler and nothing of torch's build tooling:
 about two seconds. Where no compiler works, or `INFERENCE_SERVICE_CPU_KERNELS=off`, the engine
 keeps torch's paths, which compute the same thing more slowly.
@@ -24,11 +25,12 @@ from pathlib import Path
 import torch
 
 from inference_service.config import default_cache_dir
+from inference_service.worker.quant.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp", CSRC / "quant_linear.cpp")
 HEADERS = (CSRC / "vec8.h",)  # included by the sources: part of the cache key
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
@@ -39,6 +41,10 @@ MAX_GROUPS = 8  # query heads per KV head that the attention kernel is instantia
 # Up to this many rows the linear kernel beats torch's fp32 GEMM here (measured: 1.9x at 1 row,
 # 2.2x at 8, 1.15x at 32, 1.1x at 48, 0.85x at 64); above it torch's GEMM is used.
 MAX_LINEAR_ROWS = 32
+# Up to this many rows QuantLinear uses the packed-weight kernel, above it (prefill) native dequantize
+# + torch's GEMM. Measured crossover (benchmarks/quant_kernels.py, 4-bit gs 32, 1 thread): M = 32 for
+# the demo model's 576-wide projections (a tie there), M = 128 for the 1536-wide ones and the head.
+MAX_QUANT_ROWS = 48
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -115,6 +121,53 @@ class SmallBatchLinear:
         return out
 
 
+class QuantLinearKernel:
+    """x [..., K] · dequant(packed)ᵀ (+ bias) → [..., N] straight from 4- or 8-bit packed codes."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.quant_linear_f32
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_POINTER] * 6 + [_I64] * 5
+        self._supported = library.quant_linear_supported
+        self._supported.restype = ctypes.c_int
+        self._supported.argtypes = [_I64] * 3
+        self._dequantize = library.quant_dequantize_f32
+        self._dequantize.restype = ctypes.c_int
+        self._dequantize.argtypes = [_POINTER] * 4 + [_I64] * 4
+
+    def supports(self, packed: PackedWeight) -> bool:
+        """Whether the kernel reads this weight (group sizes a multiple of 8, or one group over K)."""
+        return (packed.codes.device.type == "cpu" and all(t.is_contiguous() for t in
+                                                             (packed.codes, packed.scales, packed.offsets))
+                and bool(self._supported(packed.bits, packed.group_size, packed.in_features)))
+
+    def dequantize(self, packed: PackedWeight) -> torch.Tensor:
+        """fp32 [N, K], as packed.dequantize() computes it, in one pass (any group size)."""
+        out = torch.empty(packed.out_features, packed.in_features)
+        status = self._dequantize(packed.codes.data_ptr(), packed.scales.data_ptr(), packed.offsets.data_ptr(),
+                                  out.data_ptr(), packed.out_features, packed.in_features, packed.bits,
+                                  packed.group_size)
+        if status != 0:
+            raise RuntimeError(f"dequantize kernel refused {packed.bits}-bit codes")
+        return out
+
+    def __call__(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x fp32 [..., K]; bias fp32 [N] contiguous or None."""
+        k, n = packed.in_features, packed.out_features
+        x = x.contiguous()
+        rows = x.numel() // k
+        out = x.new_empty(*x.shape[:-1], n)
+        if rows == 0:
+            return out
+        status = self._fn(x.data_ptr(), packed.codes.data_ptr(), packed.scales.data_ptr(),
+                          packed.offsets.data_ptr(), bias.data_ptr() if bias is not None else None,
+                          out.data_ptr(), rows, n, k, packed.bits, packed.group_size)
+        if status != 0:
+            raise RuntimeError(f"quantized linear kernel refused {packed.bits}-bit codes in groups of "
+                               f"{packed.group_size} over {k} features")
+        return out
+
+
 def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel | None:
     """The native decode attention where it applies (fp32 on CPU) and builds; None: the torch path."""
     library = _library_for(device, dtype)
@@ -125,6 +178,17 @@ def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> SmallBatchLin
     """The native few-row linear where it applies (fp32 on CPU) and builds; None: torch's GEMM."""
     library = _library_for(device, dtype)
     return SmallBatchLinear(library) if library is not None else None
+
+
+def quant_kernel_for(device: torch.device, dtype: torch.dtype) -> QuantLinearKernel | None:
+    """The native packed-weight linear where it applies (fp32 on CPU) and builds; None: dequantize."""
+    library = _library_for(device, dtype)
+    return QuantLinearKernel(library) if library is not None else None
+
+
+def load_quant_linear() -> QuantLinearKernel | None:
+    library = load_library()
+    return QuantLinearKernel(library) if library is not None else None
 
 
 def load_paged_decode() -> PagedDecodeKernel | None:

@@ -76,3 +76,11 @@ def test_tiny_model_builds_and_loads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.vocab_size == len(tokenizer)
     assert tokenizer.decode(tokenizer.encode("the café 😀")) == "the café 😀"
+
+
+def test_quant_kernels_quick(tmp_path):
+    run_script("quant_kernels.py", "--quick", "--out", str(tmp_path))
+    assert "4-bit gs=32 ms" in (tmp_path / "quant_kernels.md").read_text()
+    results = json.loads((tmp_path / "quant_kernels.json").read_text())["results"]
+    assert [r["rows"] for r in results] == [1, 4, 32] * 2
+    assert all(ms > 0 for r in results for ms in r["ms"].values())

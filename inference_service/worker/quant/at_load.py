@@ -93,15 +93,11 @@ def _bnb_4bit(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
 
 
 def weights_nbytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (packed weights included), each tensor once."""
+    """Bytes of the model's parameters and buffers (QuantLinear's packed codes included), each tensor once."""
     seen: set[int] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if packed is not None and not any(True for _ in module.buffers(recurse=False)):
-            total += packed.nbytes  # a packed weight not registered as buffers
     return total

@@ -1,28 +1,109 @@
-"""Placeholder until the native kernel lands: a linear over a PackedWeight, by dequantizing."""
+"""`QuantLinear`: a linear layer over a PackedWeight, computed from the packed codes.
+
+The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
+engine's memory accounting see them; `.packed` is a PackedWeight view of them. Up to
+MAX_QUANT_ROWS rows of fp32 input on CPU (decode steps) go to the native kernel, which reads the
+codes directly; more rows (prefill), other dtypes or devices, or no native library: the weight is
+dequantized to x's dtype in slices of output rows and multiplied by torch's GEMM, which at many
+rows is faster than the kernel and keeps the temporary fp32 weight small.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from inference_service.worker import cpu_kernels
 from inference_service.worker.quant.packed import PackedWeight
+
+DEQUANT_SLICE_ELEMENTS = 1 << 18  # fp32 weight elements dequantized at once (1 MiB: stays in L2)
+_UNRESOLVED = object()
 
 
 class QuantLinear(torch.nn.Module):
+    """y = x[..., input_perm] · dequant(packed)ᵀ + bias, for x [..., K] → y [..., N]."""
+
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
                  input_perm: torch.Tensor | None = None):
         super().__init__()
-        self.packed = packed
-        self.register_buffer("input_perm", input_perm)
+        self.bits, self.group_size = packed.bits, packed.group_size
         self.in_features, self.out_features = packed.in_features, packed.out_features
-        self.register_buffer("bias", bias)
+        self.register_buffer("codes", packed.codes.contiguous())  # uint8 [N, K] or [N, ceil(K / 2)]
+        self.register_buffer("scales", packed.scales.contiguous())  # fp32 [N, G]
+        self.register_buffer("offsets", packed.offsets.contiguous())  # fp32 [N, G]
+        self.register_buffer("bias", None if bias is None else bias.contiguous())  # [N]
+        self.register_buffer("input_perm", input_perm)  # int64 [K]: GPTQ's act-order
+        self._view: PackedWeight | None = None
+        self._kernel = _UNRESOLVED  # resolved on first use, again after the buffers move
 
     @classmethod
     def from_packed(cls, packed: PackedWeight, bias: torch.Tensor | None = None,
                     input_perm: torch.Tensor | None = None) -> QuantLinear:
         return cls(packed, bias, input_perm)
 
+    @property
+    def packed(self) -> PackedWeight:
+        """The buffers as a PackedWeight (no copy); rebuilt when `.to()` has replaced them."""
+        view = self._view
+        if view is None or view.codes is not self.codes or view.scales is not self.scales \
+                or view.offsets is not self.offsets:
+            view = self._view = PackedWeight(self.bits, self.codes, self.scales, self.offsets, self.group_size,
+                                             self.in_features)
+            self._kernel = _UNRESOLVED
+        return view
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` moves but does not round scales and offsets: PackedWeight keeps them fp32."""
+        kept = {name: getattr(self, name) for name in ("scales", "offsets")}
+        super()._apply(fn, recurse)
+        for name, original in kept.items():
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, original.to(getattr(self, name).device))
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}, "
+                f"input_perm={self.input_perm is not None}")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x[..., self.input_perm]
-        return F.linear(x, self.packed.dequantize().to(x.dtype), self.bias)
+        packed = self.packed
+        kernel, fits = self._native_kernel(packed)
+        if (fits and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.numel() <= cpu_kernels.MAX_QUANT_ROWS * self.in_features
+                and not (x.requires_grad and torch.is_grad_enabled())):
+            return kernel(x, packed, self.bias)
+        return dequantized_linear(x, packed, self.bias, kernel)
+
+    def _native_kernel(self, packed: PackedWeight) -> tuple[cpu_kernels.QuantLinearKernel | None, bool]:
+        """The native library (None: torch only) and whether its matmul takes this weight and bias."""
+        if self._kernel is _UNRESOLVED:
+            kernel = cpu_kernels.quant_kernel_for(packed.codes.device, packed.scales.dtype)
+            if kernel is not None and not all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets)):
+                kernel = None
+            bias_ok = self.bias is None or self.bias.dtype == torch.float32
+            self._kernel = kernel, kernel is not None and bias_ok and kernel.supports(packed)
+        return self._kernel
+
+
+def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
+                       kernel: cpu_kernels.QuantLinearKernel | None = None) -> torch.Tensor:
+    """Dequantize slices of output rows to x's dtype and multiply by torch's GEMM; x [..., K] → [..., N].
+
+    With `kernel`, the slices are dequantized natively (one pass); else by PackedWeight.dequantize.
+    """
+    n, k = packed.out_features, packed.in_features
+    step = max(1, DEQUANT_SLICE_ELEMENTS // max(k, 1))
+    out = x.new_empty(*x.shape[:-1], n) if step < n else None
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        part = packed if out is None else PackedWeight(packed.bits, packed.codes[n0:n1], packed.scales[n0:n1],
+                                                       packed.offsets[n0:n1], packed.group_size, k)
+        weight = (kernel.dequantize(part) if kernel is not None else part.dequantize()).to(x.dtype)  # [n1-n0, K]
+        part_bias = None if bias is None else bias[n0:n1].to(x.dtype)
+        if out is None:
+            return F.linear(x, weight, part_bias)
+        out[..., n0:n1] = F.linear(x, weight, part_bias)
+    return out if out is not None else x.new_empty(*x.shape[:-1], 0)
