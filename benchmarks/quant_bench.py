@@ -47,7 +47,7 @@ def model_id_for(scheme: str, args: argparse.Namespace) -> str:
     source = resolve_model(ModelConfig(model_id=args.model_id)).path
     target = Path(default_cache_dir()) / "quant-checkpoints" / f"{source.name}-{scheme}"
     if not (target / "config.json").exists():
-        write_checkpoint(source, target, scheme, bits=4, group_size=128)
+        write_checkpoint(source, target, format=scheme, bits=4, group_size=128)
     return str(target)
 
 
@@ -122,7 +122,8 @@ def ctranslate2_int8(args: argparse.Namespace, text_ids: list[int], tokenizer) -
         ctranslate2.converters.TransformersConverter(str(source)).convert(str(target), quantization="int8_float32",
                                                                          force=True)
     tokens = tokenizer.convert_ids_to_tokens(text_ids[:32])
-    generator = ctranslate2.Generator(str(target), device="cpu", compute_type="int8_float32", intra_threads=2)
+    generator = ctranslate2.Generator(str(target), device="cpu", compute_type="int8_float32",
+                                      intra_threads=args.num_threads)
     times = []
     last = time.perf_counter()
     for _ in generator.generate_tokens(tokens, max_length=args.decode_tokens, sampling_topk=1, end_token=[]):
@@ -132,7 +133,7 @@ def ctranslate2_int8(args: argparse.Namespace, text_ids: list[int], tokenizer) -
     workload = common.make_workload(args.batch, (16, 256), (args.batch_tokens,) * 2, tokenizer.vocab_size, seed=1)
     batch = [tokenizer.convert_ids_to_tokens(p) for p in workload.prompts]
     best = 0.0
-    for inter, intra in ((1, 2), (2, 1)):
+    for inter, intra in sorted({(1, args.num_threads), (args.num_threads, 1)}):
         generator = ctranslate2.Generator(str(target), device="cpu", compute_type="int8_float32",
                                           inter_threads=inter, intra_threads=intra)
         started = time.perf_counter()
@@ -172,7 +173,7 @@ def report(results: list[dict], peer: dict | None, args: argparse.Namespace) -> 
                      common.ratio(peer["throughput_tok_s"], reference["throughput_tok_s"]), "", "", ""])
     table = common.markdown_table(["scheme", "decode ms/token (p50)", "÷ CTranslate2 int8", "batch tok/s",
                                    "÷ fp32", "weights MiB", "perplexity", "greedy = fp32"], rows)
-    return (f"#### Quantization: {args.model_id}, 2 threads\n\n"
+    return (f"#### Quantization: {args.model_id}, {args.num_threads} threads\n\n"
             f"Decode: one stream, 32-token prompt, {args.decode_tokens} tokens. Batch: {args.batch} requests "
             f"(prompts 16–256 tokens, {args.batch_tokens} new tokens each) at once. Perplexity: the first "
             f"{args.ppl_tokens} tokens of `tests/data/alice_chapter1.txt`. Greedy = fp32: share of "
@@ -190,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: all (quick: those the tiny model, not a GGUF, can take)")
     parser.add_argument("--no-ctranslate2", action="store_true",
                         help="skip the CTranslate2 peer (quick runs always do: the tiny model does not convert)")
+    parser.add_argument("--num-threads", type=int, default=2, help="torch and CTranslate2 threads (default: 2)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     if args.model_id is None:
@@ -206,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.num_threads)
     args.model_id = tiny_model.resolve(args.model_id)
     out = common.output_dir(args.out, args.quick)
     from inference_service.config import ModelConfig

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 # The tensor that marks a linear as stored quantized, per format.
 QUANTIZED_MARKERS = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
-Converter = Callable[[dict[str, torch.Tensor]], "tuple[PackedWeight, torch.Tensor | None]"]
+# (module name, its checkpoint tensors by local name) → (packed weight, input permutation or None).
+Converter = Callable[[str, dict[str, torch.Tensor]], "tuple[PackedWeight, torch.Tensor | None]"]
 
 
 def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch.dtype, device: torch.device,
@@ -48,8 +49,8 @@ def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch
             continue
         own = {key[len(name) + 1:]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
         try:
-            packed, perm = convert(own)
-        except (ValueError, KeyError) as error:
+            packed, perm = convert(name, own)
+        except (ValueError, KeyError, ModelLoadError) as error:
             raise ModelLoadError(f"could not read the {scheme} weights of {name}: {error}") from None
         bias = own.get("bias")
         replace_module(model, name, QuantLinear.from_packed(packed, None if bias is None else bias.float(),
@@ -63,26 +64,43 @@ def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch
 
 def converter(scheme: str, quantization_config: dict[str, Any]) -> Converter:
     """A function from one linear's checkpoint tensors to its packed weight and input permutation."""
-    if scheme == "gptq":
-        from inference_service.worker.quant.gptq import packed_from_gptq
+    if scheme in ("gptq", "awq"):
+        from inference_service.worker.quant.gptq import packed_from_awq, packed_from_gptq
 
         bits, group_size = int(quantization_config.get("bits", 4)), int(quantization_config.get("group_size", 128))
+        if scheme == "awq":
+            version = str(quantization_config.get("version", "gemm")).lower()
+            return lambda _name, t: (packed_from_awq(t["qweight"], t["qzeros"], t["scales"], bits=bits,
+                                                     group_size=group_size, version=version), None)
         sym = bool(quantization_config.get("sym", True))
         checkpoint_format = str(quantization_config.get("checkpoint_format", "gptq"))
-        return lambda t: packed_from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), bits=bits,
-                                          group_size=group_size, sym=sym, checkpoint_format=checkpoint_format)
-    if scheme == "awq":
-        from inference_service.worker.quant.gptq import packed_from_awq
+        return lambda _name, t: packed_from_gptq(t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"),
+                                                 bits=bits, group_size=group_size, sym=sym,
+                                                 checkpoint_format=checkpoint_format)
+    from inference_service.worker.quant.compressed_tensors import (
+        packed_from_compressed_tensors,
+        scheme_for_module,
+        validate_compressed_tensors_config,
+    )
 
-        bits, group_size = int(quantization_config.get("bits", 4)), int(quantization_config.get("group_size", 128))
-        if str(quantization_config.get("version", "gemm")).lower() != "gemm":
-            raise ModelLoadError(f"AWQ version {quantization_config.get('version')!r} is not supported; "
-                                 "re-export the checkpoint with version 'gemm'")
-        return lambda t: (packed_from_awq(t["qweight"], t["qzeros"], t["scales"], bits=bits,
-                                          group_size=group_size), None)
-    from inference_service.worker.quant.compressed_tensors import packed_from_compressed_tensors
+    # W8A8 checkpoints also quantize activations, which needs a GPU kernel: here their weights are
+    # served with full-precision activations (the log says so).
+    validate_compressed_tensors_config(quantization_config, weights_only=True)
 
-    return lambda t: (packed_from_compressed_tensors(t, quantization_config), None)
+    warned: list[str] = []
+
+    def convert(name: str, tensors: dict[str, torch.Tensor]) -> tuple[PackedWeight, None]:
+        module_scheme = scheme_for_module(quantization_config, name)
+        if module_scheme is None:
+            raise ValueError("the checkpoint stores it packed, but no config group targets it")
+        if not warned and isinstance(module_scheme, dict) and module_scheme.get("input_activations"):
+            warned.append(name)
+            logger.warning("the checkpoint quantizes activations too (e.g. %s): served with full-precision "
+                           "activations", name)
+        return packed_from_compressed_tensors(tensors, module_scheme, format=quantization_config.get("format"),
+                                              weights_only=True), None
+
+    return convert
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
