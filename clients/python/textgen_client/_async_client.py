@@ -71,8 +71,8 @@ class _Methods:
 
 
 class _StreamEnd:
-    """Converts a stream's messages (an in-band error raises) and knows when the stream is whole:
-    for `GenerateStream`, once a message carries `generated_text`."""
+    """Converts a stream's messages (an in-band error raises, a heartbeat is None) and knows when
+    the stream is whole: for `GenerateStream`, once a message carries `generated_text`."""
 
     def __init__(self) -> None:
         self.finished = False
@@ -80,6 +80,8 @@ class _StreamEnd:
     def convert(self, message: Any) -> Any:
         if message.HasField("error"):
             raise from_kind(message.error_type, message.error)
+        if message.keep_alive:  # a heartbeat, sent only to callers that ask (the REST gateway)
+            return None
         response = _convert.stream_response(message)
         self.finished = response.generated_text is not None
         return response
