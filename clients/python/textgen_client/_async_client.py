@@ -56,6 +56,12 @@ class _Methods:
         self.health = channel.unary_unary(
             _SERVICE + "Health", request_serializer=pb.HealthRequest.SerializeToString,
             response_deserializer=httpbody_pb2.HttpBody.FromString)
+        self.list_models = channel.unary_unary(
+            _SERVICE + "ListModels", request_serializer=pb.ListModelsRequest.SerializeToString,
+            response_deserializer=pb.ListModelsResponse.FromString)
+        self.get_model = channel.unary_unary(
+            _SERVICE + "GetModel", request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.ModelCard.FromString)
         self.chat = channel.unary_unary(
             _SERVICE + "ChatCompletion", request_serializer=pb.ChatCompletionRequest.SerializeToString,
             response_deserializer=pb.ChatCompletionResponse.FromString)
