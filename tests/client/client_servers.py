@@ -115,8 +115,9 @@ class ServerThread:
 class ScriptedServer:
     """A grpc.aio server whose TextGeneration methods are the given async functions.
 
-    `handlers` maps a method name ("Generate", "GenerateStream", ...) to `fn(request, context)`
-    (an async generator for GenerateStream). Every call's metadata is kept in `calls`.
+    `handlers` maps a method name ("Generate", "GenerateStream", "ChatCompletionStream", ...) to
+    `fn(request, context)` (an async generator for the streaming methods). Every call's metadata
+    is kept in `calls`.
     """
 
     def __init__(self, handlers: dict[str, Callable], credentials: grpc.ServerCredentials | None = None):
@@ -127,11 +128,13 @@ class ScriptedServer:
         messages = {"Generate": (pb.GenerateRequest, pb.GenerateResponse),
                     "GenerateStream": (pb.GenerateRequest, pb.StreamResponse),
                     "Tokenize": (pb.GenerateRequest, pb.TokenizeResponse),
-                    "Info": (pb.InfoRequest, pb.InfoResponse)}
+                    "Info": (pb.InfoRequest, pb.InfoResponse),
+                    "ChatCompletionStream": (pb.ChatCompletionRequest, pb.ChatCompletionChunk),
+                    "CompletionStream": (pb.CompletionRequest, pb.CompletionResponse)}
         self._rpc_handlers = {}
         for name, fn in handlers.items():
             request_cls, response_cls = messages[name]
-            make = (grpc.unary_stream_rpc_method_handler if name == "GenerateStream"
+            make = (grpc.unary_stream_rpc_method_handler if name.endswith("Stream")
                     else grpc.unary_unary_rpc_method_handler)
             self._rpc_handlers[name] = make(self._recorded(name, fn), request_deserializer=request_cls.FromString,
                                             response_serializer=response_cls.SerializeToString)
@@ -146,7 +149,7 @@ class ScriptedServer:
         def record(context) -> None:
             self.calls.append((name, {key: value for key, value in context.invocation_metadata()}))
 
-        if name == "GenerateStream":
+        if name.endswith("Stream"):
             async def stream(request, context):
                 record(context)
                 async for response in fn(request, context):

@@ -13,6 +13,7 @@ from textgen_client import (
     DeadlineExceededError,
     GenerationError,
     IncompleteGenerationError,
+    NotFoundError,
     OverloadedError,
     TextGenerationError,
     UnavailableError,
@@ -38,6 +39,9 @@ def _trailers(code: Code, message: str, kind: str) -> tuple:
 
 @pytest.mark.parametrize(("kind", "code", "cls"), [
     ("validation", Code.INVALID_ARGUMENT, ValidationError),
+    ("template_error", Code.INVALID_ARGUMENT, ValidationError),
+    ("tool_error", Code.INVALID_ARGUMENT, ValidationError),
+    ("not_found", Code.NOT_FOUND, NotFoundError),
     ("overloaded", Code.RESOURCE_EXHAUSTED, OverloadedError),
     ("generation", Code.INTERNAL, GenerationError),
     ("cancelled", Code.CANCELLED, CancelledError),
@@ -69,6 +73,7 @@ def test_the_server_module_and_the_client_agree():
         error = from_status(code, "m", server_errors.trailing_metadata(code, "m", kind))
         assert error.error_type == kind and error.code == code
         assert type(error) is not UnknownError or kind == "internal"
+        assert type(error) is type(from_status(code, "m"))  # the kind's class is its status code's
 
 
 @pytest.mark.parametrize(("code", "cls"), [
@@ -77,6 +82,7 @@ def test_the_server_module_and_the_client_agree():
     (Code.UNAVAILABLE, UnavailableError), (Code.DEADLINE_EXCEEDED, DeadlineExceededError),
     (Code.CANCELLED, CancelledError), (Code.UNAUTHENTICATED, AuthenticationError),
     (Code.PERMISSION_DENIED, AuthenticationError), (Code.UNIMPLEMENTED, UnimplementedError),
+    (Code.NOT_FOUND, NotFoundError),
     (Code.UNKNOWN, UnknownError), (Code.ABORTED, UnknownError),
 ])
 def test_without_details_the_code_decides(code, cls):

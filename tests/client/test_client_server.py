@@ -88,6 +88,18 @@ async def test_generate_and_stream_agree_async(server):
     assert again.details is None
 
 
+async def test_heartbeats_asked_for_are_skipped(server):
+    """The REST gateway's header makes the server send heartbeats between tokens; the client,
+    asked the same, yields the tokens alone."""
+    from inference_service.api.keepalive import KEEPALIVE_KEY
+
+    async with AsyncClient(server.target) as client:
+        plain = [r async for r in client.generate_stream(LONG_PROMPT, max_new_tokens=12)]
+        beating = [r async for r in client.generate_stream(LONG_PROMPT, max_new_tokens=12,
+                                                           metadata={KEEPALIVE_KEY: "0.00001"})]
+    assert beating == plain and len(plain) == 12
+
+
 def test_stop_sequences_and_best_of(server):
     with Client(server.target) as client:
         free = client.generate(LONG_PROMPT, max_new_tokens=8).generated_text

@@ -33,7 +33,7 @@ from textgen_client.errors import (
     UnknownError,
     ValidationError,
 )
-from textgen_client.openai_types import ChatCompletion, ChatCompletionChunk, Completion
+from textgen_client.openai_types import ChatCompletion, ChatCompletionChunk, Completion, ModelCard
 from textgen_client.types import (
     BestOfSequence,
     Details,
@@ -69,6 +69,7 @@ __all__ = [
     "IncompleteGenerationError",
     "InfoResponse",
     "InputToken",
+    "ModelCard",
     "NotFoundError",
     "OverloadedError",
     "PrefillToken",

@@ -56,6 +56,12 @@ class _Methods:
         self.health = channel.unary_unary(
             _SERVICE + "Health", request_serializer=pb.HealthRequest.SerializeToString,
             response_deserializer=httpbody_pb2.HttpBody.FromString)
+        self.list_models = channel.unary_unary(
+            _SERVICE + "ListModels", request_serializer=pb.ListModelsRequest.SerializeToString,
+            response_deserializer=pb.ListModelsResponse.FromString)
+        self.get_model = channel.unary_unary(
+            _SERVICE + "GetModel", request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.ModelCard.FromString)
         self.chat = channel.unary_unary(
             _SERVICE + "ChatCompletion", request_serializer=pb.ChatCompletionRequest.SerializeToString,
             response_deserializer=pb.ChatCompletionResponse.FromString)
@@ -71,8 +77,8 @@ class _Methods:
 
 
 class _StreamEnd:
-    """Converts a stream's messages (an in-band error raises) and knows when the stream is whole:
-    for `GenerateStream`, once a message carries `generated_text`."""
+    """Converts a stream's messages (an in-band error raises, a heartbeat is None) and knows when
+    the stream is whole: for `GenerateStream`, once a message carries `generated_text`."""
 
     def __init__(self) -> None:
         self.finished = False
@@ -80,6 +86,8 @@ class _StreamEnd:
     def convert(self, message: Any) -> Any:
         if message.HasField("error"):
             raise from_kind(message.error_type, message.error)
+        if message.keep_alive:  # a heartbeat, sent only to callers that ask (the REST gateway)
+            return None
         response = _convert.stream_response(message)
         self.finished = response.generated_text is not None
         return response

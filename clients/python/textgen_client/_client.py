@@ -216,6 +216,7 @@ class Client:
     chat_stream = _blocking_stream(AsyncClient.chat_stream)
     complete = _blocking(AsyncClient.complete)
     complete_stream = _blocking_stream(AsyncClient.complete_stream)
+    model = _blocking(AsyncClient.model)
 
     @property
     def target(self) -> str:

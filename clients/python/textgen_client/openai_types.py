@@ -1,6 +1,7 @@
-"""The results of `chat`, `chat_stream`, `complete` and `complete_stream`: OpenAI's objects as plain
-frozen dataclasses, with OpenAI's field names (`choices[0].message.content`,
-`choices[0].message.tool_calls[0].function.arguments`, `usage.total_tokens`, ...).
+"""The results of `chat`, `chat_stream`, `complete`, `complete_stream` and `model`: OpenAI's objects
+as plain frozen dataclasses, with OpenAI's field names (`choices[0].message.content`,
+`choices[0].message.tool_calls[0].function.arguments`, `choices[0].logprobs.content[0].logprob`,
+`usage.total_tokens`, ...). A `ChatMessage` of a reply can go back into the next call's `messages`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ChoiceLogprobs:
+    """OpenAI's `logprobs` of a chat choice: one entry per generated token (`content`)."""
+
+    content: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
 class FunctionCall:
     name: str | None
     arguments: str | None
@@ -62,7 +70,7 @@ class ChatChoice:
     message: ChatMessage
     finish_reason: str
     """"stop", "length" or "tool_calls"."""
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,8 @@ class ChatChunkChoice:
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
+    """Set on a choice's last chunk only."""
+    logprobs: ChoiceLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -98,8 +107,20 @@ class ChatCompletionChunk:
     id: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None
+
+
+@dataclass(frozen=True)
+class CompletionLogprobs:
+    """OpenAI's (legacy) logprobs of a text completion, one entry per token of `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    """The `logprobs` most likely tokens at each position, token text -> logprob."""
+    text_offset: list[int]
 
 
 @dataclass(frozen=True)
@@ -107,8 +128,9 @@ class CompletionChoice:
     index: int
     text: str
     finish_reason: str | None
-    logprobs: list[float] | None = None
-    """The logprob of each token of `text` when `logprobs` was asked for."""
+    """"stop" or "length"; in `complete_stream`, set on a choice's last event only."""
+    logprobs: CompletionLogprobs | None = None
+    """Set when `logprobs` was asked for."""
 
 
 @dataclass(frozen=True)
@@ -118,5 +140,16 @@ class Completion:
     id: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage | None
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The served model, as OpenAI's `/v1/models/{id}` describes it (the result of `model`)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
