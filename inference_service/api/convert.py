@@ -48,19 +48,24 @@ def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = F
     values["stop"] = list(message.stop)
     if message.HasField("grammar"):
         values["grammar"] = {"type": message.grammar.type,
-                             "value": integral_numbers_as_ints(json_format.MessageToDict(message.grammar.value))}
+                             "value": plain_json(json_format.MessageToDict(message.grammar.value))}
     return GenerateParameters(**values)
 
 
-def integral_numbers_as_ints(value: Any) -> Any:
-    """A protobuf Value holds every number as a double, so a schema's `"maxLength": 8` arrives as 8.0,
-    which JSON-schema compilers refuse where an integer is required: give whole numbers back as ints."""
+def plain_json(value: Any) -> Any:
+    """A protobuf Value/Struct's content as the JSON a caller wrote, as far as it can be known.
+
+    A Value holds every number as a double, so a schema's `"maxLength": 8` arrives as 8.0, which
+    JSON-schema compilers refuse where an integer is required: whole numbers come back as ints. A
+    Struct is a map, whose key order the protobuf runtime varies per process (on the client and
+    here), so keys are sorted: the same request renders the same prompt and grammar on every server.
+    """
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return int(value)
     if isinstance(value, dict):
-        return {key: integral_numbers_as_ints(item) for key, item in value.items()}
+        return {key: plain_json(value[key]) for key in sorted(value)}
     if isinstance(value, list):
-        return [integral_numbers_as_ints(item) for item in value]
+        return [plain_json(item) for item in value]
     return value
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from inference_service.api import openai_tools
+from inference_service.api.convert import plain_json
 from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import ValidationError
 from textgen.v1 import generate_pb2 as pb
@@ -37,7 +38,7 @@ def _check(condition: bool, message: str) -> None:
 
 def value_to_python(value: Any) -> Any:
     """A google.protobuf.Value/Struct as plain Python (None when unset)."""
-    return json_format.MessageToDict(value) if value.ByteSize() else None
+    return plain_json(json_format.MessageToDict(value)) if value.ByteSize() else None
 
 
 @dataclass
@@ -124,7 +125,7 @@ def choice_seeds(seed: int, num_choices: int, requested: bool, draw: Any) -> lis
 
 # -- chat -----------------------------------------------------------------------------------------
 def _message(message: pb.ChatMessage) -> dict[str, Any]:
-    converted = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    converted = plain_json(json_format.MessageToDict(message, preserving_proto_field_name=True))
     if message.HasField("content"):
         converted["content"] = value_to_python(message.content) if message.content.ByteSize() else None
     converted.setdefault("content", None)
@@ -143,7 +144,7 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
         request.max_tokens if request.HasField("max_tokens") else None)
     top_n = request.top_logprobs if request.HasField("top_logprobs") else None
     parameters = _sampling_parameters(request, max_tokens, top_n)
-    tools = [json_format.MessageToDict(t, preserving_proto_field_name=True) for t in request.tools]
+    tools = [plain_json(json_format.MessageToDict(t, preserving_proto_field_name=True)) for t in request.tools]
     tool_choice = value_to_python(request.tool_choice) if request.HasField("tool_choice") else None
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     tool_calls = openai_tools.tool_call_format(tools, tool_choice, parallel)
@@ -154,7 +155,7 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
         messages=[_message(m) for m in request.messages], parameters=parameters,
         num_choices=_num_choices(request), logprobs=request.logprobs,
         include_usage=request.stream_options.include_usage, tools=tools if tool_choice != "none" else [],
-        tool_calls=tool_calls, documents=[json_format.MessageToDict(d) for d in request.documents],
+        tool_calls=tool_calls, documents=[plain_json(json_format.MessageToDict(d)) for d in request.documents],
         tool_prompt=request.tool_prompt if request.HasField("tool_prompt") else None,
         template_variables=value_to_python(request.chat_template_kwargs) or {})
 

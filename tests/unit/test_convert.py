@@ -211,3 +211,11 @@ def test_tokenize_spans():
 
     response = convert.tokenize_response_to_pb([TokenSpan(1, "", 0, 0), TokenSpan(5, "hé", 0, 2)])
     assert [(t.id, t.text, t.start, t.stop) for t in response.tokens] == [(1, "", 0, 0), (5, "hé", 0, 2)]
+
+
+def test_plain_json_gives_whole_numbers_and_one_key_order():
+    from inference_service.api.convert import plain_json
+
+    first = plain_json({"b": 8.0, "a": [{"y": 1.5, "x": 2.0}]})
+    assert first == {"a": [{"x": 2, "y": 1.5}], "b": 8} and list(first) == ["a", "b"]
+    assert list(plain_json({"a": 1, "b": 2})) == list(plain_json({"b": 2, "a": 1}))
