@@ -114,6 +114,11 @@ async def test_caching_on_gives_the_tokens_of_caching_off(tiny_model_dir, refere
                                            request.stopping_params.max_new_tokens), request.inputs
     assert prefill_on.keys() == prefill_off.keys() == {5}
     assert prefill_on[5][0] is None and prefill_on[5][1:] == pytest.approx(prefill_off[5][1:], abs=1e-5)
+    prompt_ids = requests[5].prompt_token_ids
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(reference(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)  # [L, V]
+    expected = [logprobs[position - 1, token].item() for position, token in enumerate(prompt_ids) if position]
+    assert prefill_on[5][1:] == pytest.approx(expected, abs=1e-4)
     assert stats_on.num_prefix_hit_tokens > 0 and stats_on.num_cached_blocks > 0
     assert stats_off.num_prefix_hit_tokens == 0 and stats_off.num_cached_blocks == 0
     if preempts:
@@ -135,3 +140,24 @@ async def test_n_variants_compute_their_prompt_once(tiny_model_dir):
     # The first computes the prompt; the other three wait for it, then reuse every full block.
     assert stats.num_prefix_queried_tokens == 4 * num_prompt
     assert stats.num_prefix_hit_tokens == 3 * reusable
+
+
+async def test_prompt_logprobs_preempted_mid_prompt_are_recorded_once(tiny_model_dir, reference):
+    """A request wanting prompt logprobs reuses nothing, even its own blocks after a preemption, and
+    positions it had already recorded are not recorded twice when its prompt is recomputed."""
+    engine = AsyncEngine.from_config(_config(tiny_model_dir, True, 4096, 16))  # 16-token chunks
+    request = await _validate(engine, SYSTEM, 3, decoder_input_details=True)
+    llm = engine._engine  # driven step by step on this thread: the engine thread is never started
+    llm.add_request("x", request)
+    outputs = llm.step() + llm.step()  # 32 prompt tokens computed and their logprobs recorded
+    llm.scheduler._preempt(llm.requests["x"])  # white box: what a full pool would do
+    while llm.has_unfinished():
+        outputs += llm.step()
+    [prefill] = [o.prefill_tokens for o in outputs if o.prefill_tokens]
+    prompt_ids = request.prompt_token_ids
+    assert [p.id for p in prefill] == prompt_ids
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(reference(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)  # [L, V]
+    expected = [logprobs[position - 1, token].item() for position, token in enumerate(prompt_ids) if position]
+    assert [p.logprob for p in prefill[1:]] == pytest.approx(expected, abs=1e-4)
+    assert llm.stats().num_prefix_hit_tokens == 0 and llm.stats().num_preemptions == 1
