@@ -161,3 +161,18 @@ async def test_prompt_logprobs_preempted_mid_prompt_are_recorded_once(tiny_model
     expected = [logprobs[position - 1, token].item() for position, token in enumerate(prompt_ids) if position]
     assert [p.logprob for p in prefill[1:]] == pytest.approx(expected, abs=1e-4)
     assert llm.stats().num_prefix_hit_tokens == 0 and llm.stats().num_preemptions == 1
+
+
+async def test_best_of_variants_share_their_prompt(tiny_model_dir):
+    engine = AsyncEngine.from_config(_config(tiny_model_dir, True, 4096, 512))
+    engine.start()
+    try:
+        request = await _validate(engine, SYSTEM * 2, 6, best_of=2, do_sample=True)
+        result = await engine.generate(request)
+        stats = engine.stats()
+    finally:
+        await engine.shutdown(timeout_s=1)
+    assert len(result.best_of_sequences) == 1
+    num_prompt = len(request.prompt_token_ids)
+    assert stats.num_prefix_hit_tokens == (num_prompt - 1) // 4 * 4  # the second variant reused the first's
+    assert stats.num_free_blocks == stats.num_total_blocks
