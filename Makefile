@@ -57,9 +57,11 @@ lint: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# Both benchmarks in quick mode (a tiny random model, under a minute): a CI smoke run, no thresholds.
+# The engine, serving and prefix-cache benchmarks in quick mode (a tiny random model, about a minute): a CI
+# smoke run, no thresholds.
 # Full runs: see benchmarks/README.md.
 .PHONY: bench-quick
 bench-quick: setup
 	$(PY) benchmarks/engine_bench.py --quick
 	$(PY) benchmarks/serve_bench.py --quick
+	$(PY) benchmarks/prefix_cache_bench.py --quick

@@ -160,6 +160,9 @@ ENGINE_FLAGS = (
          "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
          default_text="by device"),
     Flag("--block-size", "cache.block_size", "Tokens per KV cache block.", int),
+    Flag("--prefix-caching", "cache.prefix_caching",
+         "Reuse the KV cache of a prompt's longest cached prefix (full blocks, freed ones kept until the "
+         "pool needs them); --prefix-caching false turns it off.", _parse_bool),
 )
 
 SERVER_FLAGS = (
@@ -210,10 +213,14 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], title: str
     group = parser.add_argument_group(title)
     for flag in flags:
         default = flag.default()
-        shown = flag.default_text or ("off" if default is False else default)
+        shown = flag.default_text or ({False: "off", True: "on"}.get(default, default)
+                                       if isinstance(default, bool) else default)
         help_text = f"{flag.help} (default: {shown}) [env: {flag.env}]"
         names = [flag.name] + ([flag.short] if flag.short else [])
-        if flag.is_bool:
+        if flag.is_bool and default is True:  # on by default: `--flag false` turns it off
+            group.add_argument(*names, dest=flag.dest, nargs="?", const=True, type=_type_checked(flag),
+                               default=None, metavar="true|false", help=help_text)
+        elif flag.is_bool:
             group.add_argument(*names, dest=flag.dest, action="store_const", const=True, default=None,
                                help=help_text)
         else:

@@ -47,13 +47,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: block size and how many blocks the pool holds."""
+    """The paged KV cache: block size, how many blocks the pool holds, and prefix caching."""
 
     block_size: int = 16
     # An explicit capacity in tokens wins over the memory budget.
     max_batch_total_tokens: int | None = None
     # A fraction of free device memory ("0.3") or a size ("512MiB", "2GiB"); None = the device default.
     kv_cache_memory: str | None = None
+    # Reuse the KV blocks of a cached prompt prefix (engine/prefix_cache.py); TGI's PREFIX_CACHING.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block size must be > 0")

@@ -178,6 +178,7 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         max_best_of=limits.max_best_of,
         max_stop_sequences=limits.max_stop_sequences,
         max_top_n_tokens=limits.max_top_n_tokens,
+        prefix_caching=config.cache.prefix_caching,
         quantize=loaded.quantize,
         weights_nbytes=weights_nbytes(loaded.model),
     )

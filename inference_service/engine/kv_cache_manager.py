@@ -1,28 +1,49 @@
-"""Paged KV cache accounting: a fixed pool of blocks and one block table per request.
+"""Paged KV cache accounting: a fixed pool of blocks, one block table per request, and (with prefix
+caching) blocks shared between requests by reference count.
 
 Pure Python over block ids; it never touches tensors or request objects, so it can be tested
 exhaustively. The tensors themselves live in `worker.kv_cache`.
+
+Every block is in exactly one of three states:
+- held: in the tables of `ref_count(block) > 0` requests. Only full, computed blocks found through
+  the hash index are ever held by more than one; a request writes only into blocks it got fresh;
+- free: held by none, holding nothing worth keeping;
+- evictable (prefix caching only): held by none, but indexed: its K/V can still be reused by a
+  hit, until the pool needs a block and it is evicted, least recently released first.
+Free and evictable blocks both count as free (`num_free_blocks`): either can be handed out.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+
+from inference_service.engine.block_hash_index import BlockHashIndex
 
 
 class KVCacheManager:
     """Hands out blocks of `block_size` token slots from a pool of `num_blocks`."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._num_indexed: dict[str, int] = {}  # leading blocks of a request's table that are indexed
+        self.index: BlockHashIndex | None = BlockHashIndex() if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds (free or evictable): what allocation can still hand out."""
+        return len(self._free) + (self.index.num_evictable if self.index is not None else 0)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose K/V a hit can reuse (held or evictable)."""
+        return len(self.index) if self.index is not None else 0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -30,25 +51,84 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Blocks of the longest indexed run of `block_hashes` (nothing without prefix caching)."""
+        return self.index.longest_prefix(block_hashes) if self.index is not None else []
+
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens.
 
+        `cached_blocks` (from `cached_prefix`, for a request that holds nothing yet) start the
+        table and are shared, not copied; the rest are fresh blocks the request alone writes.
         Returns the whole table, or None (and changes nothing) when the pool is short.
         """
         table = self._tables.get(request_id, [])
-        num_missing = self.num_blocks_for(num_tokens) - len(table)
-        if num_missing > len(self._free):
+        if cached_blocks and table:
+            raise ValueError(f"request {request_id!r} already holds blocks: a prefix hit must start its table")
+        num_missing = self.num_blocks_for(num_tokens) - len(table) - len(cached_blocks)
+        if num_missing < 0 and cached_blocks:
+            raise ValueError("the cached prefix is longer than the tokens to hold")
+        # Evictable hits are about to be held: they are no longer there to be handed out fresh.
+        num_reclaimed = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
+        if num_missing > self.num_free_blocks - num_reclaimed:
             return None
-        if num_missing > 0:
-            table = table + [self._free.popleft() for _ in range(num_missing)]
-            self._tables[request_id] = table
+        if num_missing <= 0 and not cached_blocks:
+            return list(table)
+        for block in cached_blocks:
+            self._hold(block)
+        table = table + list(cached_blocks) + [self._take_fresh() for _ in range(max(num_missing, 0))]
+        self._tables[request_id] = table
+        if cached_blocks:
+            self._num_indexed[request_id] = len(cached_blocks)
         return list(table)
 
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_blocks: int) -> None:
+        """Index the request's first `num_blocks` blocks, full and computed, under `block_hashes`.
+
+        Only now can other requests share them: a block still being written is never indexed.
+        """
+        if self.index is None:
+            return
+        start = self._num_indexed.get(request_id, 0)
+        if num_blocks <= start:
+            return
+        table = self._tables[request_id]
+        for position in range(start, num_blocks):
+            self.index.add(table[position], block_hashes[position])
+        self._num_indexed[request_id] = num_blocks
+
     def free(self, request_id: str) -> None:
-        """Return all of the request's blocks to the pool (a no-op if it holds none)."""
+        """Let go of all of the request's blocks (a no-op if it holds none).
+
+        Released last block first, so that a chain's tail is evicted before its head: a lost head
+        makes the rest of the chain unreachable anyway.
+        """
         table = self._tables.pop(request_id, None)
-        if table:
-            self._free.extend(table)
+        self._num_indexed.pop(request_id, None)
+        for block in reversed(table or ()):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] > 0:
+                continue
+            if self.index is not None and block in self.index:
+                self.index.park(block)
+            else:
+                self._free.append(block)
 
     def holders(self) -> list[str]:
         return list(self._tables)
+
+    # -- blocks ---------------------------------------------------------------------------
+    def _hold(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            self.index.unpark(block)
+        self._ref_counts[block] += 1
+
+    def _take_fresh(self) -> int:
+        """A block for new K/V: a free one, else the least recently released cached one."""
+        block = self._free.popleft() if self._free else self.index.evict()
+        self._ref_counts[block] = 1
+        return block

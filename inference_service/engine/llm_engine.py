@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.detokenizer import TextState, decode, special_token_ids
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.outputs import (
@@ -27,6 +28,7 @@ from inference_service.engine.outputs import (
     StepStats,
     Token,
 )
+from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.validation import ValidatedRequest
@@ -50,6 +52,13 @@ class _Live:
     pending_top: list[list[Token]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
     sent_prefill: bool = False
+
+
+def prefix_cache_salt(info: EngineInfo) -> bytes:
+    """The seed of the KV blocks' hash chains: what the K/V of a token depends on besides the
+    tokens before it (the weights, the arithmetic, the block layout)."""
+    return cache_salt(info.model_id, info.model_sha, info.architecture, info.dtype, info.device,
+                      info.quantize, info.block_size)
 
 
 class _ForwardClock:
@@ -92,8 +101,9 @@ class LLMEngine:
         self.grammar_compiler = grammar_compiler
         self.runner = runner
         self.sampler = sampler
-        self.kv = KVCacheManager(info.num_blocks, info.block_size)
-        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size)
+        self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=info.prefix_caching)
+        self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
+        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache)
         self.live: dict[str, _Live] = {}
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -138,6 +148,9 @@ class LLMEngine:
             num_total_blocks=self.kv.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_cached_blocks=self.kv.num_cached_blocks,
+            num_prefix_queried_tokens=self.prefix_cache.num_queried_tokens,
+            num_prefix_hit_tokens=self.prefix_cache.num_hit_tokens,
         )
 
     # -- one step -------------------------------------------------------------------------
@@ -156,12 +169,12 @@ class LLMEngine:
         return outputs
 
     def _step_stats(self, plan: SchedulerOutput) -> StepStats:
-        stats = StepStats(num_requests=len(plan.scheduled), num_new_requests=0, num_prefill_requests=0,
+        stats = StepStats(num_requests=len(plan.scheduled), num_new_requests=len(plan.admitted_ids),
+                          num_prefill_requests=0,
                           num_prefill_tokens=0, num_decode_tokens=0, num_preempted=len(plan.preempted_ids),
                           batch_max_tokens=sum(min(r.num_prompt_tokens + r.stopping.max_new_tokens,
                                                    self.info.max_total_tokens) for r in self.scheduler.running))
         for item in plan.scheduled:
-            stats.num_new_requests += item.num_computed_tokens == 0
             num_prompt_tokens = self.requests[item.request_id].num_prompt_tokens
             if item.num_new_tokens == 1 and item.num_computed_tokens >= num_prompt_tokens:
                 stats.num_decode_tokens += 1
@@ -220,12 +233,14 @@ class LLMEngine:
     def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:
         """logits [n, V] predict positions start+1 .. start+n; keep those inside the prompt."""
         live = self.live[item.request_id]
-        start = item.num_computed_tokens
-        end = min(start + item.num_new_tokens, live.request.num_prompt_tokens - 1)
-        if end <= start:
+        # Positions already recorded (before a preemption that restarted the prompt) are skipped.
+        first = max(item.num_computed_tokens, len(live.prompt_logprobs))
+        end = min(item.num_computed_tokens + item.num_new_tokens, live.request.num_prompt_tokens - 1)
+        if end <= first:
             return
-        targets = torch.tensor(live.request.prompt_token_ids[start + 1:end + 1], device=logits.device)
-        logprobs = torch.log_softmax(logits[: end - start], dim=-1)  # [m, V]
+        targets = torch.tensor(live.request.prompt_token_ids[first + 1:end + 1], device=logits.device)
+        offset = first - item.num_computed_tokens
+        logprobs = torch.log_softmax(logits[offset: end - item.num_computed_tokens], dim=-1)  # [m, V]
         live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
 
     def _on_token(self, request_id: str, sampled: SamplerOutput, row: int) -> RequestOutput | None:

@@ -37,6 +37,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests running their first chunk: just admitted, or readmitted after preemption.
+    admitted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # the runner drops their state
 
     @property
@@ -91,6 +93,7 @@ class RequestTimings:
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at the first admission
     batch_sizes: list[int] = field(default_factory=list)
     preempted_at: list[float] = field(default_factory=list)
 
@@ -165,6 +168,7 @@ class EngineInfo:
     max_top_n_tokens: int
     quantize: str | None = None  # the weight quantization scheme serving; None: full precision
     weights_nbytes: int = 0  # memory the weights take
+    prefix_caching: bool = False  # full KV blocks are reused across requests with the same prefix
 
     @property
     def max_batch_total_tokens(self) -> int:
@@ -181,6 +185,14 @@ class EngineStats:
     num_total_blocks: int
     num_preemptions: int
     num_steps: int
+    num_cached_blocks: int = 0  # blocks a prefix hit can reuse (held or evictable)
+    num_prefix_queried_tokens: int = 0  # tokens to compute at admissions, with prefix caching on
+    num_prefix_hit_tokens: int = 0  # of those, reused from the prefix cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Tokens reused over tokens to compute at admission (0 before any admission)."""
+        return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens if self.num_prefix_queried_tokens else 0.0
 
 
 @dataclass

@@ -48,6 +48,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(arrival=time.perf_counter()))
     prompt_logprobs_done: bool = False  # recomputation after preemption must not resend them
+    # Hash chain of the full blocks of prompt + output (prefix caching), grown as needed.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,10 @@ second. Running requests go first (a decode costs one token), then waiting reque
 admitted FIFO; a prompt longer than the remaining budget is prefilled in chunks over several
 steps. When the KV pool runs dry, the newest running request is preempted: its blocks are
 freed and it is recomputed later from its prompt and the tokens it already generated.
+
+With prefix caching (`engine.prefix_cache`), an admitted request starts with the longest cached
+prefix of its tokens already computed, and a waiting request whose prefix a running request is
+computing right now is passed over until that is done.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.outputs import ScheduledRequest, SchedulerOutput
+from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
 
 
@@ -22,8 +28,10 @@ class Scheduler:
     """Decides which requests run in each step; the only writer of request status."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, prefix_cache: PrefixCache | None = None):
         self.kv = kv_cache_manager
+        # Inert unless the KV cache manager was made with prefix caching.
+        self.prefix = prefix_cache or PrefixCache(kv_cache_manager, cache_salt())
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -44,6 +52,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.prefix.released(request)
         self.kv.free(request.request_id)
         request.status = status
         request.timings.finished = time.perf_counter()
@@ -70,15 +79,26 @@ class Scheduler:
             index += 1
 
         # Admitting new work while preempting would only thrash the pool.
-        while not preempted and self.waiting and budget > 0 and self._has_seat():
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+        admitted: list[str] = []
+        index = 0
+        while not preempted and index < len(self.waiting) and budget > 0 and self._has_seat():
+            request = self.waiting[index]
+            hit = self.prefix.lookup(request)
+            if hit.wait:  # its prefix is being computed this very moment: reuse it in a step or two
+                index += 1
+                continue
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            block_ids = self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
             if block_ids is None:
-                break  # FIFO: no skipping ahead of the head of the queue
-            self.waiting.popleft()
+                break  # FIFO: no skipping ahead of a request the pool can't hold
+            del self.waiting[index]
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.timings.first_scheduled is None:
+                request.timings.num_cached_tokens = hit.num_tokens
+            self.prefix.admitted(request, hit)
+            admitted.append(request.request_id)
             scheduled.append(self._schedule_one(request, num_new, block_ids))
             budget -= num_new
 
@@ -86,7 +106,7 @@ class Scheduler:
         for request in self.running:
             if request.request_id in scheduled_ids:
                 request.timings.batch_sizes.append(len(scheduled))
-        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
 
     def _has_seat(self) -> bool:
         return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
@@ -105,6 +125,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.prefix.released(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -138,3 +159,4 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 request.prompt_logprobs_done = True
+            self.prefix.computed(request)

@@ -2,12 +2,13 @@
 
 Dashboards written for TGI work unchanged: counters are exposed as TGI exposes them (`tgi_request_count`,
 not `tgi_request_count_total`), histograms keep TGI's bucket layouts. A few metrics TGI lacks are
-added under the same prefix (time to first token, KV blocks, preemptions); README lists them.
+added under the same prefix (time to first token, KV blocks, preemptions, prefix cache); README lists them.
 
 Who feeds what:
 - per request (the servicer's `RequestObserver`): `tgi_request_*`;
 - per engine step (`on_step`, on the engine thread): `tgi_batch_*`, preemptions;
-- at scrape time (`_EngineState`, from the engine's last stats): queue, batch and KV gauges.
+- at scrape time (`_EngineState`, from the engine's last stats): queue, batch and KV gauges, and the
+  prefix cache's counters (cumulative in the engine, so they are read, not incremented, here).
 
 `method` of the `tgi_batch_*` metrics: a step is "prefill" when it ran any prompt chunk (or a
 recomputation after preemption), even if it also carried decodes, as TGI v3's prefill call does with
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -150,6 +151,18 @@ class _EngineState(Collector):
         yield _gauge("tgi_batch_max_total_tokens", "KV cache capacity in tokens.", self.info.max_batch_total_tokens)
         yield _gauge("tgi_kv_cache_blocks_used", "KV cache blocks held by requests.", num_used_blocks)
         yield _gauge("tgi_kv_cache_blocks_free", "KV cache blocks free.", stats.num_free_blocks)
+        yield _gauge("tgi_prefix_cache_blocks",
+                     "KV cache blocks a prefix-cache hit can reuse (held by requests or kept after them).",
+                     stats.num_cached_blocks)
+        yield _gauge("tgi_prefix_cache_hit_rate",
+                     "Tokens reused from the prefix cache over tokens to compute, at admission, since start.",
+                     stats.prefix_cache_hit_rate)
+        yield CounterMetricFamily("tgi_prefix_cache_hit_tokens", "Tokens reused from the prefix cache at admission.",
+                                  value=stats.num_prefix_hit_tokens)
+        yield CounterMetricFamily("tgi_prefix_cache_queried_tokens",
+                                  "Tokens to compute at admission (the prompt; prompt and generated tokens "
+                                  "for a request resumed after preemption), looked up in the prefix cache.",
+                                  value=stats.num_prefix_queried_tokens)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -10,7 +10,9 @@ Off (the default), no OpenTelemetry module is even imported. On:
   which continues the caller's W3C `traceparent` from the call metadata (Envoy forwards its own);
 - per generation request, spans are made afterwards from the engine's timings (explicit start and
   end times): `validation`, `queued` and `inference`, children of the server span. Milestones are
-  events on `inference` (first token, each preemption); there is never a span per token or step;
+  events on `inference` (first token, each preemption); the prefill happens inside `inference`, so
+  the prompt tokens reused from the prefix cache are an attribute there (OpenTelemetry's
+  `gen_ai.usage.cache_read.input_tokens`); there is never a span per token or step;
 - health checks, metrics scrapes and reflection are not traced.
 """
 
@@ -145,6 +147,8 @@ class Tracing:
             "textgen.batch_size.max": max(sizes) if sizes else None,
             "textgen.batch_size.mean": sum(sizes) / len(sizes) if sizes else None,
             "textgen.num_preemptions": timings.num_preemptions,
+            # Prompt tokens whose K/V came from the prefix cache: the prefill computed only the rest.
+            "gen_ai.usage.cache_read.input_tokens": timings.num_cached_tokens,
         })
         inference = self.tracer.start_span("inference", context=parent, start_time=clock.ns(timings.first_scheduled),
                                            attributes=attributes)

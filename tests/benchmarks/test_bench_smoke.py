@@ -48,6 +48,24 @@ def test_grammar_bench_quick(tmp_path, tiny_model_dir):
             assert row[name]["sample_ms"]["n"] == 8 - 1
 
 
+def test_prefix_cache_bench_quick(tmp_path, tiny_model_dir):
+    # A short system prompt: the tiny model's byte tokenizer spends many tokens on the questions.
+    run_script("prefix_cache_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--system-tokens", "60",
+               "--out", str(tmp_path))
+    assert "Follow-up TTFT, off ÷ on" in (tmp_path / "prefix_cache.md").read_text()
+    data = json.loads((tmp_path / "prefix_cache.json").read_text())
+    summary = data["summary"]
+    assert summary["identical_replies"]
+    for name in ("off", "on"):
+        assert summary[name]["ttft_follow_up_ms"]["n"] == 3 * 2  # 3 conversations, 2 follow-up turns
+        assert summary[name]["ttft_first_turn_ms"]["n"] == 3
+        assert summary[name]["generated_tok_s"] > 0
+    off, on = summary["off"], summary["on"]
+    assert off["num_prefill_tokens_computed"] == off["num_prompt_tokens"] and off["hit_rate"] == 0
+    assert on["num_prefill_tokens_computed"] < off["num_prefill_tokens_computed"] and on["hit_rate"] > 0
+    assert [len(data["runs"][name]) for name in ("off", "on")] == [1, 1]
+
+
 @pytest.mark.e2e
 def test_serve_bench_quick(tmp_path, tiny_model_dir):
     run_script("serve_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))

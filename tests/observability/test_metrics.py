@@ -150,7 +150,9 @@ def test_steps_by_method_with_chunked_prefill(server):
     before, steps_before = parse(scrape_rpc(server)), server.stats().num_steps
     server.stub.Generate(request(6), timeout=TIMEOUT)
     after, steps_after = parse(scrape_rpc(server)), server.stats().num_steps
-    num_prefill_steps = math.ceil(num_prompt_tokens / PREFILL_BUDGET)
+    # Earlier tests ran this prompt: the prefill computes only what the prefix cache lacks.
+    num_cached = delta(after, before, "tgi_prefix_cache_hit_tokens_total")
+    num_prefill_steps = math.ceil((num_prompt_tokens - num_cached) / PREFILL_BUDGET)
     assert delta(after, before, "tgi_batch_inference_count_total", method="prefill") == num_prefill_steps
     assert delta(after, before, "tgi_batch_inference_count_total", method="decode") == 6 - 1
     assert steps_after - steps_before == num_prefill_steps + 5
@@ -185,6 +187,31 @@ def test_gauges_when_idle_and_busy(server):
     assert busy[("tgi_batch_current_max_tokens", ())] == len(
         server.stub.Tokenize(pb.GenerateRequest(inputs="a"), timeout=TIMEOUT).tokens) + 400
     server.wait_idle()
+
+
+def test_prefix_cache_hits_and_blocks(server):
+    prompt = "over a lazy dog and then runs home again while birds sing " * 3
+    num_prompt_tokens = len(server.stub.Tokenize(pb.GenerateRequest(inputs=prompt), timeout=TIMEOUT).tokens)
+    block_size = server.engine.info.block_size
+    assert num_prompt_tokens > 2 * block_size
+    parameters = pb.GenerateParameters(max_new_tokens=2)
+    before = parse(scrape_rpc(server))
+    server.stub.Generate(pb.GenerateRequest(inputs=prompt, parameters=parameters), timeout=TIMEOUT)
+    middle = parse(scrape_rpc(server))
+    server.stub.Generate(pb.GenerateRequest(inputs=prompt, parameters=parameters), timeout=TIMEOUT)
+    after = parse(scrape_rpc(server))
+    assert delta(middle, before, "tgi_prefix_cache_queried_tokens_total") == num_prompt_tokens
+    assert delta(middle, before, "tgi_prefix_cache_hit_tokens_total") == 0  # a prompt never seen
+    num_reusable = (num_prompt_tokens - 1) // block_size * block_size  # full blocks before the last token
+    assert delta(after, middle, "tgi_prefix_cache_hit_tokens_total") == num_reusable
+    assert middle[("tgi_prefix_cache_blocks", ())] >= num_prompt_tokens // block_size
+    hits = after[("tgi_prefix_cache_hit_tokens_total", ())]
+    queried = after[("tgi_prefix_cache_queried_tokens_total", ())]
+    assert after[("tgi_prefix_cache_hit_rate", ())] == pytest.approx(hits / queried)
+    server.wait_idle()  # kept blocks count as free
+    idle = parse(scrape_rpc(server))
+    assert idle[("tgi_kv_cache_blocks_free", ())] == server.engine.info.num_blocks
+    assert idle[("tgi_prefix_cache_blocks", ())] > 0
 
 
 def test_metrics_port_serves_what_the_rpc_serves(server):

@@ -3,6 +3,7 @@ the engine spans hang under it with their attributes, and a dead collector never
 
 from __future__ import annotations
 
+import secrets
 import socket
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def check_engine_spans(spans, server_span, num_prompt_tokens: int, num_generated
     assert attributes["gen_ai.response.finish_reasons"] == ["length"]
     assert attributes["textgen.num_steps"] >= 1 and attributes["textgen.batch_sizes"] == [1]
     assert attributes["textgen.num_preemptions"] == 0
+    assert attributes["gen_ai.usage.cache_read.input_tokens"] == 0  # shorter than a block: nothing reusable
     [(name, moment, _)] = inference.events
     assert name == "first_token" and inference.start_ns <= moment <= inference.end_ns
 
@@ -72,6 +74,19 @@ def test_stream_spans(traced_server, otlp_receiver, traceparent):
     [server_span] = spans[name]
     assert server_span.parent_span_id == parent_id
     check_engine_spans(spans, server_span, num_prompt_tokens(traced_server), messages[-1].details.generated_tokens)
+
+
+def test_prompt_tokens_from_the_prefix_cache_mark_the_inference_span(traced_server, otlp_receiver):
+    long = pb.GenerateRequest(inputs="birds sing " * 12, parameters=pb.GenerateParameters(max_new_tokens=2))
+    num_tokens = len(traced_server.stub.Tokenize(long, timeout=TIMEOUT).tokens)
+    block_size = traced_server.engine.info.block_size
+    assert num_tokens > block_size
+    for expected in (0, (num_tokens - 1) // block_size * block_size):  # cold, then the full blocks reused
+        trace_id = secrets.token_hex(16)
+        header = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+        traced_server.stub.Generate(long, metadata=(("traceparent", header),), timeout=TIMEOUT)
+        [inference] = spans_of(traced_server, otlp_receiver, trace_id, {"inference"})["inference"]
+        assert inference.attributes["gen_ai.usage.cache_read.input_tokens"] == expected
 
 
 def test_validation_failure_is_an_error_span(traced_server, otlp_receiver, traceparent):
