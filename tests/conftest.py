@@ -216,3 +216,23 @@ def demo_grpc_server():
     server = GrpcServerThread(config)
     yield server
     server.stop(timeout_s=1.0)
+
+
+def greedy_token_ids(engine, prompt: str = "the quick brown fox", max_new_tokens: int = 16) -> list[int]:
+    """The tokens a built `LLMEngine` generates greedily for `prompt` (through an AsyncEngine, as served)."""
+    import asyncio
+
+    from inference_service.engine.async_engine import AsyncEngine
+    from inference_service.engine.validation import GenerateParameters, GenerateRequest
+
+    async def run():
+        async_engine = AsyncEngine(engine, max_concurrent_requests=4)
+        async_engine.start()
+        try:
+            request = await async_engine.validate(GenerateRequest(prompt, GenerateParameters(
+                max_new_tokens=max_new_tokens, details=True)), stream=False)
+            return await async_engine.generate(request)
+        finally:
+            await async_engine.shutdown(timeout_s=1)
+
+    return [t.id for t in asyncio.run(run()).tokens]

@@ -3,19 +3,17 @@ flag and generate what a full-precision twin carrying the same dequantized weigh
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
 import torch
 
 from inference_service.config import ModelConfig
-from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.builder import build_engine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import ModelLoadError
 from inference_service.worker.quant.linear import QuantLinear
 from inference_service.worker.quant.writers import write_checkpoint
+from tests.conftest import greedy_token_ids
 
 VARIANTS = {
     "gptq-4bit-g32": {"format": "gptq", "bits": 4, "group_size": 32},
@@ -24,20 +22,6 @@ VARIANTS = {
     "awq-gemm": {"format": "awq", "bits": 4, "group_size": 32},
     "compressed-tensors-int4": {"format": "compressed-tensors", "bits": 4, "group_size": 32},
 }
-
-
-def _greedy(engine) -> list[int]:
-    async def run():
-        async_engine = AsyncEngine(engine, max_concurrent_requests=4)
-        async_engine.start()
-        try:
-            request = await async_engine.validate(GenerateRequest("the quick brown fox", GenerateParameters(
-                max_new_tokens=16, details=True)), stream=False)
-            return await async_engine.generate(request)
-        finally:
-            await async_engine.shutdown(timeout_s=1)
-
-    return [t.id for t in asyncio.run(run()).tokens]
 
 
 def _config(base, model_id, quantize=None):
@@ -62,7 +46,7 @@ def test_checkpoint_loads_without_a_flag_and_matches_its_twin(tiny_engine_config
                 twin.runner.model.get_submodule(name).weight.copy_(weight)
                 swapped += 1
     assert swapped == 7 * quantized.runner.model.config.num_hidden_layers  # every decoder projection
-    assert _greedy(quantized) == _greedy(twin)
+    assert greedy_token_ids(quantized) == greedy_token_ids(twin)
 
 
 def test_a_flag_that_contradicts_the_checkpoint_is_refused(tiny_engine_config, tmp_path):

@@ -3,18 +3,16 @@ equals a full-precision twin carrying the same quantized weights."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
 import torch
 
 from inference_service.config import QUANTIZE_SCHEMES, ModelConfig
-from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.builder import build_engine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import ModelLoadError
 from inference_service.worker.quant import schemes
+from tests.conftest import greedy_token_ids
 
 PROMPT = "the quick brown fox"
 
@@ -49,20 +47,6 @@ def test_checkpoint_schemes_come_from_quantization_config():
         schemes.checkpoint_scheme({"quant_method": "hqq"})
 
 
-def _generate(engine, max_new_tokens: int = 12) -> list[int]:
-    async def run():
-        async_engine = AsyncEngine(engine, max_concurrent_requests=4)
-        async_engine.start()
-        try:
-            request = await async_engine.validate(GenerateRequest(PROMPT, GenerateParameters(
-                max_new_tokens=max_new_tokens, details=True)), stream=False)
-            return await async_engine.generate(request)
-        finally:
-            await async_engine.shutdown(timeout_s=1)
-
-    return [t.id for t in asyncio.run(run()).tokens]
-
-
 def _with_quantize(config, scheme):
     return dataclasses.replace(config, model=dataclasses.replace(config.model, quantize=scheme))
 
@@ -75,7 +59,7 @@ def test_each_at_load_scheme_serves_and_reports_itself(tiny_engine_config, schem
     owners = {type(m).__module__.split(".")[0] for m in projections}
     # Every linear swapped, the head included (fp8 keeps torch's linears, with rounded weights).
     assert owners == ({"inference_service"} if scheme in ("eetq", "fp8") else {"bitsandbytes"})
-    tokens = _generate(engine)
+    tokens = greedy_token_ids(engine, max_new_tokens=12)
     assert len(tokens) == 12
 
 
@@ -87,7 +71,7 @@ def test_eetq_generates_what_its_dequantized_twin_generates(tiny_engine_config):
         for name, module in quantized.runner.model.named_modules():
             if hasattr(module, "packed"):
                 twin.runner.model.get_submodule(name).weight.copy_(module.packed.dequantize())
-    assert _generate(quantized, 20) == _generate(twin, 20)
+    assert greedy_token_ids(quantized, max_new_tokens=20) == greedy_token_ids(twin, max_new_tokens=20)
     full = build_engine(tiny_engine_config).info.weights_nbytes
     assert quantized.info.weights_nbytes < 0.6 * full  # int8 linears: the tiny model is mostly linears
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -12,10 +10,9 @@ from test_gguf import digit_splitting_tokenizer
 from test_gguf_blocks import TENSOR_TYPES, tiny_llama, write_quantized_gguf
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
-from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.builder import build_engine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.worker.quant.linear import QuantLinear
+from tests.conftest import greedy_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +31,6 @@ def _engine(path, quantize):
                                      limits=LimitsConfig(max_total_tokens=64)))
 
 
-def _greedy(engine) -> list[int]:
-    async def run():
-        async_engine = AsyncEngine(engine, max_concurrent_requests=4)
-        async_engine.start()
-        try:
-            request = await async_engine.validate(GenerateRequest("12 apples and 3", GenerateParameters(
-                max_new_tokens=16, details=True)), stream=False)
-            return await async_engine.generate(request)
-        finally:
-            await async_engine.shutdown(timeout_s=1)
-
-    return [t.id for t in asyncio.run(run()).tokens]
-
-
 def test_gguf_packed_serving_equals_the_dequantized_folder(tied_gguf):
     packed, dense = _engine(tied_gguf, "gguf"), _engine(tied_gguf, None)
     model = packed.runner.model
@@ -57,4 +40,4 @@ def test_gguf_packed_serving_equals_the_dequantized_folder(tied_gguf):
     assert packed.info.weights_nbytes < dense.info.weights_nbytes
     with torch.no_grad():  # the head's packed values are the fp32 embedding's, exactly
         assert torch.equal(model.lm_head.packed.dequantize(), dense.runner.model.lm_head.weight)
-    assert _greedy(packed) == _greedy(dense)
+    assert greedy_token_ids(packed, "12 apples and 3") == greedy_token_ids(dense, "12 apples and 3")
