@@ -157,7 +157,7 @@ def agreement(greedy: list[list[int]], reference: list[list[int]]) -> float:
     return sum(fractions) / len(fractions)
 
 
-def report(results: list[dict], peer: dict | None, args: argparse.Namespace) -> str:
+def report(results: list[dict], peer: dict | None, args: argparse.Namespace, machine: dict) -> str:
     reference = next(r for r in results if r["scheme"] == "fp32")
     peer_ms = peer["decode_ms"]["p50"] if peer else None
     rows = []
@@ -180,7 +180,7 @@ def report(results: list[dict], peer: dict | None, args: argparse.Namespace) -> 
             f"{args.agreement_tokens} greedy tokens equal to fp32's before the first difference, "
             f"{len(AGREEMENT_PROMPTS)} prompts. GPTQ/AWQ/compressed-tensors: the demo model written in each "
             f"format by round-to-nearest (4-bit, groups of 128).\n\n{table}\n\n"
-            f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n")
+            f"{common.machine_line(machine)}\n\n`{common.command_line()}`\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -219,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve_model(ModelConfig(model_id=args.model_id)).path)
     text_ids = tokenizer(TEXT.read_text(encoding="utf-8"))["input_ids"]
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in AGREEMENT_PROMPTS]
+    machine = common.machine()  # now: CTranslate2's single-thread setting changes OpenMP's default later
     results = []
     for scheme in tqdm(args.schemes, desc="quantization schemes", file=sys.stderr):
         results.append(measure(scheme, args, text_ids, prompts))
     peer = None if args.no_ctranslate2 else ctranslate2_int8(args, text_ids, tokenizer)
-    markdown = report(results, peer, args)
+    markdown = report(results, peer, args, machine)
     (out / "quant.md").write_text(markdown)
-    common.write_json(out / "quant.json", {"args": vars(args), "machine": common.machine(), "results": results,
+    common.write_json(out / "quant.json", {"args": vars(args), "machine": machine, "results": results,
                                           "peer": peer})
     print("\n" + markdown)
     print(f"written: {out / 'quant.md'}, {out / 'quant.json'}")
