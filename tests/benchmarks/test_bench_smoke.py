@@ -102,3 +102,15 @@ def test_quant_kernels_quick(tmp_path):
     results = json.loads((tmp_path / "quant_kernels.json").read_text())["results"]
     assert [r["rows"] for r in results] == [1, 4, 32] * 2
     assert all(ms > 0 for r in results for ms in r["ms"].values())
+
+
+def test_quant_bench_quick(tmp_path, tiny_model_dir):
+    run_script("quant_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--schemes", "eetq",
+               "--out", str(tmp_path))
+    assert "greedy = fp32" in (tmp_path / "quant.md").read_text()
+    results = json.loads((tmp_path / "quant.json").read_text())["results"]
+    assert [r["scheme"] for r in results] == ["fp32", "eetq"]
+    for row in results:
+        assert row["ppl"] > 1 and row["throughput_tok_s"] > 0 and row["decode_ms"]["n"] == 8 - 1
+        assert row["weights_mib"] > 0 and all(len(tokens) == 8 for tokens in row["greedy"])
+    assert results[1]["weights_mib"] < results[0]["weights_mib"]
