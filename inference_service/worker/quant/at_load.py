@@ -44,14 +44,14 @@ def replace_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> N
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+def float_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().float().contiguous()
 
 
 def _eetq(linear: torch.nn.Linear) -> torch.nn.Module:
     weight = linear.weight.detach().float()  # [N, K]
     return QuantLinear.from_packed(quantize_rtn(weight, bits=8, group_size=weight.shape[1], symmetric=True),
-                                   _bias(linear))
+                                   float_bias(linear))
 
 
 def _fp8(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -78,7 +78,7 @@ def _bnb_int8(linear: torch.nn.Linear) -> torch.nn.Module:
                                  has_fp16_weights=False, threshold=6.0)
     module.weight = bnb.nn.Int8Params(linear.weight.detach().float(), requires_grad=False, has_fp16_weights=False)
     if linear.bias is not None:
-        module.bias = torch.nn.Parameter(_bias(linear), requires_grad=False)
+        module.bias = torch.nn.Parameter(float_bias(linear), requires_grad=False)
     return module.to(linear.weight.device)  # the move is what quantizes
 
 
@@ -88,7 +88,7 @@ def _bnb_4bit(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
                                quant_type=quant_type, compute_dtype=linear.weight.dtype)
     module.weight = bnb.nn.Params4bit(linear.weight.detach().float(), requires_grad=False, quant_type=quant_type)
     if linear.bias is not None:
-        module.bias = torch.nn.Parameter(_bias(linear), requires_grad=False)
+        module.bias = torch.nn.Parameter(float_bias(linear), requires_grad=False)
     return module.to(linear.weight.device)
 
 

@@ -40,7 +40,8 @@ class _Processed(NamedTuple):
     rows: np.ndarray | None  # int64 [N]: HF row i is GGUF row rows[i]; None: not a row permutation
 
 
-def gguf_linear_weights(gguf_path: str | os.PathLike, model: torch.nn.Module) -> dict[str, PackedWeight]:
+def gguf_linear_weights(gguf_path: str | os.PathLike, model: torch.nn.Module,
+                        reader: GGUFReader | None = None) -> dict[str, PackedWeight]:
     """`{qualified nn.Linear name: PackedWeight}` for every linear whose GGUF tensor can stay packed.
 
     `model` is only inspected (module tree, state-dict names, tied parameters): a model on the meta
@@ -48,9 +49,10 @@ def gguf_linear_weights(gguf_path: str | os.PathLike, model: torch.nn.Module) ->
     F32/F16/BF16, of a quantized type `packed_from_gguf` does not decode, transformed by the
     processor in a way other than a row permutation, or when the linear shares its weight with an
     embedding (tied lm_head: embeddings stay dense). Each packed weight has the HF orientation, so
-    `packed.dequantize()` equals the weight transformers loads from the same file.
+    `packed.dequantize()` equals the weight transformers loads from the same file. `reader`: the
+    file's reader when the caller has one (parsing the header takes seconds for a real vocabulary).
     """
-    reader = GGUFReader(os.fspath(gguf_path), "r")  # memory-mapped: tensors are read on use
+    reader = reader or GGUFReader(os.fspath(gguf_path), "r")  # memory-mapped: tensors are read on use
     processor, name_map = _transformers_processor(gguf_path, reader, model)
     linears = _linear_weight_names(model)
     packed: dict[str, PackedWeight] = {}

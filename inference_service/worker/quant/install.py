@@ -14,7 +14,7 @@ import os
 import torch
 from gguf import GGUFReader
 
-from inference_service.worker.quant.at_load import replace_module
+from inference_service.worker.quant.at_load import float_bias, replace_module
 from inference_service.worker.quant.gguf_blocks import is_supported_type, packed_from_gguf
 from inference_service.worker.quant.gguf_weights import gguf_linear_weights
 from inference_service.worker.quant.linear import QuantLinear
@@ -26,26 +26,25 @@ logger = logging.getLogger(__name__)
 def install_packed(model: torch.nn.Module, packed: dict[str, PackedWeight]) -> int:
     """Replace each named linear by a `QuantLinear` over its packed weight (bias kept); returns the count."""
     for name, weight in packed.items():
-        linear = model.get_submodule(name)
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        replace_module(model, name, QuantLinear.from_packed(weight, bias))
+        replace_module(model, name, QuantLinear.from_packed(weight, float_bias(model.get_submodule(name))))
     return len(packed)
 
 
 def install_gguf(model: torch.nn.Module, gguf_path: str | os.PathLike) -> int:
     """`--quantize gguf`: the file's quantized tensors for the model's linears, the tied head included."""
-    packed = gguf_linear_weights(gguf_path, model)
-    head = _tied_head(model, gguf_path)
+    reader = GGUFReader(os.fspath(gguf_path), "r")  # one header parse for both lookups
+    packed = gguf_linear_weights(gguf_path, model, reader)
+    head = _tied_head(model, reader)
     if head is not None:
         packed[head[0]] = head[1]
     return install_packed(model, packed)
 
 
-def _tied_head(model: torch.nn.Module, gguf_path: str | os.PathLike) -> tuple[str, PackedWeight] | None:
+def _tied_head(model: torch.nn.Module, reader: GGUFReader) -> tuple[str, PackedWeight] | None:
     output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if not isinstance(output, torch.nn.Linear) or output.weight.data_ptr() != embeddings.weight.data_ptr():
         return None
-    tensors = {t.name: t for t in GGUFReader(os.fspath(gguf_path), "r").tensors}
+    tensors = {t.name: t for t in reader.tensors}
     token_embd = tensors.get("token_embd.weight")
     if "output.weight" in tensors or token_embd is None or not is_supported_type(token_embd.tensor_type):
         return None
