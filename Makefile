@@ -57,7 +57,7 @@ lint: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# The engine, serving and prefix-cache benchmarks in quick mode (a tiny random model, about a minute): a CI
+# The engine, serving, prefix-cache and speculation benchmarks in quick mode (a tiny random model, about a minute): a CI
 # smoke run, no thresholds.
 # Full runs: see benchmarks/README.md.
 .PHONY: bench-quick
@@ -65,3 +65,4 @@ bench-quick: setup
 	$(PY) benchmarks/engine_bench.py --quick
 	$(PY) benchmarks/serve_bench.py --quick
 	$(PY) benchmarks/prefix_cache_bench.py --quick
+	$(PY) benchmarks/speculation_bench.py --quick

@@ -153,6 +153,10 @@ ENGINE_FLAGS = (
          "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.", float),
     Flag("--max-waiting-tokens", "scheduler.max_waiting_tokens",
          "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.", int),
+    Flag("--speculate", "scheduler.speculate",
+         "Speculative decoding: up to N tokens per request and step guessed by prompt lookup (n-grams of "
+         "the request's own tokens) and verified in the same forward pass; outputs are unchanged.", int,
+         default_text="0: off"),
     Flag("--max-batch-total-tokens", "cache.max_batch_total_tokens",
          "KV cache capacity in tokens; wins over --kv-cache-memory.", int,
          default_text="from --kv-cache-memory"),

@@ -75,6 +75,9 @@ class SchedulerConfig:
     # new requests join the running batch at every step without pausing it.
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
+    # Draft tokens guessed per request and step by prompt lookup, verified in the same forward pass
+    # (engine/speculation.py); 0: off. TGI's --speculate.
+    speculate: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_batch_prefill_tokens is None or self.max_batch_prefill_tokens > 0,
@@ -82,6 +85,7 @@ class SchedulerConfig:
         _require(self.max_batch_size is None or self.max_batch_size > 0, "--max-batch-size must be > 0")
         _require(self.waiting_served_ratio >= 0, "--waiting-served-ratio must be >= 0")
         _require(self.max_waiting_tokens >= 0, "--max-waiting-tokens must be >= 0")
+        _require(0 <= self.speculate <= 16, f"--speculate must be between 0 and 16, not {self.speculate}")
 
 
 @dataclass(frozen=True)

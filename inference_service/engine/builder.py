@@ -16,11 +16,13 @@ from transformers import AutoConfig
 from inference_service.config import CacheConfig, EngineConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.outputs import EngineInfo, ScheduledRequest
+from inference_service.engine.speculation import Speculator
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo, loader
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.sample.grammar import GrammarCompiler
+from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker import attention, native_linear
 from inference_service.worker.cpu_kernels import decode_kernel_for, linear_kernel_for
@@ -65,13 +67,18 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype))
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
     grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
+    speculator = None
+    if info.speculate:
+        speculator = Speculator(NgramProposer(), info.speculate, info.max_total_tokens)
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
-                       config.scheduler.max_batch_size, grammar_compiler)
+                       config.scheduler.max_batch_size, grammar_compiler, speculator)
     logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
-                "tokens, max_total_tokens=%d, decode attention: %s, native few-row linears: %d", info.model_id,
+                "tokens, max_total_tokens=%d, decode attention: %s, native few-row linears: %d, prefix caching: "
+                "%s, speculate: %d", info.model_id,
                 info.architecture, info.dtype, info.quantize or "unquantized", info.weights_nbytes / 2**20,
                 loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens,
-                "native" if runner.decode_kernel else "torch", native_linears)
+                "native" if runner.decode_kernel else "torch", native_linears,
+                "on" if info.prefix_caching else "off", info.speculate)
     return engine
 
 
@@ -179,6 +186,7 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         max_stop_sequences=limits.max_stop_sequences,
         max_top_n_tokens=limits.max_top_n_tokens,
         prefix_caching=config.cache.prefix_caching,
+        speculate=config.scheduler.speculate,
         quantize=loaded.quantize,
         weights_nbytes=weights_nbytes(loaded.model),
     )

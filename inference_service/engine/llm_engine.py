@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.detokenizer import TextState, decode, special_token_ids
+from inference_service.engine.forward_clock import ForwardClock
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.outputs import (
     EngineInfo,
@@ -31,6 +32,7 @@ from inference_service.engine.outputs import (
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
+from inference_service.engine.speculation import Speculator
 from inference_service.engine.validation import ValidatedRequest
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
 from inference_service.sample.grammar import GrammarCompiler
@@ -61,40 +63,12 @@ def prefix_cache_salt(info: EngineInfo) -> bytes:
                       info.quantize, info.block_size)
 
 
-class _ForwardClock:
-    """The forward pass's duration: wall clock on CPU; CUDA events on a GPU, read once sampling has
-    synchronized anyway, so timing adds no synchronization of its own."""
-
-    def __init__(self, device: torch.device):
-        self._device = device
-        self._events = None
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._started = self._stopped = 0.0
-
-    def start(self) -> None:
-        self._started = time.perf_counter()
-        if self._events is not None:
-            self._events[0].record(torch.cuda.current_stream(self._device))
-
-    def stop(self) -> None:
-        self._stopped = time.perf_counter()
-        if self._events is not None:
-            self._events[1].record(torch.cuda.current_stream(self._device))
-
-    def seconds(self) -> float:
-        if self._events is None:
-            return self._stopped - self._started
-        self._events[1].synchronize()  # done already unless the step sampled nothing
-        return self._events[0].elapsed_time(self._events[1]) / 1000
-
-
 class LLMEngine:
     """Owns the scheduler, the KV block manager, the model runner and the sampler."""
 
     def __init__(self, info: EngineInfo, tokenizer, runner: ModelRunner, sampler: Sampler,
                  max_batch_prefill_tokens: int, max_batch_size: int | None,
-                 grammar_compiler: GrammarCompiler | None = None):
+                 grammar_compiler: GrammarCompiler | None = None, speculator: Speculator | None = None):
         self.info = info
         self.tokenizer = tokenizer
         # Compiles requests' grammars during validation (off this thread); None: grammars are refused.
@@ -104,12 +78,14 @@ class LLMEngine:
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=info.prefix_caching)
         self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
         self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache)
+        self.speculator = speculator  # None: one token per request and step
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self.live: dict[str, _Live] = {}
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         # Called on the engine thread after every step with its `StepStats` (metrics hook it here).
         self.step_observer: Callable[[StepStats], None] | None = None
-        self._forward_clock = _ForwardClock(runner.device)
+        self._forward_clock = ForwardClock(runner.device)
         self._eos_ids = frozenset(info.eos_token_ids)
         self._special_ids = special_token_ids(tokenizer) | self._eos_ids
 
@@ -151,10 +127,14 @@ class LLMEngine:
             num_cached_blocks=self.kv.num_cached_blocks,
             num_prefix_queried_tokens=self.prefix_cache.num_queried_tokens,
             num_prefix_hit_tokens=self.prefix_cache.num_hit_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
@@ -176,7 +156,8 @@ class LLMEngine:
                                                    self.info.max_total_tokens) for r in self.scheduler.running))
         for item in plan.scheduled:
             num_prompt_tokens = self.requests[item.request_id].num_prompt_tokens
-            if item.num_new_tokens == 1 and item.num_computed_tokens >= num_prompt_tokens:
+            stats.num_draft_tokens += item.num_draft_tokens
+            if item.num_known_tokens == 1 and item.num_computed_tokens >= num_prompt_tokens:
                 stats.num_decode_tokens += 1
             else:
                 stats.num_prefill_requests += 1
@@ -206,28 +187,54 @@ class LLMEngine:
         for item in plan.scheduled:
             if item.request_id in step_logits.prompt_logits:
                 self._record_prompt_logprobs(item, step_logits.prompt_logits[item.request_id])
-        if not step_logits.sample_ids:
-            return outputs
-        states = [self.live[request_id].sampling for request_id in step_logits.sample_ids]
-        try:
-            sampled = self.sampler(step_logits.sample_logits, states)
-        except Exception as error:  # noqa: BLE001
-            logger.exception("sampling failed")
-            stats.failed = True
-            return self._fail_all(step_logits.sample_ids, error)
-        for row, request_id in enumerate(step_logits.sample_ids):
+        if step_logits.sample_ids:
+            outputs += self._sample_rounds(plan, step_logits, stats)
+        return outputs
+
+    def _sample_rounds(self, plan: SchedulerOutput, step_logits: StepLogits,
+                       stats: StepStats) -> list[RequestOutput]:
+        """Sample each request's first row; with speculation, go on to its next row (the logits after
+        its next guess) while the token just sampled equals that guess (engine/speculation.py)."""
+        ids = step_logits.sample_ids
+        drafts = {s.request_id: s.token_ids[s.num_new_tokens - s.num_draft_tokens:]
+                  for s in plan.scheduled if s.num_draft_tokens}
+        first_rows, row = [], 0
+        for count in step_logits.num_sample_rows or [1] * len(ids):
+            first_rows.append(row)
+            row += count
+        outputs: list[RequestOutput] = []
+        accepted = dict.fromkeys(drafts, 0)
+        active, depth = list(range(len(ids))), 0
+        while active:
+            rows = [first_rows[i] + depth for i in active]
+            logits = step_logits.sample_logits
+            if rows != list(range(len(logits))):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            verifying = [ids[i] for i in active]
             try:
-                output = self._on_token(request_id, sampled, row)
-            except GenerationError as error:  # already says what went wrong (a token off the grammar)
-                logger.error("request %s failed: %s", request_id, error.detail)
-                output = self._fail(request_id, error, RequestStatus.FINISHED_ERROR)
-            except Exception as error:  # noqa: BLE001 — only this request fails
-                logger.exception("post-processing failed for request %s", request_id)
-                output = self._fail(request_id, GenerationError(f"{type(error).__name__}: {error}"),
-                                    RequestStatus.FINISHED_ERROR)
-            if output is not None:
-                outputs.append(output)
-        self.sampler.prefetch_grammars([self.live[r].sampling for r in step_logits.sample_ids if r in self.live])
+                sampled = self.sampler(logits, [self.live[r].sampling for r in verifying])
+            except Exception as error:  # noqa: BLE001
+                logger.exception("sampling failed")
+                stats.failed = True
+                return outputs + self._fail_all(verifying, error)
+            next_active = []
+            for row, i in enumerate(active):
+                request_id = ids[i]
+                guesses = drafts.get(request_id, ())
+                output, going_on = self._on_token(request_id, sampled, row, guesses[depth:depth + 1])
+                if going_on:
+                    next_active.append(i)
+                    accepted[request_id] += 1
+                elif output is not None:
+                    outputs.append(output)
+            active, depth = next_active, depth + 1
+        for request_id, count in accepted.items():
+            if request_id in self.live:
+                self.scheduler.accept_drafts(self.live[request_id].request, count)
+        stats.accepted_draft_tokens = list(accepted.values())
+        self.num_draft_tokens += stats.num_draft_tokens
+        self.num_accepted_tokens += sum(accepted.values())
+        self.sampler.prefetch_grammars([self.live[r].sampling for r in ids if r in self.live])
         return outputs
 
     def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:
@@ -243,8 +250,30 @@ class LLMEngine:
         logprobs = torch.log_softmax(logits[offset: end - item.num_computed_tokens], dim=-1)  # [m, V]
         live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
 
-    def _on_token(self, request_id: str, sampled: SamplerOutput, row: int) -> RequestOutput | None:
-        live = self.live[request_id]
+    def _on_token(self, request_id: str, sampled: SamplerOutput, row: int,
+                  guess: Sequence[int] = ()) -> tuple[RequestOutput | None, bool]:
+        """Take the token sampled at `row`. Returns the output to send now, and whether to go on to
+        the request's next row: the token equals the `guess` that row was computed with, and the
+        request did not finish. A request that fails here ends with its error as the output."""
+        try:
+            live = self.live[request_id]
+            reason = self._take_token(live, sampled, row)
+            if reason is not None:
+                return self._finish(request_id, reason), False
+            if guess and guess[0] == sampled.token_ids[row]:
+                return None, True
+            num_held = live.text.num_tokens - live.text.num_releasable_tokens()
+            return self._release(live, len(live.pending) - num_held), False
+        except GenerationError as error:  # already says what went wrong (a token off the grammar)
+            logger.error("request %s failed: %s", request_id, error.detail)
+            return self._fail(request_id, error, RequestStatus.FINISHED_ERROR), False
+        except Exception as error:  # noqa: BLE001 — only this request fails
+            logger.exception("post-processing failed for request %s", request_id)
+            return self._fail(request_id, GenerationError(f"{type(error).__name__}: {error}"),
+                              RequestStatus.FINISHED_ERROR), False
+
+    def _take_token(self, live: _Live, sampled: SamplerOutput, row: int) -> FinishReason | None:
+        """Append the token to the request, its text and its pending output; whether it ends it."""
         request = live.request
         token_id = sampled.token_ids[row]
         request.output_token_ids.append(token_id)
@@ -259,12 +288,8 @@ class LLMEngine:
             for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
         ])
         grammar = live.sampling.grammar
-        reason = self._finish_reason(request, token_id, added.stop_matched,
-                                     grammar is not None and grammar.is_complete)
-        if reason is not None:
-            return self._finish(request_id, reason)
-        num_held = live.text.num_tokens - live.text.num_releasable_tokens()
-        return self._release(live, len(live.pending) - num_held)
+        return self._finish_reason(request, token_id, added.stop_matched,
+                                   grammar is not None and grammar.is_complete)
 
     def _finish_reason(self, request: Request, token_id: int, stop_matched: bool,
                        grammar_complete: bool) -> FinishReason | None:

@@ -29,6 +29,13 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table after this step's allocation
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     prompt_logprobs: bool = False  # return logprobs of the prompt tokens in this chunk
+    # Speculation: the last `num_draft_tokens` of `token_ids` are guesses past the known tokens,
+    # run to be verified (each gets logits); they count as computed only once accepted.
+    num_draft_tokens: int = 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_new_tokens - self.num_draft_tokens
 
 
 @dataclass
@@ -112,6 +119,9 @@ class StepStats:
     num_decode_tokens: int
     num_preempted: int
     batch_max_tokens: int  # prompt + max_new_tokens over the running requests (TGI's batch max_tokens)
+    num_draft_tokens: int = 0  # speculative guesses verified in this step
+    # Per request that speculated: how many of its guesses were accepted (TGI's skipped tokens).
+    accepted_draft_tokens: list[int] = field(default_factory=list)
     forward_s: float = 0.0  # the model's forward pass
     sample_s: float = 0.0  # sampling, detokenization and stop checks (TGI's decode time)
     total_s: float = 0.0
@@ -169,6 +179,7 @@ class EngineInfo:
     quantize: str | None = None  # the weight quantization scheme serving; None: full precision
     weights_nbytes: int = 0  # memory the weights take
     prefix_caching: bool = False  # full KV blocks are reused across requests with the same prefix
+    speculate: int = 0  # draft tokens proposed per request and step (0: no speculation)
 
     @property
     def max_batch_total_tokens(self) -> int:
@@ -188,6 +199,13 @@ class EngineStats:
     num_cached_blocks: int = 0  # blocks a prefix hit can reuse (held or evictable)
     num_prefix_queried_tokens: int = 0  # tokens to compute at admissions, with prefix caching on
     num_prefix_hit_tokens: int = 0  # of those, reused from the prefix cache
+    num_draft_tokens: int = 0  # speculative guesses verified since start
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def speculation_acceptance_rate(self) -> float:
+        """Accepted guesses over verified guesses (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -48,6 +48,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(arrival=time.perf_counter()))
     prompt_logprobs_done: bool = False  # recomputation after preemption must not resend them
+    # Speculation: guesses of the tokens after the known ones, set before a step, verified in it.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Hash chain of the full blocks of prompt + output (prefix caching), grown as needed.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
@@ -62,6 +64,9 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""

@@ -7,6 +7,10 @@ admitted FIFO; a prompt longer than the remaining budget is prefilled in chunks 
 steps. When the KV pool runs dry, the newest running request is preempted: its blocks are
 freed and it is recomputed later from its prompt and the tokens it already generated.
 
+A running request may carry speculative guesses (`draft_token_ids`, engine.speculation): they run
+after its known tokens when the budget and the pool allow it without preempting anyone, and are
+dropped otherwise; the engine counts the accepted ones as computed after the step.
+
 With prefix caching (`engine.prefix_cache`), an admitted request starts with the longest cached
 prefix of its tokens already computed, and a waiting request whose prefix a running request is
 computing right now is passed over until that is done.
@@ -71,11 +75,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            block_ids = self._allocate_with_drafts(request, num_new, budget)
+            if block_ids is None:
+                block_ids = self._allocate_or_preempt(request, num_new, preempted)
             if block_ids is None:  # the request preempted itself: nothing newer is left
                 break
-            scheduled.append(self._schedule_one(request, num_new, block_ids))
-            budget -= num_new
+            item = self._schedule_one(request, num_new, block_ids)
+            scheduled.append(item)
+            budget -= item.num_new_tokens
             index += 1
 
         # Admitting new work while preempting would only thrash the pool.
@@ -111,6 +118,23 @@ class Scheduler:
     def _has_seat(self) -> bool:
         return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
 
+    def _allocate_with_drafts(self, request: Request, num_new: int, budget: int) -> list[int] | None:
+        """Room for the known tokens and the guesses, if the step's budget has it and the pool keeps
+        a block in reserve for every running request after it; else the guesses are dropped (None):
+        a guess is never worth a preemption."""
+        drafts = request.draft_token_ids
+        if not drafts:
+            return None
+        known_end = request.num_computed_tokens + num_new
+        num_extra = self.kv.num_blocks_for(known_end + len(drafts)) - self.kv.num_blocks_for(known_end)
+        if (num_new + len(drafts) <= budget and known_end == request.num_tokens
+                and self.kv.num_free_blocks - num_extra >= len(self.running)):
+            block_ids = self.kv.allocate_slots(request.request_id, known_end + len(drafts))
+            if block_ids is not None:
+                return block_ids
+        request.draft_token_ids = []
+        return None
+
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              preempted: list[str]) -> list[int] | None:
         while True:
@@ -128,6 +152,7 @@ class Scheduler:
         self.prefix.released(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.timings.num_preemptions += 1
         request.timings.preempted_at.append(time.perf_counter())
@@ -141,22 +166,32 @@ class Scheduler:
             request.timings.first_scheduled = time.perf_counter()
         wants_prompt_logprobs = (request.sampling.prompt_logprobs and not request.prompt_logprobs_done
                                  and start < request.num_prompt_tokens)
+        drafts, request.draft_token_ids = request.draft_token_ids, []
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=start,
-            num_new_tokens=num_new,
-            token_ids=request.token_ids(start, end),
+            num_new_tokens=num_new + len(drafts),
+            token_ids=request.token_ids(start, end) + drafts,
             block_ids=block_ids,
             sample=end == request.num_tokens,
             prompt_logprobs=wants_prompt_logprobs,
+            num_draft_tokens=len(drafts),
         )
 
     # -- after the step -------------------------------------------------------------------
     def update(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """Advance the computed counters of everything that ran."""
+        """Advance the computed counters of everything that ran (its known tokens; guesses count
+        once accepted, through `accept_drafts`)."""
         for item in output.scheduled:
             request = requests[item.request_id]
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_known_tokens
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 request.prompt_logprobs_done = True
+            self.prefix.computed(request)
+
+    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+        """After verification: the first `num_accepted` guesses became output tokens, and the K/V
+        computed for them in the step is theirs. The rejected ones' slots are written over later."""
+        if num_accepted and not request.status.is_finished:
+            request.num_computed_tokens += num_accepted
             self.prefix.computed(request)

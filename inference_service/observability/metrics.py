@@ -2,13 +2,13 @@
 
 Dashboards written for TGI work unchanged: counters are exposed as TGI exposes them (`tgi_request_count`,
 not `tgi_request_count_total`), histograms keep TGI's bucket layouts. A few metrics TGI lacks are
-added under the same prefix (time to first token, KV blocks, preemptions, prefix cache); README lists them.
+added under the same prefix (time to first token, KV blocks, preemptions, prefix cache, speculation); README lists them.
 
 Who feeds what:
 - per request (the servicer's `RequestObserver`): `tgi_request_*`;
 - per engine step (`on_step`, on the engine thread): `tgi_batch_*`, preemptions;
 - at scrape time (`_EngineState`, from the engine's last stats): queue, batch and KV gauges, and the
-  prefix cache's counters (cumulative in the engine, so they are read, not incremented, here).
+  prefix cache's and speculation's counters (cumulative in the engine, so they are read, not incremented, here).
 
 `method` of the `tgi_batch_*` metrics: a step is "prefill" when it ran any prompt chunk (or a
 recomputation after preemption), even if it also carried decodes, as TGI v3's prefill call does with
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -90,6 +90,10 @@ class ServerMetrics:
                                          buckets=BATCH_SIZE_BUCKETS, registry=registry)
         self.preemptions = Counter("tgi_request_preemptions",
                                    "Requests evicted from the KV cache, to be recomputed later.", registry=registry)
+        # TGI renders this bucketless histogram as a summary: accepted guesses per request and step.
+        self.skipped_tokens = Summary("tgi_request_skipped_tokens",
+                                      "Speculated tokens accepted per request and step (--speculate).",
+                                      registry=registry)
         self.input_length: Histogram | None = None  # buckets depend on the model's limits
         self.generated_tokens: Histogram | None = None
         self.max_new_tokens: Histogram | None = None
@@ -123,6 +127,8 @@ class ServerMetrics:
             self.batch_next_size.observe(step.num_new_requests)
         if step.num_preempted:
             self.preemptions.inc(step.num_preempted)
+        for count in step.accepted_draft_tokens:
+            self.skipped_tokens.observe(count)
         self._state.batch_max_tokens = step.batch_max_tokens
 
     def render(self) -> tuple[str, bytes]:
@@ -163,6 +169,13 @@ class _EngineState(Collector):
                                   "Tokens to compute at admission (the prompt; prompt and generated tokens "
                                   "for a request resumed after preemption), looked up in the prefix cache.",
                                   value=stats.num_prefix_queried_tokens)
+        yield _gauge("tgi_speculation_acceptance_rate",
+                     "Speculated tokens accepted over speculated tokens verified, since start.",
+                     stats.speculation_acceptance_rate)
+        yield CounterMetricFamily("tgi_speculation_draft_tokens", "Speculated tokens verified (--speculate).",
+                                  value=stats.num_draft_tokens)
+        yield CounterMetricFamily("tgi_speculation_accepted_tokens", "Speculated tokens accepted.",
+                                  value=stats.num_accepted_tokens)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -18,13 +18,14 @@ from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 
 @dataclass
 class StepLogits:
-    """fp32 logits: one row per request that samples (in scheduled order), and the rows of
-    prompt chunks whose prompt logprobs were asked for."""
+    """fp32 logits: the rows of each request that samples (in scheduled order: one, or 1 + its
+    draft tokens with speculation), and the rows of prompt chunks whose prompt logprobs were asked for."""
 
     sample_ids: list[str]
-    sample_logits: torch.Tensor  # [S, V]
+    sample_logits: torch.Tensor  # [S, V]: sum(num_sample_rows) rows, each request's consecutive
     prompt_logits: dict[str, torch.Tensor]  # request id → [num_new_tokens, V]
     num_attention_calls: int = 0  # one per layer when the model routes attention through us (the probe)
+    num_sample_rows: list[int] | None = None  # per sample id; None: one row each
 
 
 class ModelRunner:
@@ -43,11 +44,13 @@ class ModelRunner:
         keep_rows, sample_rows, prompt_rows = self._rows_to_keep(scheduled)
         logits = self.forward(meta, input_ids, position_ids, keep_rows)  # [K, V]
         prompt_logits = {request_id: logits[start:end] for request_id, (start, end) in prompt_rows.items()}
+        speculating = any(s.num_draft_tokens for s in scheduled)
         return StepLogits(
             sample_ids=[s.request_id for s in scheduled if s.sample],
             sample_logits=logits[sample_rows] if len(sample_rows) != len(keep_rows) else logits,
             prompt_logits=prompt_logits,
             num_attention_calls=meta.num_calls,
+            num_sample_rows=[1 + s.num_draft_tokens for s in scheduled if s.sample] if speculating else None,
         )
 
     def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -74,11 +77,14 @@ class ModelRunner:
             input_ids.extend(item.token_ids)
             positions.extend(range(start, start + count))
             table = item.block_ids
-            if count == 1:
-                slots.append(table[start // block_size] * block_size + start % block_size)
-                decode_rows.append(token_start)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if count == 1 or item.num_draft_tokens:
+                # Verified guesses run as decode rows too, row j over the context up to itself: the
+                # step writes every row's K/V before any row attends.
+                for position in range(start, start + count):
+                    slots.append(table[position // block_size] * block_size + position % block_size)
+                    decode_rows.append(token_start + position - start)
+                    decode_tables.append(table)
+                    decode_lens.append(position + 1)
             else:
                 context = _slots_of(table, start + count, block_size)  # [ctx]
                 slots.extend(context[start:].tolist())
@@ -110,16 +116,17 @@ class ModelRunner:
         prompt_rows: dict[str, tuple[int, int]] = {}
         token_start = 0
         for item in scheduled:
-            last = token_start + item.num_new_tokens - 1
+            end = token_start + item.num_new_tokens
+            num_sampled = 1 + item.num_draft_tokens  # the last known token's row and each guess's
             if item.prompt_logprobs:
                 prompt_rows[item.request_id] = (len(keep_rows), len(keep_rows) + item.num_new_tokens)
-                keep_rows.extend(range(token_start, last + 1))
+                keep_rows.extend(range(token_start, end))
                 if item.sample:
-                    sample_rows.append(len(keep_rows) - 1)
+                    sample_rows.extend(range(len(keep_rows) - num_sampled, len(keep_rows)))
             elif item.sample:
-                sample_rows.append(len(keep_rows))
-                keep_rows.append(last)
-            token_start += item.num_new_tokens
+                sample_rows.extend(range(len(keep_rows), len(keep_rows) + num_sampled))
+                keep_rows.extend(range(end - num_sampled, end))
+            token_start = end
         return keep_rows, sample_rows, prompt_rows
 
 

@@ -66,6 +66,18 @@ def test_prefix_cache_bench_quick(tmp_path, tiny_model_dir):
     assert [len(data["runs"][name]) for name in ("off", "on")] == [1, 1]
 
 
+def test_speculation_bench_quick(tmp_path, tiny_model_dir):
+    run_script("speculation_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
+    assert "--speculate 4 tok/s" in (tmp_path / "speculation.md").read_text()
+    data = json.loads((tmp_path / "speculation.json").read_text())
+    for workload in ("editing", "free"):
+        summary = data["summary"][workload]
+        assert summary["identical"] and summary["speedup"] > 0
+        assert summary["plain"]["tokens"] == summary["speculative"]["tokens"] > 0
+        assert 0 < summary["plain"]["tokens_per_step"] <= 1 and 0 <= summary["acceptance_rate"] <= 1  # chunks: < 1
+    assert len(data["requests"]) == 2 + 2  # two prompts per workload, one run
+
+
 @pytest.mark.e2e
 def test_serve_bench_quick(tmp_path, tiny_model_dir):
     run_script("serve_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))

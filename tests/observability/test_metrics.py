@@ -214,6 +214,30 @@ def test_prefix_cache_hits_and_blocks(server):
     assert idle[("tgi_prefix_cache_blocks", ())] > 0
 
 
+def test_speculation_acceptance(tiny_engine_config, start_grpc_server):
+    """With --speculate, the guesses verified and accepted, and the accepted per request and step."""
+    config = dataclasses.replace(tiny_engine_config, scheduler=SchedulerConfig(speculate=4))
+    server = start_grpc_server(config)
+    info = server.stub.Info(pb.InfoRequest(), timeout=TIMEOUT)
+    assert info.speculate == 4 and info.use_prefix_caching
+    # The tiny model answers this with one token over and over: most guesses hold.
+    request = pb.GenerateRequest(inputs="1234 3.14 , . ! ? " * 3, parameters=pb.GenerateParameters(
+        max_new_tokens=40, details=True))
+    response = server.stub.Generate(request, timeout=TIMEOUT)
+    server.wait_idle()
+    metrics = parse(scrape_rpc(server))
+    drafts = metrics[("tgi_speculation_draft_tokens_total", ())]
+    accepted = metrics[("tgi_speculation_accepted_tokens_total", ())]
+    stats = server.engine.stats()
+    assert (drafts, accepted) == (stats.num_draft_tokens, stats.num_accepted_tokens) and 0 < accepted <= drafts
+    assert metrics[("tgi_speculation_acceptance_rate", ())] == pytest.approx(accepted / drafts)
+    assert metrics[("tgi_request_skipped_tokens_sum", ())] == accepted
+    # Every step (the prefill's too) gives one token plus the guesses it accepted; the summary
+    # counts the decode steps that carried guesses (not the last, with no room left for one).
+    assert response.details.generated_tokens == stats.num_steps + accepted
+    assert 0 < metrics[("tgi_request_skipped_tokens_count", ())] < stats.num_steps - 1
+
+
 def test_metrics_port_serves_what_the_rpc_serves(server):
     server.wait_idle()
     from_port, from_rpc = parse(scrape_port(server)), parse(scrape_rpc(server))

@@ -29,7 +29,7 @@ SAMPLES = {
     "--max-batch-prefill-tokens": ("512", 512), "--max-batch-size": ("8", 8),
     "--waiting-served-ratio": ("1.2", 1.2), "--max-waiting-tokens": ("5", 5),
     "--max-batch-total-tokens": ("4096", 4096), "--kv-cache-memory": ("512MiB", "512MiB"),
-    "--block-size": ("32", 32), "--prefix-caching": ("false", False),
+    "--block-size": ("32", 32), "--prefix-caching": ("false", False), "--speculate": ("3", 3),
     "--hostname": ("127.0.0.1", "127.0.0.1"), "--grpc-port": ("6000", 6000),
     "--payload-limit": ("1000", 1000), "--graceful-termination-timeout": ("2.5", 2.5),
     "--json-output": (None, True), "--log-level": ("debug", "debug"),

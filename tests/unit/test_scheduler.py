@@ -152,3 +152,65 @@ def test_random_workloads_finish_every_request_without_leaks(arrivals, aborts, n
         assert request.status.is_finished
         if request.status == RequestStatus.FINISHED_LENGTH:
             assert request.num_output_tokens == request.stopping.max_new_tokens
+
+
+# -- speculation: guesses ride after a decode's known token --------------------------------------
+def _decoding(scheduler: Scheduler, requests: dict[str, Request]) -> None:
+    """Prefill every request and give it one generated token: each is now decoding."""
+    for request in requests.values():
+        scheduler.add(request)
+    _run_step(scheduler, requests)
+
+
+def test_guesses_run_after_the_known_token_and_count_once_accepted():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=32)
+    requests = {"a": _request("a", 5, max_new=10)}
+    _decoding(scheduler, requests)
+    request = requests["a"]
+    request.draft_token_ids = [11, 12, 13]
+    plan = scheduler.schedule()
+    (item,) = plan.scheduled
+    assert (item.num_computed_tokens, item.num_new_tokens, item.num_draft_tokens) == (5, 4, 3)
+    assert item.token_ids == [7, 11, 12, 13] and item.sample and request.draft_token_ids == []
+    assert len(item.block_ids) == kv.num_blocks_for(5 + 4)
+    scheduler.update(plan, requests)
+    assert request.num_computed_tokens == 6  # the known token only
+    request.output_token_ids += [11, 12, 9]  # two guesses accepted, then the model's own token
+    scheduler.accept_drafts(request, 2)
+    assert request.num_computed_tokens == 8 and request.num_tokens == 9
+    assert scheduler.schedule().scheduled[0].token_ids == [9]  # no guesses set: plain decode
+
+
+def test_guesses_are_dropped_when_the_budget_is_short():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=6)
+    requests = {name: _request(name, 3, max_new=10) for name in "ab"}
+    _decoding(scheduler, requests)
+    requests["a"].draft_token_ids = [1, 2, 3]
+    requests["b"].draft_token_ids = [4, 5, 6]
+    plan = scheduler.schedule()
+    # a's known token and guesses take 4 of 6; b's guesses would overrun: b decodes plainly
+    assert [(s.request_id, s.num_new_tokens, s.num_draft_tokens) for s in plan.scheduled] == [("a", 4, 3), ("b", 1, 0)]
+    assert requests["b"].draft_token_ids == []
+
+
+def test_guesses_never_cost_a_preemption():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64)
+    requests = {name: _request(name, 4, max_new=10) for name in "ab"}  # one full block each
+    _decoding(scheduler, requests)  # each now holds 2 blocks (5 tokens): the pool is empty
+    requests["a"].draft_token_ids = [1, 2, 3, 4]  # would need a third block for a
+    plan = scheduler.schedule()
+    assert [(s.request_id, s.num_draft_tokens) for s in plan.scheduled] == [("a", 0), ("b", 0)]
+    assert not plan.preempted_ids and scheduler.num_preemptions == 0
+
+
+def test_a_preempted_request_forgets_its_guesses():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(kv, max_num_batched_tokens=64)
+    requests = {name: _request(name, 8, max_new=10) for name in "ab"}  # two full blocks each
+    _decoding(scheduler, requests)
+    requests["b"].draft_token_ids = [1, 2]
+    plan = scheduler.schedule()  # a needs a third block: b, the newest, is preempted
+    assert plan.preempted_ids == ["b"] and requests["b"].draft_token_ids == []
