@@ -172,3 +172,23 @@ def _assert_fits(counts: Counter, probs: torch.Tensor, min_expected: float = 5.0
     degrees = len(observed) - 1
     p_value = torch.special.gammaincc(torch.tensor(degrees / 2), torch.tensor(statistic / 2)).item()
     assert p_value > 1e-3, (p_value, observed, wanted)
+
+
+def test_a_stream_carries_every_accepted_token(tiny_engine_config, start_grpc_server):
+    """Over gRPC, a streamed generation with several tokens per step sends each of them, one
+    message per token as TGI does, and they equal the unary call's (and plain decoding's)."""
+    import dataclasses
+
+    from textgen.v1 import generate_pb2 as pb
+
+    request = pb.GenerateRequest(inputs=LOOP, parameters=pb.GenerateParameters(max_new_tokens=30, details=True))
+    unary = {}
+    for speculate in (4, 0):
+        server = start_grpc_server(dataclasses.replace(tiny_engine_config,
+                                                       scheduler=SchedulerConfig(speculate=speculate)))
+        unary[speculate] = [t.id for t in server.stub.Generate(request, timeout=60).details.tokens]
+        if speculate:
+            streamed = [response.token.id for response in server.stub.GenerateStream(request, timeout=60)]
+            assert streamed == unary[speculate] and len(streamed) == 30
+            assert server.engine.stats().num_accepted_tokens > 0
+    assert unary[4] == unary[0]
