@@ -53,8 +53,8 @@ def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range
 
 def validated(prompt: list[int], max_new_tokens: int):
     """A greedy request that generates exactly `max_new_tokens` (EOS ignored), as the engine takes it."""
-    from inference_service.engine.sampling_params import SamplingParams, StoppingParams
     from inference_service.engine.validation import ValidatedRequest
+    from inference_service.sampling_params import SamplingParams, StoppingParams
 
     return ValidatedRequest(
         inputs="", prompt_token_ids=prompt, input_length=len(prompt), sampling_params=SamplingParams(),

@@ -85,7 +85,7 @@ def run_all(engine, requests: list) -> tuple[list[list[int]], list, float, list[
 
 
 def perplexity(engine, ids: list[int]) -> float:
-    from inference_service.engine.sampling_params import SamplingParams
+    from inference_service.sampling_params import SamplingParams
 
     request = dataclasses.replace(common.validated(ids, 1), decoder_input_details=True,
                                   sampling_params=SamplingParams(prompt_logprobs=True))

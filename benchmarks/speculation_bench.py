@@ -36,10 +36,10 @@ from inference_service.config import DEMO_MODEL_ID, CacheConfig, EngineConfig, M
 from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
 from inference_service.engine.chat_template import ChatTemplate  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
-from inference_service.engine.sampling_params import SamplingParams, StoppingParams  # noqa: E402
 from inference_service.engine.speculation import Speculator  # noqa: E402
 from inference_service.engine.validation import ValidatedRequest  # noqa: E402
 from inference_service.sample.ngram_proposer import NgramProposer  # noqa: E402
+from inference_service.sampling_params import SamplingParams, StoppingParams  # noqa: E402
 
 TEXT = common.ROOT / "tests" / "data" / "alice_chapter1.txt"
 FULL = {"edits": 6, "questions": 6, "edit_tokens": 320, "free_tokens": 128, "runs": 2}

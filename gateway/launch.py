@@ -27,7 +27,8 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.envoy import Envoy, GatewayError
-from inference_service.cli import NamedFlag
+from inference_service import flags
+from inference_service.flags import CliError, NamedFlag
 
 logger = logging.getLogger("gateway.launch")
 
@@ -58,7 +59,7 @@ GATEWAY_FLAGS = (
 
 @dataclass(frozen=True)
 class LaunchOptions:
-    """The gateway's own flags (the server's come from `inference_service.cli`)."""
+    """The gateway's own flags (the server's come from `inference_service.flags`)."""
 
     port: int = 8080
     cors_allow_origin: tuple[str, ...] = ()
@@ -68,9 +69,8 @@ class LaunchOptions:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from inference_service import cli
 
-    cli.add_config_flags(parser)
+    flags.add_config_flags(parser)
     group = parser.add_argument_group("gateway")
     for flag in GATEWAY_FLAGS:
         default = "" if flag.default is None else f" (default: {flag.default})"
@@ -83,7 +83,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace, environ: dict[str, str]) -> LaunchOptions:
     """Flags win over environment variables, which win over defaults."""
-    from inference_service.cli import CliError
 
     values: dict[str, Any] = {}
     for flag in GATEWAY_FLAGS:
@@ -109,17 +108,16 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Laun
 
 def run(args: argparse.Namespace) -> int:
     """The `launch` command (hooked into `inference_service.cli`)."""
-    from inference_service import cli
 
-    engine_config, server_config = cli.configs_from_args(args)
+    engine_config, server_config = flags.configs_from_args(args)
     options = options_from_args(args, dict(os.environ))
-    cli.configure_logging(server_config)
+    flags.configure_logging(server_config)
     from inference_service.api.server import StartupError  # torch loads with it
 
     try:
         return asyncio.run(launch(server_config, engine_config, options))
     except (StartupError, GatewayError) as error:
-        raise cli.CommandFailed(str(error)) from None
+        raise flags.CommandFailed(str(error)) from None
 
 
 def loopback(hostname: str) -> str:

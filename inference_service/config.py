@@ -1,7 +1,7 @@
 """Configuration: one frozen dataclass per area, validated on construction.
 
 Values that are only known once the model is loaded (KV blocks, auto limits, EOS ids) are not
-written back here: they live in `engine.outputs.EngineInfo`.
+written back here: they live in `outputs.EngineInfo`.
 """
 
 from __future__ import annotations

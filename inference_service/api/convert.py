@@ -15,9 +15,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from inference_service import __version__
+from inference_service import __version__, outputs
 from inference_service.config import SchedulerConfig
-from inference_service.engine import outputs
 from inference_service.engine.validation import GenerateParameters, GenerateRequest, TokenSpan
 from textgen.v1 import generate_pb2 as pb
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from inference_service import __version__
 from inference_service.api.openai_convert import ChatPlan, CompletionPlan
 from inference_service.api.openai_tools import ToolCallStream, parse_tool_calls
-from inference_service.engine.outputs import FinishReason, GenerateResult, RequestOutput, Token
+from inference_service.outputs import FinishReason, GenerateResult, RequestOutput, Token
 from textgen.v1 import generate_pb2 as pb
 
 SYSTEM_FINGERPRINT = f"{__version__}-native"

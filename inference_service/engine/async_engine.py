@@ -22,7 +22,6 @@ from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
 from inference_service.engine.chat_template import ChatTemplate, load_template_file
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 from inference_service.engine.validation import (
     GenerateRequest,
     TokenSpan,
@@ -31,6 +30,7 @@ from inference_service.engine.validation import (
     tokenize,
 )
 from inference_service.errors import GenerationError, ModelLoadError, OverloadedError, UnavailableError
+from inference_service.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 
 logger = logging.getLogger(__name__)
 

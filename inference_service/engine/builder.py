@@ -15,12 +15,12 @@ from transformers import AutoConfig
 
 from inference_service.config import CacheConfig, EngineConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.outputs import EngineInfo, ScheduledRequest
 from inference_service.engine.speculation import Speculator
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo, loader
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
+from inference_service.outputs import EngineInfo, ScheduledRequest
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler

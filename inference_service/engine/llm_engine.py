@@ -18,7 +18,13 @@ from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.detokenizer import TextState, decode, special_token_ids
 from inference_service.engine.forward_clock import ForwardClock
 from inference_service.engine.kv_cache_manager import KVCacheManager
-from inference_service.engine.outputs import (
+from inference_service.engine.prefix_cache import PrefixCache
+from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
+from inference_service.engine.scheduler import Scheduler
+from inference_service.engine.speculation import Speculator
+from inference_service.engine.validation import ValidatedRequest
+from inference_service.errors import GenerationError, InferenceError, RequestCancelled
+from inference_service.outputs import (
     EngineInfo,
     EngineStats,
     FinishReason,
@@ -29,12 +35,6 @@ from inference_service.engine.outputs import (
     StepStats,
     Token,
 )
-from inference_service.engine.prefix_cache import PrefixCache
-from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
-from inference_service.engine.scheduler import Scheduler
-from inference_service.engine.speculation import Speculator
-from inference_service.engine.validation import ValidatedRequest
-from inference_service.errors import GenerationError, InferenceError, RequestCancelled
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
 from inference_service.worker.model_runner import ModelRunner, StepLogits

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from inference_service.engine.outputs import FinishReason, RequestTimings
-from inference_service.engine.sampling_params import SamplingParams, StoppingParams
+from inference_service.outputs import FinishReason, RequestTimings
+from inference_service.sampling_params import SamplingParams, StoppingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -23,9 +23,9 @@ from collections import deque
 
 from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.kv_cache_manager import KVCacheManager
-from inference_service.engine.outputs import ScheduledRequest, SchedulerOutput
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
+from inference_service.outputs import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_service.engine.outputs import EngineInfo
-from inference_service.engine.sampling_params import SamplingParams, StoppingParams
 from inference_service.errors import ValidationError
+from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, grammar_spec_from_tgi
+from inference_service.sampling_params import SamplingParams, StoppingParams
 
 MAX_SEED = 2**64 - 1
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from inference_service.engine.outputs import ScheduledRequest
 from inference_service.errors import ModelLoadError
+from inference_service.outputs import ScheduledRequest
 from inference_service.worker.attention import ATTENTION_NAME
 from inference_service.worker.kv_cache import PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes

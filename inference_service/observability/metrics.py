@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from inference_service.engine.outputs import EngineInfo, EngineStats, StepStats
+from inference_service.outputs import EngineInfo, EngineStats, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # TGI: every metric whose name ends in "duration" has 35 geometric buckets from 150 µs.

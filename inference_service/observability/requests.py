@@ -12,13 +12,15 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from inference_service.engine.outputs import GenerateResult, RequestOutput
-from inference_service.engine.validation import ValidatedRequest
 from inference_service.errors import InferenceError, ValidationError
 from inference_service.observability.metrics import FAILURE_KINDS, ServerMetrics
 from inference_service.observability.tracing import RequestTrace, Tracing
+from inference_service.outputs import GenerateResult, RequestOutput
+
+if TYPE_CHECKING:  # the engine sits above observability: its types only, for annotations
+    from inference_service.engine.validation import ValidatedRequest
 
 logger = logging.getLogger("inference_service.requests")
 

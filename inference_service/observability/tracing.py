@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from inference_service.engine.outputs import RequestTimings
+from inference_service.outputs import RequestTimings
 
 logger = logging.getLogger(__name__)
 

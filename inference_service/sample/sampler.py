@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference_service.engine.sampling_params import SamplingParams
 from inference_service.sample import ops
 from inference_service.sample.grammar import GrammarState, fill_bitmasks, prefetch_masks
 from inference_service.sample.watermark import Watermark
+from inference_service.sampling_params import SamplingParams
 
 
 class SamplingState:

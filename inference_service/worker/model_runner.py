@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.engine.outputs import ScheduledRequest
+from inference_service.outputs import ScheduledRequest
 from inference_service.worker.attention import PrefillChunk, StepMetadata, step_context
 from inference_service.worker.cpu_kernels import PagedDecodeKernel
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache

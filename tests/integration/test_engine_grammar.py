@@ -12,9 +12,9 @@ import pytest
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.outputs import FinishReason
 from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import GenerationError
+from inference_service.outputs import FinishReason
 from inference_service.sample.grammar import GrammarSpec
 
 PROMPTS = ["the quick brown fox", "café naïve résumé", "1234 3.14 , . ! ?", "東京 こんにちは", "birds sing café",

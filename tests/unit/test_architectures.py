@@ -19,9 +19,9 @@ import pytest
 import torch
 from tiny_models import NUM_LAYERS, VOCAB_SIZE, same_weights_model, tiny_config, tiny_model
 
-from inference_service.engine.outputs import ScheduledRequest
 from inference_service.errors import ModelLoadError
 from inference_service.models import registry
+from inference_service.outputs import ScheduledRequest
 from inference_service.worker import attention, cpu_kernels, model_runner, native_linear
 from inference_service.worker.kv_cache import PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes

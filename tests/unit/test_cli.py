@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_service import cli
+from inference_service import cli, flags
 from inference_service.api.config import ServerConfig
 from inference_service.config import EngineConfig
 
@@ -41,7 +41,7 @@ SAMPLES = {
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     args = cli.build_parser().parse_args(["serve", *argv])
-    return cli.configs_from_args(args, environ={} if environ is None else environ)
+    return flags.configs_from_args(args, environ={} if environ is None else environ)
 
 
 def field_value(engine: EngineConfig, server: ServerConfig, target: str):
@@ -55,17 +55,17 @@ def test_defaults_are_the_config_defaults():
 
 
 def test_every_serve_flag_has_a_sample():
-    assert set(SAMPLES) == {flag.name for flag in cli.SERVE_FLAGS}
+    assert set(SAMPLES) == {flag.name for flag in flags.SERVE_FLAGS}
 
 
-@pytest.mark.parametrize("flag", cli.SERVE_FLAGS, ids=lambda f: f.name)
+@pytest.mark.parametrize("flag", flags.SERVE_FLAGS, ids=lambda f: f.name)
 def test_flag_sets_its_field(flag):
     text, expected = SAMPLES[flag.name]
     engine, server = parse([flag.name] if text is None else [flag.name, text])
     assert field_value(engine, server, flag.target) == expected
 
 
-@pytest.mark.parametrize("flag", cli.SERVE_FLAGS, ids=lambda f: f.name)
+@pytest.mark.parametrize("flag", flags.SERVE_FLAGS, ids=lambda f: f.name)
 def test_environment_variable_sets_its_field(flag):
     text, expected = SAMPLES[flag.name]
     engine, server = parse([], {flag.env: "true" if text is None else text})
@@ -78,7 +78,7 @@ def test_the_api_key_stays_out_of_reprs():
 
 
 def test_env_names_are_tgi_style():
-    names = {flag.name: flag.env for flag in cli.SERVE_FLAGS}
+    names = {flag.name: flag.env for flag in flags.SERVE_FLAGS}
     assert names["--model-id"] == "MODEL_ID"
     assert names["--max-total-tokens"] == "MAX_TOTAL_TOKENS"
     assert names["--huggingface-hub-cache"] == "HUGGINGFACE_HUB_CACHE"
@@ -100,7 +100,7 @@ def test_short_graceful_termination_flag():
 
 
 def run_main(argv: list[str], monkeypatch, capsys, environ: dict[str, str] | None = None) -> tuple[int, str]:
-    for flag in cli.SERVE_FLAGS:
+    for flag in flags.SERVE_FLAGS:
         monkeypatch.delenv(flag.env, raising=False)
     for key, value in (environ or {}).items():
         monkeypatch.setenv(key, value)
@@ -159,7 +159,7 @@ def test_help_explains_every_flag(capsys, monkeypatch):
         cli.main(["serve", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in cli.SERVE_FLAGS:
+    for flag in flags.SERVE_FLAGS:
         assert flag.name in out and f"[env: {flag.env}]" in out
 
 
@@ -167,4 +167,4 @@ def test_readme_flag_table_matches_the_code():
     readme = (ROOT / "README.md").read_text()
     table = readme.split("<!-- flags:start -->")[1].split("<!-- flags:end -->")[0]
     rows = re.findall(r"^\| `(--[a-z-]+)`[^|]*\| `([A-Z_]+)` \|", table, flags=re.MULTILINE)
-    assert rows == [(flag.name, flag.env) for flag in cli.SERVE_FLAGS]
+    assert rows == [(flag.name, flag.env) for flag in flags.SERVE_FLAGS]

@@ -10,7 +10,8 @@ from google.protobuf import json_format, struct_pb2
 
 from inference_service.api import convert
 from inference_service.config import SchedulerConfig
-from inference_service.engine.outputs import (
+from inference_service.engine.validation import GenerateParameters
+from inference_service.outputs import (
     EngineInfo,
     EngineStats,
     FinishReason,
@@ -19,7 +20,6 @@ from inference_service.engine.outputs import (
     RequestOutput,
     Token,
 )
-from inference_service.engine.validation import GenerateParameters
 from textgen.v1 import generate_pb2 as pb
 
 

@@ -15,8 +15,8 @@ from inference_service.engine.block_hash_index import BlockHashIndex, cache_salt
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
-from inference_service.engine.sampling_params import SamplingParams, StoppingParams
 from inference_service.engine.scheduler import Scheduler
+from inference_service.sampling_params import SamplingParams, StoppingParams
 
 SALT = cache_salt("test-model")
 

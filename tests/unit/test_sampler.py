@@ -15,9 +15,9 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from inference_service.engine.sampling_params import SamplingParams
 from inference_service.sample import Sampler, SamplingState
 from inference_service.sample.watermark import Watermark
+from inference_service.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 GAMMA, DELTA = 0.5, 2.0

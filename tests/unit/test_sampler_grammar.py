@@ -6,9 +6,9 @@ import re
 
 import torch
 
-from inference_service.engine.sampling_params import SamplingParams
 from inference_service.sample import Sampler, SamplingState
 from inference_service.sample.grammar import GrammarSpec
+from inference_service.sampling_params import SamplingParams
 
 REGEX = "[0-9]{3}-[a-z]{2,4}"
 GREEDY = SamplingParams()

@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.request import Request, RequestStatus
-from inference_service.engine.sampling_params import SamplingParams, StoppingParams
 from inference_service.engine.scheduler import Scheduler
+from inference_service.sampling_params import SamplingParams, StoppingParams
 
 
 def _request(request_id: str, num_prompt: int, max_new: int = 4) -> Request:

@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from inference_service.engine.outputs import EngineInfo
 from inference_service.engine.validation import (
     MAX_SEED,
     GenerateParameters,
@@ -16,6 +15,7 @@ from inference_service.engine.validation import (
     tokenize,
 )
 from inference_service.errors import ValidationError
+from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import GrammarSpec
 
 MAX_INPUT = 30
