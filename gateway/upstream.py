@@ -1,0 +1,85 @@
+"""The engine cluster behind Envoy: its endpoints, how requests are spread over them, how a replica
+that is down or draining is taken out, and which requests are retried.
+
+- Endpoints: one per replica port on the upstream host; a host name is resolved by DNS (STRICT_DNS:
+  every address it resolves to, e.g. a Kubernetes headless Service's pods).
+- Balancing: least request (the replica with fewer requests in flight), or with `routing="prefix"`
+  a ring hash of the `x-prefix-hash` header the Lua filter computes from the start of the prompt,
+  so a conversation keeps landing where its prefix cache is.
+- Health: active gRPC health checks (grpc.health.v1: a loading or draining replica answers
+  NOT_SERVING) and outlier detection on gateway failures (a replica that resets or refuses).
+  With most replicas out, Envoy's panic mode tries them all; a replica that can't serve answers
+  UNAVAILABLE (loading, draining) and the request is retried on another, so callers see the
+  server's own answers (TGI's in-band stream errors included) rather than Envoy's.
+- Retries only where nothing was done: a refused connection or stream, or UNAVAILABLE before any
+  response (a replica loading or draining), each time on another replica. Never after a response
+  started: a stream that sent a token is not replayed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+PREFIX_HASH_HEADER = "x-prefix-hash"
+ROUTINGS = ("least-request", "prefix")
+HEALTH_CHECK_INTERVAL = "1s"
+
+
+def _type(name: str) -> str:
+    return f"type.googleapis.com/{name}"
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    address: dict[str, Any] = {"address": host, "port_value": port}
+    if host == "::":
+        address["ipv4_compat"] = True
+    return {"socket_address": address}
+
+
+def discovery_type(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+        return "STATIC"
+    except ValueError:
+        return "STRICT_DNS"
+
+
+def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
+                   protocol_options: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+    endpoints = [{"endpoint": {"address": _address(host, port)}} for port in ports]
+    return {
+        "name": name,
+        "type": discovery_type(host),
+        "connect_timeout": "5s",
+        "lb_policy": "RING_HASH" if routing == "prefix" else "LEAST_REQUEST",
+        "typed_extension_protocol_options": protocol_options,
+        "circuit_breakers": {"thresholds": [limits]},
+        "health_checks": [{
+            "timeout": "1s", "interval": HEALTH_CHECK_INTERVAL, "no_traffic_interval": HEALTH_CHECK_INTERVAL,
+            "unhealthy_threshold": 2, "healthy_threshold": 1, "grpc_health_check": {}}],
+        "outlier_detection": {
+            # A request's own failure (INTERNAL) says nothing about the replica: only gateway
+            # failures (reset, refused, UNAVAILABLE) eject it, for a few seconds.
+            "enforcing_consecutive_5xx": 0, "consecutive_gateway_failure": 3,
+            "enforcing_consecutive_gateway_failure": 100, "interval": "2s", "base_ejection_time": "5s",
+            "max_ejection_percent": 100},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+    }
+
+
+def retry_policy() -> dict[str, Any]:
+    return {
+        "retry_on": "connect-failure,refused-stream,unavailable",
+        "num_retries": 2,
+        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+            "@type": _type("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")}}],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+def hash_policy(routing: str) -> list[dict[str, Any]]:
+    """What the ring hash keys on (prefix routing only; a request without the header goes anywhere)."""
+    return [{"header": {"header_name": PREFIX_HASH_HEADER}}] if routing == "prefix" else []

@@ -1,0 +1,162 @@
+"""`launch --num-replicas 2`: requests spread over both replicas, REST and gRPC through Envoy's one
+port; SIGKILL one under load and nothing is lost beyond typed errors of what it had in flight; it is
+restarted and serves again; SIGTERM stops everything. `--routing prefix` keeps a prompt's prefix on
+one replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from tests.launched import Launched
+from textgen.v1 import generate_pb2 as pb
+from textgen.v1 import generate_pb2_grpc
+
+READY = r"ready: TGI REST API on (http://\S+) \(gRPC too\), balanced over (\d+) replicas"
+REPLICA = r"replica (\d+) \(pid (\d+)\): gRPC port (\d+)"
+
+
+@pytest.fixture
+def launched(tiny_model_dir, envoy_installed):
+    runs: list[Launched] = []
+
+    def start(*extra: str) -> Launched:
+        runs.append(Launched(tiny_model_dir, "--num-replicas", "2", *extra))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
+def generate(url: str, inputs: str, max_new_tokens: int = 8, timeout: float = 60) -> tuple[int, dict]:
+    body = json.dumps({"inputs": inputs, "parameters": {"max_new_tokens": max_new_tokens}}).encode()
+    request = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def wait_envoy_sees_healthy(run: Launched, count: int = 2, timeout_s: float = 30) -> None:
+    """Until Envoy's active health checks pass on `count` engine endpoints (its admin /clusters)."""
+    admin = run.wait_for(r"Envoy \d+: REST on port \d+, admin (\S+)").group(1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(admin + "/clusters", timeout=5) as response:
+            lines = response.read().decode().splitlines()
+        flags = [line.rsplit("::", 1)[1] for line in lines
+                 if line.startswith("textgen::") and "::health_flags::" in line]
+        if len(flags) == 2 and flags.count("healthy") >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"Envoy did not see {count} healthy replicas: {flags}")
+
+
+def steps_of(port: int) -> int:
+    """Engine steps a replica has run (its own gRPC Info, straight to its port)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        info = generate_pb2_grpc.TextGenerationStub(channel).Info(pb.InfoRequest(), timeout=10)
+    return info.stats.num_steps
+
+
+def replicas_of(run: Launched) -> dict[int, tuple[int, int]]:
+    """{index: (pid, port)} of the replicas' latest starts."""
+    return {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in run.matches(REPLICA)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = f"/proc/{pid}/status"
+    return not os.path.exists(status) or "zombie" not in open(status).read().lower()
+
+
+def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
+    run = launched()
+    url = run.wait_for(READY).group(1)
+    wait_envoy_sees_healthy(run)
+    replicas = replicas_of(run)
+    assert sorted(replicas) == [0, 1]
+
+    # Load spreads over both (least request: a request goes to the replica with fewer in flight;
+    # Envoy's balancer takes a moment to use a replica its health checks just let in).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(steps_of(port) for _, port in replicas.values()):
+        results: list[tuple[int, dict]] = []
+        threads = [threading.Thread(target=lambda i=i, out=results: out.append(generate(url, f"hello {i}", 64)))
+                   for i in range(8)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.02)
+        for thread in threads:
+            thread.join(60)
+        assert [status for status, _ in results] == [200] * 8
+    assert all(steps_of(port) > 0 for _, port in replicas.values())
+
+    # gRPC through the same port as REST.
+    with grpc.insecure_channel(url.removeprefix("http://")) as channel:
+        reply = generate_pb2_grpc.TextGenerationStub(channel).Generate(
+            pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=3)), timeout=30)
+    assert reply.generated_text
+
+    # SIGKILL replica 1 while requests are in flight.
+    outcomes: list[tuple[int, dict]] = []
+    load = [threading.Thread(target=lambda i=i: outcomes.append(generate(url, f"load {i}", 40)))
+            for i in range(16)]
+    for thread in load:
+        thread.start()
+    time.sleep(0.3)
+    killed_pid, killed_port = replicas[1]
+    os.kill(killed_pid, signal.SIGKILL)
+    for thread in load:
+        thread.join(90)
+    assert len(outcomes) == 16, "a request hung"
+    failures = [(status, body) for status, body in outcomes if status != 200]
+    assert all(status >= 500 and body.get("error") for status, body in failures), failures  # typed errors
+    assert len(failures) < 16 and all(body.get("generated_text") is not None
+                                      for status, body in outcomes if status == 200)
+
+    # Restarted on the same port, it serves again; nothing is lost meanwhile.
+    run.wait_for(r"replica 1 restarted \(pid (\d+)\): serving again", timeout_s=60)
+    new_pid, port = replicas_of(run)[1]
+    assert new_pid != killed_pid and port == killed_port
+    wait_envoy_sees_healthy(run)
+    deadline = time.monotonic() + 30
+    while steps_of(port) == 0 and time.monotonic() < deadline:
+        generate(url, "after the restart", 4)
+    assert steps_of(port) > 0
+    assert generate(url, "hello", 3)[0] == 200
+
+    run.process.send_signal(signal.SIGTERM)
+    assert run.process.wait(30) == 0, run.log()
+    assert not any(alive(pid) for pid, _ in replicas_of(run).values())
+
+
+def test_prefix_routing_keeps_a_prefix_on_one_replica(launched):
+    run = launched("--routing", "prefix")
+    url = run.wait_for(READY).group(1)
+    wait_envoy_sees_healthy(run)
+    ports = [port for _, port in replicas_of(run).values()]
+    deadline = time.monotonic() + 30  # different prefixes land on both (once Envoy uses both)
+    while time.monotonic() < deadline and not all(steps_of(port) for port in ports):
+        for index in range(20):
+            assert generate(url, f"{index} a different conversation", 2)[0] == 200
+    assert all(steps_of(port) for port in ports)
+    shared = "You are a helpful assistant who answers in rhymes. " * 6  # longer than the hashed prefix
+    before = [steps_of(port) for port in ports]
+    for turn in range(6):
+        assert generate(url, shared + f"question {turn}?", 2)[0] == 200
+    moved = [steps_of(port) - count for port, count in zip(ports, before, strict=True)]
+    assert sorted(moved)[0] == 0 and sorted(moved)[1] > 0, moved  # every turn on the same replica
