@@ -40,10 +40,12 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Stubs, type stubs, the Envoy descriptor set and the standalone Envoy config that embeds it (all committed).
+# Stubs, type stubs, the Envoy descriptor set, the standalone Envoy config that embeds it and the Kubernetes
+# manifests (all committed).
 protos: setup
 	$(PY) protos/generate.py
 	$(PY) -m gateway --output deploy/envoy/envoy.yaml
+	$(PY) -m gateway.k8s --output-dir deploy/k8s
 
 protos-check: setup
 	$(PY) protos/generate.py --check

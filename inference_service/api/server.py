@@ -1,7 +1,9 @@
 """The gRPC server: TextGeneration, grpc.health.v1 and reflection on one port, and the engine's life.
 
 The port opens before the model loads, so orchestrators see NOT_SERVING while it loads and warms
-up, SERVING once it can generate, and NOT_SERVING again while it drains on SIGTERM.
+up, SERVING once it can generate, and NOT_SERVING again while it drains on SIGTERM (readiness); the
+`liveness` health service is SERVING all along, for a liveness probe that must not kill a pod that
+is loading or draining.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 HEALTH_SERVICES = ("", SERVICE_NAME)  # "" is the whole server
+# SERVING as long as the process answers, loading and draining included: what a liveness probe asks
+# (the services above say whether to send requests, which is readiness).
+LIVENESS_SERVICE = "liveness"
 # After the engine drained, handlers only have their last messages to send.
 STOP_GRACE_S = 5.0
 
@@ -79,6 +84,7 @@ class ApiServer:
         """Listen (NOT_SERVING until `load_engine`); returns the bound port."""
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         target = f"{self.address}:{self.config.grpc_port}"
         try:
             self.port = self._server.add_insecure_port(target)
@@ -106,7 +112,8 @@ class ApiServer:
         """NOT_SERVING, stop admitting, give in-flight requests `timeout_s`, cancel the rest, stop."""
         timeout_s = self.config.graceful_termination_timeout if timeout_s is None else timeout_s
         logger.info("draining (up to %.1fs)", timeout_s)
-        await self.health.enter_graceful_shutdown()
+        for service in HEALTH_SERVICES:  # not ready; still alive
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.drain()
         if self.engine is not None:
             await self.engine.shutdown(timeout_s)

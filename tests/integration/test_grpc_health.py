@@ -18,11 +18,11 @@ LONG = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_t
 MEDIUM = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_tokens=150))
 
 
-def health_of(server) -> tuple[int, int]:
+def health_of(server, names: tuple[str, ...] = ("", SERVICE)) -> tuple[int, ...]:
     """grpc.health.v1 status of the whole server and of the TextGeneration service."""
     stub = health_pb2_grpc.HealthStub(server.channel)
     return tuple(stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT).status
-                 for name in ("", SERVICE))
+                 for name in names)
 
 
 def unavailable(call) -> str:
@@ -36,6 +36,7 @@ def unavailable(call) -> str:
 def test_not_serving_while_loading_then_serving(start_grpc_server, tiny_engine_config):
     server = start_grpc_server(tiny_engine_config, load=False)
     assert health_of(server) == (NOT_SERVING, NOT_SERVING)
+    assert health_of(server, ("liveness",)) == (SERVING,)  # alive while loading: no liveness restart
     assert unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT)) == (
         "the model is still loading")
     unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT))
@@ -53,6 +54,7 @@ def test_draining_is_not_serving_and_lets_in_flight_requests_finish(start_grpc_s
     shutdown = server.start_shutdown(timeout_s=30)
 
     assert health_of(server) == (NOT_SERVING, NOT_SERVING)
+    assert health_of(server, ("liveness",)) == (SERVING,)  # alive while draining
     assert unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT)) == (
         "the server is shutting down")
     assert unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT)) == "the server is shutting down"
