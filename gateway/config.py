@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway import yaml_text
 from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
+from gateway.tls import TlsFiles, listener_tls, upstream_tls
 from gateway.upstream import ROUTINGS, discovery_type, engine_cluster, hash_policy, retry_policy
 from inference_service.observability.tracing import otlp_target
 
@@ -58,6 +59,8 @@ class GatewayConfig:
     # Replicas on upstream_host (launch --num-replicas); empty: upstream_port alone.
     upstream_ports: tuple[int, ...] = ()
     routing: str = "least-request"  # or "prefix": ring hash on the prompt's start (gateway/upstream.py)
+    listener_tls: TlsFiles | None = None  # TLS for callers (gateway/tls.py); None: plaintext
+    upstream_tls: TlsFiles | None = None  # TLS to the engine; None: plaintext
     payload_limit: int = 2_000_000  # bytes of a request body (TGI's --payload-limit)
     cors_allow_origin: tuple[str, ...] = ()  # empty: any origin, as TGI
     admin_host: str = "127.0.0.1"
@@ -243,10 +246,13 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
     }
     if config.otlp_endpoint:
         manager["tracing"] = _tracing(config)
+    chain: dict[str, Any] = {"filters": [
+        {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+    if config.listener_tls is not None:
+        chain["transport_socket"] = listener_tls(config.listener_tls)
     return {"name": "rest", "address": _address(config.hostname, config.port),
             "per_connection_buffer_limit_bytes": max(RESPONSE_BUFFER_LIMIT, config.payload_limit),
-            "filter_chains": [{"filters": [
-                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}]}
+            "filter_chains": [chain]}
 
 
 def _cluster(config: GatewayConfig) -> dict[str, Any]:
@@ -255,7 +261,10 @@ def _cluster(config: GatewayConfig) -> dict[str, Any]:
         "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
         "explicit_http_config": {"http2_protocol_options": {
             "connection_keepalive": {"interval": "30s", "timeout": "10s"}}}}}
-    return engine_cluster(CLUSTER, config.upstream_host, config.ports, config.routing, protocol, limits)
+    cluster = engine_cluster(CLUSTER, config.upstream_host, config.ports, config.routing, protocol, limits)
+    if config.upstream_tls is not None:
+        cluster["transport_socket"] = upstream_tls(config.upstream_tls)
+    return cluster
 
 
 def _tracing(config: GatewayConfig) -> dict[str, Any]:

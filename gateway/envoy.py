@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import ssl
 import subprocess
 import threading
 import time
@@ -19,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gateway.config import GatewayConfig, render_yaml
+from gateway.config import CLUSTER, GatewayConfig, render_yaml
 
 logger = logging.getLogger("gateway.envoy")
 
@@ -183,4 +184,24 @@ class Envoy:
             host = "127.0.0.1"
         elif ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}{path}"
+        scheme = "https" if self.config.listener_tls else "http"
+        return f"{scheme}://{host}:{self.port}{path}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For the launcher's own calls to the listener over loopback: TLS without checking Envoy's
+        certificate (it is the one the launcher gave it), presenting it as a client certificate
+        when the listener demands one."""
+        files = self.config.listener_tls
+        if files is None:
+            return None
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        if files.ca:
+            context.load_cert_chain(files.cert, files.key)
+        return context
+
+    def healthy_ports(self) -> set[int]:
+        """Engine ports Envoy's active health checks pass (its admin /clusters)."""
+        text = self._admin_get("/clusters") or ""
+        return {int(line.split("::")[1].rsplit(":", 1)[1]) for line in text.splitlines()
+                if line.startswith(f"{CLUSTER}::") and line.endswith("::health_flags::healthy")}

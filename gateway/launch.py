@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -27,6 +28,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.envoy import Envoy, GatewayError
+from gateway.tls import TlsFiles
 from gateway.upstream import ROUTINGS
 from inference_service import flags
 from inference_service.flags import CliError, NamedFlag
@@ -164,13 +166,20 @@ async def launch(server_config, engine_config, options: LaunchOptions) -> int:
 
 
 def make_envoy(server_config, options: LaunchOptions, grpc_ports: tuple[int, ...], workdir: Path) -> Envoy:
-    """Envoy on --port in front of the engine's gRPC port(s) on this machine."""
+    """Envoy on --port in front of the engine's gRPC port(s) on this machine; with the server's TLS
+    settings, TLS (mutual with a client CA) for callers and from Envoy to the engine, where Envoy
+    presents the server's certificate as its client certificate (gateway/tls.py)."""
+    listener_tls = upstream_tls = None
+    if server_config.tls:
+        listener_tls = TlsFiles(server_config.tls_cert, server_config.tls_key, server_config.tls_client_ca)
+        upstream_tls = TlsFiles(server_config.tls_cert, server_config.tls_key, server_config.tls_client_ca)
     gateway_config = GatewayConfig(
         hostname=server_config.hostname, port=options.port, upstream_host=loopback(server_config.hostname),
         upstream_port=grpc_ports[0], upstream_ports=grpc_ports, routing=options.routing,
         payload_limit=server_config.payload_limit, cors_allow_origin=options.cors_allow_origin,
         admin_port=options.envoy_admin_port, otlp_endpoint=server_config.otlp_endpoint,
-        otlp_service_name=f"{server_config.otlp_service_name}-gateway")
+        otlp_service_name=f"{server_config.otlp_service_name}-gateway", listener_tls=listener_tls,
+        upstream_tls=upstream_tls)
     return Envoy(gateway_config, workdir, binary=options.envoy_binary, concurrency=options.envoy_concurrency,
                  log_level=server_config.log_level)
 
@@ -191,7 +200,7 @@ async def _serve(server, envoy: Envoy, stop: asyncio.Event, grpc_port: int) -> i
         if not loading.done():  # stopped (or Envoy gave up) while the model was loading
             loading.cancel()
         elif not supervising.done() and not stopping.done():
-            await asyncio.to_thread(wait_healthy, envoy.url("/health"), READY_TIMEOUT_S)
+            await asyncio.to_thread(wait_healthy, envoy.url("/health"), READY_TIMEOUT_S, envoy.ssl_context())
             logger.info("ready: TGI REST API on %s, gRPC API on port %d", envoy.url(), grpc_port)
             await asyncio.wait({stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
         return 1 if supervising.done() and not stopping.done() else 0
@@ -226,12 +235,12 @@ async def keep_running(envoy: Envoy) -> None:
         logger.info("Envoy restarted (pid %d)", envoy.pid)
 
 
-def wait_healthy(url: str, timeout_s: float) -> None:
+def wait_healthy(url: str, timeout_s: float, context: ssl.SSLContext | None = None) -> None:
     """Poll a REST health URL until it answers 200."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with urllib.request.urlopen(url, timeout=5, context=context) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):

@@ -19,10 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_service.flags import SERVE_FLAGS, args_for
 
@@ -30,6 +28,7 @@ logger = logging.getLogger("gateway.replicas")
 
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
+STALE_S = 5.0  # longer than Envoy takes to see a replica die (2 failed checks, 1 s apart)
 
 
 @dataclass
@@ -105,26 +104,17 @@ class ReplicaSet:
         for replica in self.replicas:
             self.start(replica)
 
-    def serving(self, replica: Replica) -> bool:
-        """The replica's gRPC health says SERVING."""
-        target = f"{_bracketed(self._upstream_host)}:{replica.port}"
-        try:
-            with grpc.insecure_channel(target) as channel:
-                response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            return response.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    async def supervise(self) -> None:
-        """Restart replicas as they die; return when none is left running or restartable."""
-        watchers = [asyncio.ensure_future(self._watch(replica)) for replica in self.replicas]
+    async def supervise(self, serving: Callable[[int], bool]) -> None:
+        """Restart replicas as they die; return when none is left running or restartable.
+        `serving(port)` says whether the replica on that port serves again (Envoy's health checks)."""
+        watchers = [asyncio.ensure_future(self._watch(replica, serving)) for replica in self.replicas]
         try:
             await asyncio.gather(*watchers)
         finally:
             for watcher in watchers:
                 watcher.cancel()
 
-    async def _watch(self, replica: Replica) -> None:
+    async def _watch(self, replica: Replica, serving: Callable[[int], bool]) -> None:
         while True:
             code = await asyncio.to_thread(replica.process.wait)
             if self._stopping:
@@ -139,11 +129,17 @@ class ReplicaSet:
             logger.warning("replica %d (pid %d) exited with code %d: restarting", replica.index, replica.pid, code)
             replica.restarts.append(now)
             self.start(replica)
-            asyncio.ensure_future(self._announce_when_serving(replica, replica.process))
+            asyncio.ensure_future(self._announce_when_serving(replica, replica.process, serving))
 
-    async def _announce_when_serving(self, replica: Replica, process: subprocess.Popen) -> None:
+    async def _announce_when_serving(self, replica: Replica, process: subprocess.Popen,
+                                     serving: Callable[[int], bool]) -> None:
+        """Log once Envoy's health checks pass on the new process: after they have seen the old one
+        gone (Envoy's flag lags a death by a couple of checks), or after `STALE_S` at the latest."""
+        started, seen_down = time.monotonic(), False
         while process.poll() is None and not self._stopping:
-            if await asyncio.to_thread(self.serving, replica):
+            healthy = await asyncio.to_thread(serving, replica.port)
+            seen_down = seen_down or not healthy or time.monotonic() - started > STALE_S
+            if healthy and seen_down:
                 logger.info("replica %d restarted (pid %d): serving again", replica.index, process.pid)
                 return
             await asyncio.sleep(0.2)
@@ -174,7 +170,3 @@ def _without(args: list[str], name: str) -> list[str]:
         else:
             out.append(arg)
     return out
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -51,7 +51,7 @@ async def launch_replicas(server_config, engine_config, options: LaunchOptions) 
 async def _serve(replicas: ReplicaSet, envoy: Envoy, stop: asyncio.Event) -> int:
     tasks = {
         "envoy": asyncio.ensure_future(keep_running(envoy)),
-        "replicas": asyncio.ensure_future(replicas.supervise()),
+        "replicas": asyncio.ensure_future(replicas.supervise(lambda port: port in envoy.healthy_ports())),
         "stop": asyncio.ensure_future(stop.wait()),
         "announce": asyncio.ensure_future(_announce(replicas, envoy)),
     }
@@ -68,12 +68,13 @@ async def _serve(replicas: ReplicaSet, envoy: Envoy, stop: asyncio.Event) -> int
 
 
 async def _announce(replicas: ReplicaSet, envoy: Envoy) -> None:
-    """Log each replica as it first serves, and readiness once REST `/health` answers 200 (Envoy's
-    health checks have seen a replica serve)."""
+    """Log each replica as Envoy's health checks first see it serve, and readiness once REST
+    `/health` answers 200."""
     pending, ready = list(replicas.replicas), False
     while pending or not ready:
+        healthy = await asyncio.to_thread(envoy.healthy_ports)
         for replica in list(pending):
-            if replica.alive and await asyncio.to_thread(replicas.serving, replica):
+            if replica.alive and replica.port in healthy:
                 pending.remove(replica)
                 logger.info("replica %d (pid %d) serving on gRPC port %d", replica.index, replica.pid, replica.port)
         if not ready and len(pending) < len(replicas.replicas) and await asyncio.to_thread(_healthy, envoy):
@@ -85,7 +86,7 @@ async def _announce(replicas: ReplicaSet, envoy: Envoy) -> None:
 
 def _healthy(envoy: Envoy) -> bool:
     try:
-        wait_healthy(envoy.url("/health"), 0)
+        wait_healthy(envoy.url("/health"), 0, envoy.ssl_context())
         return True
     except GatewayError:
         return False

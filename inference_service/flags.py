@@ -170,6 +170,13 @@ SERVER_FLAGS = (
          "Key the generation calls (Generate, GenerateStream, Tokenize; REST /, /generate, /generate_stream, "
          "/tokenize) must carry as 'authorization: Bearer <key>'; health, info and metrics stay open.",
          default_text="none: nothing is checked"),
+    Flag("--tls-cert", "server.tls_cert",
+         "TLS on the gRPC port (launch: on Envoy's port too, and from Envoy to the engine): the server's "
+         "certificate chain, PEM.", default_text="none: plaintext"),
+    Flag("--tls-key", "server.tls_key", "The private key of --tls-cert, PEM.", default_text="none"),
+    Flag("--tls-client-ca", "server.tls_client_ca",
+         "Mutual TLS: callers must present a certificate signed by this CA (PEM).",
+         default_text="none: no client certificates"),
     Flag("--prometheus-port", "server.prometheus_port",
          "Port of the Prometheus metrics listener on --hostname (0 = any free port); the Metrics RPC "
          "(GET /metrics through the gateway) serves the same metrics.", int),

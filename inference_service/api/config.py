@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from inference_service.observability.tracing import otlp_target
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """A PEM file's bytes; a missing or unreadable file is a ValueError that names the flag."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"{what} {path!r}: {error.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"{what} {path!r} is not a PEM file")
+    return data
 
 
 def _require(condition: bool, message: str) -> None:
@@ -26,6 +38,15 @@ class ServerConfig:
     otlp_service_name: str = "inference-service"
     prometheus_port: int = 9000  # metrics listener on `hostname`; 0 = any free port
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of reprs and logs
+    # TLS on the gRPC port (PEM files): the server's certificate chain and key; with a client CA,
+    # mutual TLS (every caller presents a certificate that CA signed).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     def __post_init__(self) -> None:
         _require(0 <= self.grpc_port <= 65535, "--grpc-port must be in [0, 65535]")
@@ -34,5 +55,8 @@ class ServerConfig:
         if self.otlp_endpoint:
             otlp_target(self.otlp_endpoint)  # a ValueError that says what it should look like
         _require(self.graceful_termination_timeout >= 0, "--graceful-termination-timeout must be >= 0")
+        _require((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
+        _require(self.tls_client_ca is None or self.tls_cert is not None,
+                 "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"),
                  f"--log-level must be debug, info, warning or error, not {self.log_level!r}")

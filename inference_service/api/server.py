@@ -23,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from inference_service.api.auth import ApiKeyInterceptor
-from inference_service.api.config import ServerConfig
+from inference_service.api.config import ServerConfig, read_pem
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.config import EngineConfig
 from inference_service.engine.async_engine import AsyncEngine
@@ -87,11 +87,18 @@ class ApiServer:
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         target = f"{self.address}:{self.config.grpc_port}"
         try:
-            self.port = self._server.add_insecure_port(target)
+            credentials = server_credentials(self.config)
+            if credentials is None:
+                self.port = self._server.add_insecure_port(target)
+            else:
+                self.port = self._server.add_secure_port(target, credentials)
+        except ValueError as error:
+            raise StartupError(str(error)) from None
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {target}: {error}") from None
         await self._server.start()
-        logger.info("gRPC API listening on %s:%d", self.address, self.port)
+        logger.info("gRPC API listening on %s:%d%s", self.address, self.port,
+                    (" (mutual TLS)" if self.config.tls_client_ca else " (TLS)") if self.config.tls else "")
         self.metrics_port = self.observability.start_metrics_port(self.config.hostname, self.config.prometheus_port)
         return self.port
 
@@ -146,6 +153,17 @@ async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:
 
     threading.Thread(target=target, name="model-load", daemon=True).start()
     return await future
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files (None: plaintext); requires client
+    certificates signed by the client CA when one is given."""
+    if not config.tls:
+        return None
+    key, chain = read_pem(config.tls_key, "--tls-key"), read_pem(config.tls_cert, "--tls-cert")
+    client_ca = read_pem(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
 
 
 async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:

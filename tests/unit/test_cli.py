@@ -35,8 +35,14 @@ SAMPLES = {
     "--json-output": (None, True), "--log-level": ("debug", "debug"),
     "--otlp-endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
     "--otlp-service-name": ("svc", "svc"), "--prometheus-port": ("9100", 9100),
-    "--api-key": ("s3cret", "s3cret"),
+    "--api-key": ("s3cret", "s3cret"), "--tls-cert": ("c.pem", "c.pem"), "--tls-key": ("k.pem", "k.pem"),
+    "--tls-client-ca": ("ca.pem", "ca.pem"),
 }
+
+
+# Flags that only make sense with others: what a sample of them is parsed with.
+COMPANIONS = {"--tls-cert": ["--tls-key", "k.pem"], "--tls-key": ["--tls-cert", "c.pem"],
+              "--tls-client-ca": ["--tls-cert", "c.pem", "--tls-key", "k.pem"]}
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
@@ -61,14 +67,15 @@ def test_every_serve_flag_has_a_sample():
 @pytest.mark.parametrize("flag", flags.SERVE_FLAGS, ids=lambda f: f.name)
 def test_flag_sets_its_field(flag):
     text, expected = SAMPLES[flag.name]
-    engine, server = parse([flag.name] if text is None else [flag.name, text])
+    argv = [flag.name] if text is None else [flag.name, text]
+    engine, server = parse(argv + COMPANIONS.get(flag.name, []))
     assert field_value(engine, server, flag.target) == expected
 
 
 @pytest.mark.parametrize("flag", flags.SERVE_FLAGS, ids=lambda f: f.name)
 def test_environment_variable_sets_its_field(flag):
     text, expected = SAMPLES[flag.name]
-    engine, server = parse([], {flag.env: "true" if text is None else text})
+    engine, server = parse(COMPANIONS.get(flag.name, []), {flag.env: "true" if text is None else text})
     assert field_value(engine, server, flag.target) == expected
 
 
