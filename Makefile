@@ -18,15 +18,22 @@ ARGS ?=
 # `make test PYTEST_ARGS="-m 'not slow'"` passes options to pytest.
 PYTEST_ARGS ?=
 
-.PHONY: run test setup protos protos-check demo-model lint clean
+.PHONY: run test setup browser protos protos-check demo-model lint clean
 
 run: setup protos demo-model
 	$(VENV)/bin/inference-service launch $(ARGS)
 
-test: setup
+test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP)
+
+# Debian's Chromium, for the test that opens /docs headless (skipped here when it is already there).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null) \
+		|| echo "could not install Debian's chromium: the /docs browser test will fail"
 
 # torch first, from the pinned CPU build, so that nothing later can pull a CUDA build.
 # The `text-generation` client pins huggingface-hub<1.0 (transformers needs >=1.0): it goes in
@@ -40,10 +47,11 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Stubs, type stubs, the Envoy descriptor set, the standalone Envoy config that embeds it and the Kubernetes
+# Stubs, type stubs, the Envoy descriptor set, the OpenAPI document, the standalone Envoy config that embeds it and the Kubernetes
 # manifests (all committed).
 protos: setup
 	$(PY) protos/generate.py
+	$(PY) -m gateway.openapi --output protos/textgen/openapi.json
 	$(PY) -m gateway --output deploy/envoy/envoy.yaml
 	$(PY) -m gateway.k8s --output-dir deploy/k8s
 

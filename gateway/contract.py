@@ -28,7 +28,8 @@ HTTP_BODY = ".google.api.HttpBody"
 #   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape.
 KINDS = {
     "Generate": "json", "CompatGenerate": "json", "GenerateStream": "stream", "Tokenize": "json",
-    "Info": "json", "Health": "health", "Metrics": "raw", "ListModels": "json", "GetModel": "openai",
+    "Info": "json", "Health": "health", "Metrics": "raw", "OpenApi": "raw", "Docs": "raw", "ListModels": "json",
+    "GetModel": "openai",
     "ChatCompletion": "openai", "ChatCompletionStream": "openai_stream",
     "Completion": "openai", "CompletionStream": "openai_stream",
 }

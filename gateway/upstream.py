@@ -11,9 +11,9 @@ that is down or draining is taken out, and which requests are retried.
   With most replicas out, Envoy's panic mode tries them all; a replica that can't serve answers
   UNAVAILABLE (loading, draining) and the request is retried on another, so callers see the
   server's own answers (TGI's in-band stream errors included) rather than Envoy's.
-- Retries only where nothing was done: a refused connection or stream, or UNAVAILABLE before any
-  response (a replica loading or draining), each time on another replica. Never after a response
-  started: a stream that sent a token is not replayed.
+- Retries only where nothing was done: a refused connection or stream, or UNAVAILABLE (a replica
+  loading or draining) or RESOURCE_EXHAUSTED (a full replica) before any response, each time on
+  another replica. Never after a response started: a stream that sent a token is not replayed.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
 
 def retry_policy() -> dict[str, Any]:
     return {
-        "retry_on": "connect-failure,refused-stream,unavailable",
+        "retry_on": "connect-failure,refused-stream,unavailable,resource-exhausted",
         "num_retries": 2,
         "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
             "@type": _type("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")}}],

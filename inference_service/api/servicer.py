@@ -14,13 +14,13 @@ import grpc
 import prometheus_client
 from google.api import httpbody_pb2
 
-from inference_service.api import convert
+from inference_service.api import convert, docs
 from inference_service.api.errors import stream_errors, unary_errors
 from inference_service.api.keepalive import requested_interval, with_keepalives
 from inference_service.api.openai_servicer import OpenAIRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.errors import UnavailableError
+from inference_service.errors import NotFoundError, UnavailableError
 from inference_service.observability.requests import RequestObserver
 from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
@@ -117,6 +117,17 @@ class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServi
     async def Metrics(self, request: pb.MetricsRequest, context: Context) -> httpbody_pb2.HttpBody:
         content_type, body = await asyncio.to_thread(self._metrics)  # milliseconds: not on the event loop
         return httpbody_pb2.HttpBody(content_type=content_type, data=body)
+
+    @unary_errors
+    async def OpenApi(self, request: pb.OpenApiRequest, context: Context) -> httpbody_pb2.HttpBody:
+        return httpbody_pb2.HttpBody(content_type=docs.OPENAPI_CONTENT_TYPE, data=docs.openapi_document())
+
+    @unary_errors
+    async def Docs(self, request: pb.DocsRequest, context: Context) -> httpbody_pb2.HttpBody:
+        found = await asyncio.to_thread(docs.docs_file, request.file)
+        if found is None:
+            raise NotFoundError(f"no such file: /docs/{request.file}")
+        return httpbody_pb2.HttpBody(content_type=found[0], data=found[1])
 
     @unary_errors
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:

@@ -81,15 +81,15 @@ def gateway(tiny_grpc_server, start_gateway) -> Gateway:
 def tgi_schema():
     """TGI's OpenAPI components as JSON Schema (OpenAPI 3.0's `nullable` made explicit)."""
     document = json.loads(SCHEMA_PATH.read_text())
-    return {"components": {"schemas": _nullable_to_json_schema(document["components"]["schemas"])}}
+    return {"components": {"schemas": nullable_to_json_schema(document["components"]["schemas"])}}
 
 
-def _nullable_to_json_schema(node):
+def nullable_to_json_schema(node):
     if isinstance(node, list):
-        return [_nullable_to_json_schema(item) for item in node]
+        return [nullable_to_json_schema(item) for item in node]
     if not isinstance(node, dict):
         return node
-    node = {key: _nullable_to_json_schema(value) for key, value in node.items()
+    node = {key: nullable_to_json_schema(value) for key, value in node.items()
             if key not in ("example", "default")}
     if node.pop("nullable", False):
         if "type" in node:

@@ -57,6 +57,7 @@ def wait_envoy_sees_healthy(run: Launched, count: int = 2, timeout_s: float = 30
         flags = [line.rsplit("::", 1)[1] for line in lines
                  if line.startswith("textgen::") and "::health_flags::" in line]
         if len(flags) == 2 and flags.count("healthy") >= count:
+            time.sleep(1.5)  # Envoy merges host updates over 1 s before its balancer uses them
             return
         time.sleep(0.2)
     raise AssertionError(f"Envoy did not see {count} healthy replicas: {flags}")

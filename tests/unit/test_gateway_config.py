@@ -49,7 +49,8 @@ def test_routes_are_tgis_and_openais():
     routes = {(r.method, r.path): r for r in contract.rest_routes()}
     assert set(routes) == {("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"),
                            ("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/info"), ("GET", "/health"),
-                           ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{id=**}"),
+                           ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/{file}"),
+                           ("GET", "/v1/models"), ("GET", "/v1/models/{id=**}"),
                            ("POST", "/v1/chat/completions"), ("POST", "/v1/chat/completions/stream"),
                            ("POST", "/v1/completions"), ("POST", "/v1/completions/stream")}
     assert routes["POST", "/"].unwrap == "responses" and routes["POST", "/tokenize"].unwrap == "tokens"

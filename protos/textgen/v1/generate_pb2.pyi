@@ -806,6 +806,41 @@ class MetricsRequest(_message.Message):
 Global___MetricsRequest: _TypeAlias = MetricsRequest  # noqa: Y015
 
 @_typing.final
+class OpenApiRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenApiRequest: _TypeAlias = OpenApiRequest  # noqa: Y015
+
+@_typing.final
+class DocsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_FIELD_NUMBER: _builtins.int
+    file: _builtins.str
+    """An asset of the page (swagger-ui-bundle.js, swagger-ui.css, ...); empty: the page itself."""
+    def __init__(
+        self,
+        *,
+        file: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file", b"file"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DocsRequest: _TypeAlias = DocsRequest  # noqa: Y015
+
+@_typing.final
 class ListModelsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -73,6 +73,16 @@ class TextGenerationStub:
                 request_serializer=textgen_dot_v1_dot_generate__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.OpenApi = channel.unary_unary(
+                '/textgen.v1.TextGeneration/OpenApi',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.OpenApiRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.Docs = channel.unary_unary(
+                '/textgen.v1.TextGeneration/Docs',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.DocsRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/textgen.v1.TextGeneration/ListModels',
                 request_serializer=textgen_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
@@ -163,6 +173,21 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenApi(self, request, context):
+        """The OpenAPI 3 document of these REST routes, generated from this file (gateway/openapi.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Docs(self, request, context):
+        """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
+        NOT_FOUND (REST 404) for a file it does not have.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """OpenAI's model list (one model per server); also at `/v1/models` for TGI.
         """
@@ -246,6 +271,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
             'Metrics': grpc.unary_unary_rpc_method_handler(
                     servicer.Metrics,
                     request_deserializer=textgen_dot_v1_dot_generate__pb2.MetricsRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'OpenApi': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenApi,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.OpenApiRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'Docs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Docs,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.DocsRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
@@ -470,6 +505,60 @@ class TextGeneration:
             target,
             '/textgen.v1.TextGeneration/Metrics',
             textgen_dot_v1_dot_generate__pb2.MetricsRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenApi(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/OpenApi',
+            textgen_dot_v1_dot_generate__pb2.OpenApiRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Docs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/Docs',
+            textgen_dot_v1_dot_generate__pb2.DocsRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,

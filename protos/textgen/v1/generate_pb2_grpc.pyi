@@ -62,6 +62,12 @@ class TextGenerationStub:
     """
     Metrics: _grpc.UnaryUnaryMultiCallable[_generate_pb2.MetricsRequest, _httpbody_pb2.HttpBody]
     """Prometheus text exposition of the server's metrics."""
+    OpenApi: _grpc.UnaryUnaryMultiCallable[_generate_pb2.OpenApiRequest, _httpbody_pb2.HttpBody]
+    """The OpenAPI 3 document of these REST routes, generated from this file (gateway/openapi.py)."""
+    Docs: _grpc.UnaryUnaryMultiCallable[_generate_pb2.DocsRequest, _httpbody_pb2.HttpBody]
+    """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
+    NOT_FOUND (REST 404) for a file it does not have.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]
     """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_generate_pb2.GetModelRequest, _generate_pb2.ModelCard]
@@ -111,6 +117,12 @@ class TextGenerationAsyncStub(TextGenerationStub):
     """
     Metrics: _aio.UnaryUnaryMultiCallable[_generate_pb2.MetricsRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
     """Prometheus text exposition of the server's metrics."""
+    OpenApi: _aio.UnaryUnaryMultiCallable[_generate_pb2.OpenApiRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
+    """The OpenAPI 3 document of these REST routes, generated from this file (gateway/openapi.py)."""
+    Docs: _aio.UnaryUnaryMultiCallable[_generate_pb2.DocsRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
+    """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
+    NOT_FOUND (REST 404) for a file it does not have.
+    """
     ListModels: _aio.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]  # type: ignore[assignment]
     """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
     GetModel: _aio.UnaryUnaryMultiCallable[_generate_pb2.GetModelRequest, _generate_pb2.ModelCard]  # type: ignore[assignment]
@@ -199,6 +211,24 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_httpbody_pb2.HttpBody, _abc.Awaitable[_httpbody_pb2.HttpBody]]:
         """Prometheus text exposition of the server's metrics."""
+
+    @_abc_1.abstractmethod
+    def OpenApi(
+        self,
+        request: _generate_pb2.OpenApiRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_httpbody_pb2.HttpBody, _abc.Awaitable[_httpbody_pb2.HttpBody]]:
+        """The OpenAPI 3 document of these REST routes, generated from this file (gateway/openapi.py)."""
+
+    @_abc_1.abstractmethod
+    def Docs(
+        self,
+        request: _generate_pb2.DocsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_httpbody_pb2.HttpBody, _abc.Awaitable[_httpbody_pb2.HttpBody]]:
+        """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
+        NOT_FOUND (REST 404) for a file it does not have.
+        """
 
     @_abc_1.abstractmethod
     def ListModels(
