@@ -38,9 +38,20 @@ _SPECIAL = {
 }
 # The Lua filter prints each TopTokens as the plain list of its tokens (TGI's list of lists).
 _FLATTENED = {".textgen.v1.TopTokens": "tokens"}
-TGI_ERRORS = {"401": "Missing or wrong API key (--api-key)", "413": "Payload too large",
+TGI_ERRORS = {"400": "The body is not JSON this route reads (TGI: a syntax error)",
+              "401": "Missing or wrong API key (--api-key)", "413": "Payload too large",
               "422": "Input validation error", "424": "Generation error", "429": "Model is overloaded",
               "503": "The model is loading, the server is draining, or it is unreachable"}
+# What the raw (HttpBody) routes answer, by RPC.
+RAW_CONTENT = {
+    "Metrics": {"text/plain": {"schema": {"type": "string"}}},
+    "OpenApi": {"application/json": {"schema": {"type": "object"}}},
+    "Docs": {media: {"schema": {"type": "string"}} for media in
+             ("text/html", "application/javascript", "text/css", "image/png")},
+}
+# Routes the Lua filter sends to a stream RPC when the body says `"stream": true` (same path).
+STREAMED_BY_BODY = {"/": "GenerateStream", "/invocations": "GenerateStream",
+                    "/v1/chat/completions": "ChatCompletionStream", "/v1/completions": "CompletionStream"}
 OPENAI_ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key (--api-key)",
                  "404": "No such model", "422": "Chat template or tool error", "429": "Model is overloaded",
                  "500": "Generation error", "503": "The server is unavailable"}
@@ -161,7 +172,8 @@ def _openapi_path(route: RestRoute) -> tuple[str, list[dict[str, Any]]]:
     return path, [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
 
-def _operation(route: RestRoute, method, comments: str | None, schemas: _Schemas) -> dict[str, Any]:
+def _operation(route: RestRoute, method, comments: str | None, schemas: _Schemas,
+               stream_outputs: dict[str, str]) -> dict[str, Any]:
     openai = route.kind.startswith("openai") or route.path.startswith("/v1/")
     operation: dict[str, Any] = {"tags": ["OpenAI" if openai else "TGI"], "summary": route.rpc}
     if comments:
@@ -172,18 +184,22 @@ def _operation(route: RestRoute, method, comments: str | None, schemas: _Schemas
     if route.method == "POST":
         operation["requestBody"] = {"required": True, "content": {
             "application/json": {"schema": schemas.ref(method.input_type)}}}
-    operation["responses"] = _responses(route, method, schemas, openai)
+    operation["responses"] = _responses(route, method, schemas, openai, stream_outputs)
     return operation
 
 
-def _responses(route: RestRoute, method, schemas: _Schemas, openai: bool) -> dict[str, Any]:
+def _responses(route: RestRoute, method, schemas: _Schemas, openai: bool,
+               stream_outputs: dict[str, str]) -> dict[str, Any]:
     if route.kind == "health":
         return {"200": {"description": "Ready to generate (an empty body)"},
                 "503": {"description": "Not ready", "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}
     if route.kind == "raw":
-        return {"200": {"description": "Prometheus text exposition, Swagger UI or this document",
-                        "content": {"*/*": {"schema": {"type": "string"}}}}}
+        responses = {"200": {"description": "OK", "content": RAW_CONTENT[route.rpc]}}
+        if route.rpc == "Docs":
+            responses["404"] = {"description": "No such file", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        return responses
     schema = schemas.unwrapped(method.output_type, route.unwrap) if route.unwrap else schemas.ref(method.output_type)
     if route.streams:
         ok = {"description": "Server-sent events, each `data:` line one JSON object of this schema"
@@ -191,6 +207,9 @@ def _responses(route: RestRoute, method, schemas: _Schemas, openai: bool) -> dic
               "content": {"text/event-stream": {"schema": schema}}}
     else:
         ok = {"description": "OK", "content": {"application/json": {"schema": schema}}}
+        if route.path in STREAMED_BY_BODY:  # `"stream": true`: the stream RPC's events
+            ok["description"] = "OK; with `\"stream\": true` in the body, server-sent events of the stream route"
+            ok["content"]["text/event-stream"] = {"schema": schemas.ref(stream_outputs[STREAMED_BY_BODY[route.path]])}
     errors = OPENAI_ERRORS if openai else TGI_ERRORS
     error_schema = {"$ref": f"#/components/schemas/{'OpenAIErrorResponse' if openai else 'ErrorResponse'}"}
     responses = {"200": ok}
@@ -212,7 +231,8 @@ def document(descriptor_set: descriptor_pb2.FileDescriptorSet | None = None) -> 
     seen: dict[str, int] = {}
     for route in rest_routes(descriptor_set):
         index, method = methods[route.rpc]
-        operation = _operation(route, method, comments.get(6, service_index, 2, index), schemas)
+        operation = _operation(route, method, comments.get(6, service_index, 2, index), schemas,
+                               {name: m.output_type for name, (_, m) in methods.items()})
         seen[route.rpc] = seen.get(route.rpc, 0) + 1
         operation["operationId"] = route.rpc if seen[route.rpc] == 1 else f"{route.rpc}_{seen[route.rpc]}"
         paths.setdefault(_openapi_path(route)[0], {})[route.method.lower()] = operation
