@@ -180,6 +180,7 @@ class EngineInfo:
     weights_nbytes: int = 0  # memory the weights take
     prefix_caching: bool = False  # full KV blocks are reused across requests with the same prefix
     speculate: int = 0  # draft tokens proposed per request and step (0: no speculation)
+    attention_impl: str = "paged"  # or "transformers": the fallback runner (worker/cache_runner.py)
 
     @property
     def max_batch_total_tokens(self) -> int:

@@ -167,7 +167,7 @@ def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig,
         max_batch_size=info.max_batch_size, max_batch_prefill_tokens=info.max_batch_prefill_tokens,
         block_size=info.block_size, stats=stats_to_pb(stats), quantize=info.quantize,
         weights_memory_bytes=info.weights_nbytes, speculate=info.speculate,
-        use_prefix_caching=info.prefix_caching)
+        use_prefix_caching=info.prefix_caching, attention_impl=info.attention_impl)
 
 
 def model_card(model_id: str) -> pb.ModelCard:

@@ -25,6 +25,7 @@ from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker import attention, native_linear
+from inference_service.worker.cache_runner import ATTENTION_IMPL, CacheRunner
 from inference_service.worker.cpu_kernels import decode_kernel_for, linear_kernel_for
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
@@ -34,6 +35,8 @@ from inference_service.worker.quant.install import install_gguf
 
 logger = logging.getLogger(__name__)
 
+# transformers' attention for the fallback runner: exact, with no mask of ours to build.
+FALLBACK_ATTENTION = "eager"
 # A step's token budget when --max-batch-prefill-tokens is not given. On a CPU a 512-token chunk
 # already takes about a second, so bigger budgets only delay the running decodes.
 DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 4096}
@@ -50,6 +53,7 @@ class LoadedModel:
     model_sha: str | None
     quantize: str | None = None  # the scheme serving; None: full precision
     num_quantized: int = 0  # linears replaced by quantized ones
+    fallback_reason: str | None = None  # why transformers' attention serves it; None: the paged path
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -57,14 +61,20 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     loaded = load(config)
-    shapes = probe_layer_shapes(loaded.model, loaded.device)
     dtype = next(loaded.model.parameters()).dtype
     linear_kernel = linear_kernel_for(loaded.device, dtype)
     native_linears = native_linear.install(loaded.model, linear_kernel) if linear_kernel else 0
-    num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
-    kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
+    if loaded.fallback_reason is None:
+        shapes = probe_layer_shapes(loaded.model, loaded.device)
+        num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
+        kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
+        runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype))
+    else:  # blocks stay the memory budget of the per-request caches
+        num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
+        runner = CacheRunner(loaded.model, loaded.device)
+        logger.warning("serving %s through transformers' attention, one cache per request (no prefix caching): %s",
+                       config.model.model_id, loaded.fallback_reason)
     info = make_info(config, loaded, num_blocks)
-    runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype))
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
     grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
     speculator = None
@@ -73,10 +83,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
                        config.scheduler.max_batch_size, grammar_compiler, speculator)
     logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
-                "tokens, max_total_tokens=%d, decode attention: %s, native few-row linears: %d, prefix caching: "
-                "%s, speculate: %d", info.model_id,
+                "tokens, max_total_tokens=%d, attention: %s, decode attention: %s, native few-row linears: %d, "
+                "prefix caching: %s, speculate: %d", info.model_id,
                 info.architecture, info.dtype, info.quantize or "unquantized", info.weights_nbytes / 2**20,
-                loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens,
+                loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens, info.attention_impl,
                 "native" if runner.decode_kernel else "torch", native_linears,
                 "on" if info.prefix_caching else "off", info.speculate)
     return engine
@@ -101,23 +111,45 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=config.model.trust_remote_code)
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"can't read the model config in {resolved.path}: {error}") from error
-    check_architecture(hf_config)
+    fallback_reason = check_architecture(hf_config)
     scheme = schemes.resolve_scheme(config.model.quantize,
                                     schemes.checkpoint_scheme(getattr(hf_config, "quantization_config", None)),
                                     is_gguf=resolved.source in ("gguf", "demo"))
     attention.register()
-    options = {"dtype": dtype, "device": device, "attn_implementation": attention.ATTENTION_NAME,
-               "trust_remote_code": config.model.trust_remote_code}
-    if scheme in schemes.CHECKPOINT_FORMATS:
-        model, num_quantized = load_prequantized(resolved.path, hf_config, scheme, **options)
-    else:
+    options = {"dtype": dtype, "device": device, "trust_remote_code": config.model.trust_remote_code}
+
+    def load_weights(attn_implementation: str) -> tuple[torch.nn.Module, int]:
+        options["attn_implementation"] = attn_implementation
+        if scheme in schemes.CHECKPOINT_FORMATS:
+            return load_prequantized(resolved.path, hf_config, scheme, **options)
         model = loader.load_model(resolved.path, **options)
         num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
         if scheme == schemes.GGUF:
             num_quantized = install_gguf(model, _gguf_file(config, resolved))
+        return model, num_quantized
+
+    model, num_quantized = load_weights(FALLBACK_ATTENTION if fallback_reason else attention.ATTENTION_NAME)
     tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
-    probe_model(model, device)
-    return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized)
+    if fallback_reason is None:
+        try:
+            probe_model(model, device)
+        except ModelLoadError as error:  # served exactly another way, never wrong
+            fallback_reason = str(error)
+            # Loaded again: set_attn_implementation does not switch every model (BLOOM keeps the name
+            # it was loaded with, and builds no causal mask for it).
+            model, num_quantized = load_weights(FALLBACK_ATTENTION)
+    return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized,
+                       fallback_reason)
+
+
+def config_layer_shapes(model_config) -> list[LayerShape]:
+    """Per-layer K/V shapes from the config (sizing the fallback's memory budget): every head has
+    its own K/V unless the config says how many it shares."""
+    text = model_config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
+    return [LayerShape(num_kv_heads=kv_heads, head_dim=head_dim)] * text.num_hidden_layers
 
 
 def _gguf_file(config: EngineConfig, resolved: loader.ResolvedModel):
@@ -157,9 +189,9 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
     """Resolve the auto limits against the model's context and the KV capacity."""
     text_config = loaded.model.config.get_text_config()
     capacity = num_blocks * config.cache.block_size
-    model_context = _model_context(text_config, loaded.tokenizer)
     limits = config.limits
-    max_total = limits.max_total_tokens or min(model_context, capacity)
+    # A model with no stated context (ALiBi: BLOOM, MPT) needs --max-total-tokens.
+    max_total = limits.max_total_tokens or min(_model_context(text_config, loaded.tokenizer), capacity)
     if max_total > capacity:
         raise ModelLoadError(f"--max-total-tokens {max_total} is more than the KV cache holds ({capacity} "
                              "tokens); raise --kv-cache-memory / --max-batch-total-tokens or lower it")
@@ -185,8 +217,10 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         max_best_of=limits.max_best_of,
         max_stop_sequences=limits.max_stop_sequences,
         max_top_n_tokens=limits.max_top_n_tokens,
-        prefix_caching=config.cache.prefix_caching,
+        # The fallback's per-request caches share nothing: prefix caching is the paged path's.
+        prefix_caching=config.cache.prefix_caching and loaded.fallback_reason is None,
         speculate=config.scheduler.speculate,
+        attention_impl=ATTENTION_IMPL if loaded.fallback_reason else "paged",
         quantize=loaded.quantize,
         weights_nbytes=weights_nbytes(loaded.model),
     )
@@ -223,6 +257,7 @@ def warm_up(engine: LLMEngine, num_tokens: int = 16) -> None:
         runner.execute([ScheduledRequest(_WARMUP_ID, num_tokens, 1, [0], table, True)])
     finally:
         kv.free(_WARMUP_ID)
+        runner.release(_WARMUP_ID)
 
 
 _WARMUP_ID = "__warmup__"

@@ -362,6 +362,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.live.pop(request_id, None)
         self.requests.pop(request_id, None)
+        self.runner.release(request_id)
 
     # -- text helpers ---------------------------------------------------------------------
     def _prefill_tokens(self, live: _Live) -> list[PrefillToken]:

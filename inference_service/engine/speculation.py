@@ -15,10 +15,15 @@ decoding) keeps a seeded request's output the same with and without speculation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from inference_service.engine.request import Request
 from inference_service.sample.ngram_proposer import Proposer
+
+# Above this many running requests nobody gets guesses: the batch already keeps the hardware busy,
+# so extra rows cost compute rather than idle bandwidth, and proposing costs per request (vLLM's
+# disable-by-batch-size does the same).
+MAX_BATCH = 16
 
 
 class Speculator:
@@ -31,10 +36,11 @@ class Speculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_total_tokens = max_total_tokens
 
-    def propose(self, running: Iterable[Request]) -> None:
+    def propose(self, running: Sequence[Request]) -> None:
+        guessing = len(running) <= MAX_BATCH
         for request in running:
             request.draft_token_ids = []
-            if request.num_computed_tokens != request.num_tokens - 1:
+            if not guessing or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling (or recomputing): its next step is not a decode
             # A step adds at most guesses + 1 tokens: never past max_new_tokens or the context.
             room = min(self.num_speculative_tokens,

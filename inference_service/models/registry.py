@@ -2,9 +2,10 @@
 
 Our attention reaches a model only through transformers' attention interface. Some models
 bypass it (falcon, gptj), ignore it silently (bloom), or need masks we don't build (mpt,
-alibi models, encoder-decoders). The probe runs a packed batch through the loaded model, one
-sequence continuing a cached prefix, and requires one attention call per layer and logits equal
-to a plain forward. A model that fails is refused, never served wrong.
+alibi models). The probe runs a packed batch through the loaded model, one sequence continuing a
+cached prefix, and requires one attention call per layer and logits equal to a plain forward.
+A model that fails (or is known to) is served by the fallback runner (worker/cache_runner.py)
+through transformers' own attention, never served wrong; encoder-decoders are refused by name.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ TESTED_ARCHITECTURES = (
     "gpt_bigcode", "olmo", "stablelm",
 )
 
-# Known not to work, with the reason; refused before loading the weights.
-UNSUPPORTED_ARCHITECTURES = {
+# Known not to work with the paged attention, with the reason: loaded for the fallback runner.
+FALLBACK_ARCHITECTURES = {
     "bloom": "it uses ALiBi through its own attention and ignores transformers' attention interface",
     "falcon": "its attention does not go through transformers' attention interface",
     "gptj": "its attention does not go through transformers' attention interface",
@@ -32,15 +33,14 @@ UNSUPPORTED_ARCHITECTURES = {
 }
 
 
-def check_architecture(config) -> None:
-    """Refuse what can't work before spending time loading weights."""
+def check_architecture(config) -> str | None:
+    """Refuse what can't work before spending time loading weights; the reason a known architecture
+    needs the fallback runner (None: the paged path, pending the probe)."""
     model_type = getattr(config, "model_type", "unknown")
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"architecture '{model_type}' is not supported: encoder-decoder models "
                              "need a cross-attention cache this engine does not have")
-    if model_type in UNSUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"architecture '{model_type}' is not supported: "
-                             f"{UNSUPPORTED_ARCHITECTURES[model_type]}")
+    return FALLBACK_ARCHITECTURES.get(model_type)
 
 
 def probe_model(model: torch.nn.Module, device: torch.device) -> None:

@@ -53,6 +53,10 @@ class ModelRunner:
             num_sample_rows=[1 + s.num_draft_tokens for s in scheduled if s.sample] if speculating else None,
         )
 
+    def release(self, request_id: str) -> None:
+        """The request ended; the paged runner keeps nothing per request (its blocks are the
+        scheduler's), the fallback runner drops the request's cache."""
+
     def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 keep_rows: list[int]) -> torch.Tensor:
         """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V])."""

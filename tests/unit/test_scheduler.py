@@ -214,3 +214,25 @@ def test_a_preempted_request_forgets_its_guesses():
     requests["b"].draft_token_ids = [1, 2]
     plan = scheduler.schedule()  # a needs a third block: b, the newest, is preempted
     assert plan.preempted_ids == ["b"] and requests["b"].draft_token_ids == []
+
+
+def test_a_large_batch_gets_no_guesses():
+    from inference_service.engine.speculation import MAX_BATCH, Speculator
+    from inference_service.sample.ngram_proposer import NgramProposer
+
+    def decoding(count: int) -> list[Request]:
+        requests = []
+        for index in range(count):
+            request = _request(f"r{index}", 6, max_new=10)
+            request.prompt_token_ids = [1, 2, 3, 1, 2, 3]
+            request.output_token_ids = [1]
+            request.num_computed_tokens = 6
+            requests.append(request)
+        return requests
+
+    speculator = Speculator(NgramProposer(), 4, max_total_tokens=512)
+    small, large = decoding(MAX_BATCH), decoding(MAX_BATCH + 1)
+    speculator.propose(small)
+    speculator.propose(large)
+    assert all(r.draft_token_ids == [2, 3, 1, 2] for r in small)
+    assert not any(r.draft_token_ids for r in large)

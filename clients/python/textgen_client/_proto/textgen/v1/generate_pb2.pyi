@@ -678,6 +678,7 @@ class InfoResponse(_message.Message):
     WEIGHTS_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     SPECULATE_FIELD_NUMBER: _builtins.int
     USE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
+    ATTENTION_IMPL_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     model_sha: _builtins.str
     model_pipeline_tag: _builtins.str
@@ -711,6 +712,10 @@ class InfoResponse(_message.Message):
     cached prompt prefix are reused (`--prefix-caching`), as TGI v3's shard Info names them.
     """
     use_prefix_caching: _builtins.bool
+    attention_impl: _builtins.str
+    """"paged" (our paged attention) or "transformers": a model the paged attention can't serve
+    exactly runs through transformers' own attention with one cache per request.
+    """
     @_builtins.property
     def stats(self) -> Global___EngineStats: ...
     def __init__(
@@ -743,10 +748,11 @@ class InfoResponse(_message.Message):
         weights_memory_bytes: _builtins.int = ...,
         speculate: _builtins.int = ...,
         use_prefix_caching: _builtins.bool = ...,
+        attention_impl: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "docker_label", b"docker_label", "max_batch_size", b"max_batch_size", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "sha", b"sha", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "block_size", b"block_size", "docker_label", b"docker_label", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_size", b"max_batch_size", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_client_batch_size", b"max_client_batch_size", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_total_tokens", b"max_total_tokens", "max_waiting_tokens", b"max_waiting_tokens", "model_device_type", b"model_device_type", "model_dtype", b"model_dtype", "model_id", b"model_id", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "router", b"router", "sha", b"sha", "speculate", b"speculate", "stats", b"stats", "use_prefix_caching", b"use_prefix_caching", "validation_workers", b"validation_workers", "version", b"version", "waiting_served_ratio", b"waiting_served_ratio", "weights_memory_bytes", b"weights_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "attention_impl", b"attention_impl", "block_size", b"block_size", "docker_label", b"docker_label", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_size", b"max_batch_size", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_client_batch_size", b"max_client_batch_size", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_total_tokens", b"max_total_tokens", "max_waiting_tokens", b"max_waiting_tokens", "model_device_type", b"model_device_type", "model_dtype", b"model_dtype", "model_id", b"model_id", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "router", b"router", "sha", b"sha", "speculate", b"speculate", "stats", b"stats", "use_prefix_caching", b"use_prefix_caching", "validation_workers", b"validation_workers", "version", b"version", "waiting_served_ratio", b"waiting_served_ratio", "weights_memory_bytes", b"weights_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__docker_label: _TypeAlias = _typing.Literal["docker_label"]  # noqa: Y015
     _WhichOneofArgType__docker_label: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label"]  # noqa: Y015

@@ -1,0 +1,136 @@
+"""The architectures the paged attention can't serve (BLOOM's ALiBi, Falcon, GPT-J, MPT) run through
+the fallback runner: transformers' own attention, one cache per request, the same scheduler,
+sampler and outputs. Per family, on a tiny random config: greedy output equals transformers'
+`generate` with staggered arrivals and mixed lengths, seeded sampling does not depend on batch
+neighbours, logprobs equal `log_softmax` within 1e-4, guesses (--speculate) change nothing, and a
+cancelled stream leaves no block and no cache behind. `Info` says which path serves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
+from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from tests.unit.tiny_models import tiny_config
+
+FAMILIES = ["bloom", "falcon", "gptj", "mpt"]
+PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7),
+           ("café naïve", 16)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory, byte_tokenizer):
+    config = tiny_config(request.param, vocab_size=len(byte_tokenizer), bos_token_id=byte_tokenizer.bos_token_id,
+                         eos_token_id=byte_tokenizer.eos_token_id, pad_token_id=byte_tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    byte_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _engine(folder, speculate: int = 0) -> AsyncEngine:
+    return AsyncEngine.from_config(EngineConfig(
+        model=ModelConfig(model_id=str(folder)), cache=CacheConfig(block_size=4, max_batch_total_tokens=2048),
+        scheduler=SchedulerConfig(max_batch_prefill_tokens=8, speculate=speculate),  # chunked prompts
+        limits=LimitsConfig(max_total_tokens=128)))
+
+
+async def _generate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
+    request = await engine.validate(GenerateRequest(inputs, GenerateParameters(
+        max_new_tokens=max_new_tokens, details=True, **parameters)), stream=False)
+    return request, await engine.generate(request)
+
+
+async def _idle(engine: AsyncEngine):
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == stats.num_waiting == 0:
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError("not idle")
+
+
+async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
+    reference = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    for speculate in (0, 3):
+        engine = _engine(family_dir, speculate)
+        engine.start()
+        try:
+            info = engine.info
+            assert (info.attention_impl, info.prefix_caching) == ("transformers", False)
+
+            async def one(index: int):
+                await asyncio.sleep(0.01 * index)  # later ones join a running batch
+                return await _generate(engine, *PROMPTS[index])
+
+            results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            stats = await _idle(engine)
+        finally:
+            await engine.shutdown(timeout_s=1)
+        assert stats.num_free_blocks == stats.num_total_blocks and engine._engine.runner.num_caches == 0
+        for request, result in results:
+            with torch.inference_mode():
+                out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False,
+                                         max_new_tokens=request.stopping_params.max_new_tokens,
+                                         eos_token_id=reference.config.eos_token_id,
+                                         pad_token_id=reference.config.eos_token_id)
+            assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids):].tolist(), request.inputs
+            # Each logprob is log_softmax of transformers' logits after the tokens before it.
+            ids = request.prompt_token_ids + [t.id for t in result.tokens]
+            with torch.inference_mode():
+                logprobs = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+            start = len(request.prompt_token_ids) - 1
+            expected = [logprobs[start + i, t.id].item() for i, t in enumerate(result.tokens)]
+            assert [t.logprob for t in result.tokens] == pytest.approx(expected, abs=1e-4)
+
+
+async def test_seeded_sampling_ignores_its_neighbours_and_cancel_leaves_nothing(family_dir):
+    engine = _engine(family_dir)
+    engine.start()
+    try:
+        seeded = {"do_sample": True, "seed": 5, "temperature": 0.9, "top_k": 40}
+        _, alone = await _generate(engine, "the quick brown fox", 15, **seeded)
+        together = await asyncio.gather(_generate(engine, "the quick brown fox", 15, **seeded),
+                                        _generate(engine, "a", 25), _generate(engine, "café", 9, do_sample=True))
+        request = await engine.validate(GenerateRequest("a", GenerateParameters(max_new_tokens=60)), stream=True)
+        stream = engine.generate_stream(request)
+        async for _output in stream:
+            break
+        await stream.aclose()
+        stats = await _idle(engine)
+    finally:
+        await engine.shutdown(timeout_s=1)
+    assert [t.id for t in together[0][1].tokens] == [t.id for t in alone.tokens]
+    assert stats.num_free_blocks == stats.num_total_blocks and engine._engine.runner.num_caches == 0
+
+
+async def test_a_model_that_fails_the_probe_is_served_by_the_fallback(tmp_path, byte_tokenizer, monkeypatch):
+    """Not known in advance: the probe finds the paged attention can't serve it (BLOOM never calls
+    it), and it is served through transformers' attention instead of being refused, exactly."""
+    from inference_service.models import registry
+
+    config = tiny_config("bloom", vocab_size=len(byte_tokenizer), bos_token_id=byte_tokenizer.bos_token_id,
+                         eos_token_id=byte_tokenizer.eos_token_id, pad_token_id=byte_tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference.save_pretrained(tmp_path)
+    byte_tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr(registry, "FALLBACK_ARCHITECTURES", {})
+    engine = _engine(tmp_path)
+    engine.start()
+    try:
+        assert engine.info.attention_impl == "transformers"
+        request, result = await _generate(engine, "the quick brown fox", 10)
+    finally:
+        await engine.shutdown(timeout_s=1)
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False, max_new_tokens=10,
+                                 eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id)
+    assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids):].tolist()
