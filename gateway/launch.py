@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import ssl
 import tempfile
@@ -117,24 +116,6 @@ def options_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Laun
     if options.routing not in ROUTINGS:
         raise CliError(f"--routing must be one of {', '.join(ROUTINGS)}, not {options.routing!r}")
     return options
-
-
-def run(args: argparse.Namespace) -> int:
-    """The `launch` command (hooked into `inference_service.cli`)."""
-
-    engine_config, server_config = flags.configs_from_args(args)
-    options = options_from_args(args, dict(os.environ))
-    flags.configure_logging(server_config)
-    from inference_service.api.server import StartupError  # torch loads with it
-
-    try:
-        if options.num_replicas > 1:
-            from gateway.replicated import launch_replicas
-
-            return asyncio.run(launch_replicas(server_config, engine_config, options))
-        return asyncio.run(launch(server_config, engine_config, options))
-    except (StartupError, GatewayError) as error:
-        raise flags.CommandFailed(str(error)) from None
 
 
 def loopback(hostname: str) -> str:

@@ -91,7 +91,7 @@ def _configure_launch(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from gateway.launch import run
+    from gateway.command import run
 
     return run(args)
 

@@ -66,11 +66,11 @@ async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
             info = engine.info
             assert (info.attention_impl, info.prefix_caching) == ("transformers", False)
 
-            async def one(index: int):
+            async def one(index: int, running: AsyncEngine):
                 await asyncio.sleep(0.01 * index)  # later ones join a running batch
-                return await _generate(engine, *PROMPTS[index])
+                return await _generate(running, *PROMPTS[index])
 
-            results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            results = await asyncio.gather(*(one(i, engine) for i in range(len(PROMPTS))))
             stats = await _idle(engine)
         finally:
             await engine.shutdown(timeout_s=1)

@@ -39,11 +39,12 @@ WORKLOAD = [
 STATS_PROMPT = LOOP + "\x00" * 4
 
 
-def _config(model_dir, speculate: int, kv_tokens: int = 4096, budget: int = 64) -> EngineConfig:
+def _config(model_dir, speculate: int, kv_tokens: int = 4096, budget: int = 64,
+            max_batch_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model_id=str(model_dir)),
         cache=CacheConfig(block_size=4, max_batch_total_tokens=kv_tokens),
-        scheduler=SchedulerConfig(max_batch_prefill_tokens=budget, speculate=speculate),
+        scheduler=SchedulerConfig(max_batch_prefill_tokens=budget, speculate=speculate, max_batch_size=max_batch_size),
         limits=LimitsConfig(max_concurrent_requests=2048))
 
 
@@ -133,7 +134,8 @@ async def test_speculative_sampling_keeps_the_distribution(tiny_model_dir):
     own conditional distributions (transformers' logits; chi-square goodness of fit; fixed seeds,
     so the test is deterministic)."""
     temperature, samples = 0.2, 2000  # the guesses get about half the mass
-    engine = AsyncEngine.from_config(_config(tiny_model_dir, 4, kv_tokens=65536, budget=8192))
+    # At most 16 running at once: above that nobody guesses (engine/speculation.py).
+    engine = AsyncEngine.from_config(_config(tiny_model_dir, 4, kv_tokens=65536, budget=8192, max_batch_size=16))
     engine.start()
     try:
         requests = [await engine.validate(GenerateRequest(STATS_PROMPT, GenerateParameters(

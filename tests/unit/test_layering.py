@@ -29,6 +29,9 @@ FORBIDDEN = {
     "inference_service.observability": ("inference_service.engine", "inference_service.cli", "gateway"),
     "inference_service.flags": ("inference_service.cli", "gateway"),
     "gateway": ("inference_service.cli",),
+    # The command's entry sits on top of both launch paths; they never reach up to it.
+    "gateway.launch": ("gateway.replicated", "gateway.command"),
+    "gateway.replicated": ("gateway.command",),
 }
 
 

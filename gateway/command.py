@@ -1,0 +1,27 @@
+"""The `launch` command's entry (hooked into `inference_service.cli`): one engine in this process
+(`gateway.launch`), or N replicas (`gateway.replicated`), behind Envoy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from gateway.envoy import GatewayError
+from gateway.launch import launch, options_from_args
+from gateway.replicated import launch_replicas
+from inference_service import flags
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_config, server_config = flags.configs_from_args(args)
+    options = options_from_args(args, dict(os.environ))
+    flags.configure_logging(server_config)
+    from inference_service.api.server import StartupError  # torch loads with it
+
+    try:
+        if options.num_replicas > 1:
+            return asyncio.run(launch_replicas(server_config, engine_config, options))
+        return asyncio.run(launch(server_config, engine_config, options))
+    except (StartupError, GatewayError) as error:
+        raise flags.CommandFailed(str(error)) from None
