@@ -88,15 +88,29 @@ class ReplicaSet:
         metrics_port = self._server_config.prometheus_port
         for name in ("--grpc-port", "--prometheus-port", "--num-threads"):
             args = _without(args, name)
+        if self._engine_config.model.device.startswith("cuda"):  # cuda:N → its own GPU, seen as cuda
+            args = [*_without(args, "--device"), "--device", "cuda"]
         args += ["--grpc-port", str(replica.port), "--num-threads", str(self._threads),
                  "--prometheus-port", str(metrics_port + replica.index if metrics_port else 0)]
         serve = [sys.executable, "-m", "inference_service", "serve", *args]
         setpriv = shutil.which("setpriv")
         return [setpriv, "--pdeathsig", "TERM", *serve] if setpriv else serve
 
+    def environment(self, replica: Replica, environ: dict[str, str] | None = None) -> dict[str, str]:
+        """The replica's environment: the launcher's, without the server's flag variables (its
+        command line carries the settings), and on CUDA one GPU of its own: the replica's index
+        among the visible GPUs."""
+        environ = dict(os.environ) if environ is None else environ
+        env = {k: v for k, v in environ.items() if k not in {flag.env for flag in SERVE_FLAGS}}
+        if self._engine_config.model.device.startswith("cuda"):
+            visible = environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else [str(i) for i in range(len(self.replicas))]
+            env["CUDA_VISIBLE_DEVICES"] = gpus[replica.index % len(gpus)]
+        return env
+
     def start(self, replica: Replica) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in {flag.env for flag in SERVE_FLAGS}}
-        replica.process = subprocess.Popen(self.command(replica), stdin=subprocess.DEVNULL, env=env)
+        replica.process = subprocess.Popen(self.command(replica), stdin=subprocess.DEVNULL,
+                                           env=self.environment(replica))
         logger.info("replica %d (pid %d): gRPC port %d, %d threads", replica.index, replica.pid, replica.port,
                     self._threads)
 

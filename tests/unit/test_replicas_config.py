@@ -108,3 +108,16 @@ def test_replicas_share_the_threads_and_get_ports_of_their_own():
     assert serve[serve.index("--model-id") + 1] == "some/model"
     free = ReplicaSet(engine, ServerConfig(grpc_port=0), 3, "127.0.0.1")
     assert len(set(free.ports)) == 3 and all(free.ports)
+
+
+def test_on_cuda_each_replica_sees_one_gpu_of_its_own():
+    engine = EngineConfig(model=ModelConfig(model_id="some/model", device="cuda:1"))
+    replicas = ReplicaSet(engine, ServerConfig(grpc_port=7000), 2, "127.0.0.1")
+    first, second = replicas.replicas
+    assert replicas.environment(first, {})["CUDA_VISIBLE_DEVICES"] == "0"
+    assert replicas.environment(second, {"CUDA_VISIBLE_DEVICES": "2,3", "MAX_BATCH_SIZE": "4"}) == {
+        "CUDA_VISIBLE_DEVICES": "3"}  # the launcher's settings travel on the command line, not the environment
+    command = replicas.command(second)
+    assert command[command.index("--device") + 1] == "cuda" and command.count("--device") == 1
+    cpu = ReplicaSet(EngineConfig(model=ModelConfig(model_id="m")), ServerConfig(grpc_port=7000), 2, "127.0.0.1")
+    assert "CUDA_VISIBLE_DEVICES" not in cpu.environment(cpu.replicas[0], {})
