@@ -18,7 +18,7 @@ ARGS ?=
 # `make test PYTEST_ARGS="-m 'not slow'"` passes options to pytest.
 PYTEST_ARGS ?=
 
-.PHONY: run test setup browser protos protos-check demo-model lint clean
+.PHONY: run test setup browser fuzz protos protos-check demo-model lint clean
 
 run: setup protos demo-model
 	$(VENV)/bin/inference-service launch $(ARGS)
@@ -27,6 +27,12 @@ test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP)
+
+# The full fuzz run (about 12,000 cases, a few minutes; `make test` runs 60 per operation): the gRPC
+# API (tests/fuzz) and the REST routes through Envoy from /openapi.json (tests/e2e/test_rest_fuzz.py).
+fuzz: setup
+	FUZZ_EXAMPLES=1700 $(PY) -m pytest -s tests/fuzz
+	FUZZ_EXAMPLES=200 $(PY) -m pytest -s tests/e2e/test_rest_fuzz.py
 
 # Debian's Chromium, for the test that opens /docs headless (skipped here when it is already there).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -4,8 +4,8 @@ with careless and hostile values. Each call ends within its deadline with a resu
 unexpected exception), never a hang; afterwards the server is healthy and every KV block is free.
 
 `make test` runs FUZZ_EXAMPLES (default 60) cases per RPC, derandomized (the same cases each run);
-the full run (10,200 cases; with tests/e2e/test_rest_fuzz.py at FUZZ_EXAMPLES=200, over 12,000; the
-figures are in the README): `FUZZ_EXAMPLES=1700 .venv/bin/python -m pytest -s tests/fuzz`.
+the full run, `make fuzz`, runs 1,700 per RPC (10,200 cases) and the REST fuzz; its figures are in
+the README.
 """
 
 from __future__ import annotations
