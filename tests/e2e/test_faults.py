@@ -26,7 +26,7 @@ from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
 
 SLOTS_PER_REPLICA = 8  # --max-concurrent-requests of each replica
-LONG = 200  # tokens: requests that are still running when the fault hits
+LONG = 400  # tokens: requests that are still running when the fault hits
 
 
 @pytest.fixture
@@ -87,12 +87,33 @@ def _join(threads: list[threading.Thread], timeout_s: float = 180) -> None:
     assert not any(thread.is_alive() for thread in threads), "a request hung"
 
 
+def _stats(port: int):
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return generate_pb2_grpc.TextGenerationStub(channel).Info(pb.InfoRequest(), timeout=10).stats
+
+
+def _wait_in_flight(run: Launched, count: int, timeout_s: float = 30) -> None:
+    """Until the replicas together run (or queue) `count` requests."""
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, port in replicas_of(run).values()]
+    stubs = [generate_pb2_grpc.TextGenerationStub(channel) for channel in channels]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            stats = [stub.Info(pb.InfoRequest(), timeout=10).stats for stub in stubs]
+            if sum(s.num_running + s.num_waiting for s in stats) >= count:
+                return
+            assert time.monotonic() < deadline, f"fewer than {count} requests reached the replicas: {stats}"
+            time.sleep(0.005)
+    finally:
+        for channel in channels:
+            channel.close()
+
+
 def _idle_and_nothing_leaked(run: Launched, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     for _, port in replicas_of(run).values():
         while True:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stats = generate_pb2_grpc.TextGenerationStub(channel).Info(pb.InfoRequest(), timeout=10).stats
+            stats = _stats(port)
             if stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
                 break
             assert time.monotonic() < deadline, f"replica on {port} did not go idle or leaked blocks: {stats}"
@@ -137,7 +158,7 @@ def test_faults_lose_nothing(cluster):
 
     # SIGKILL one of the two replicas under load; it comes back.
     load = _threads(lambda i: ledger.rest("SIGKILL of 1 of 2 replicas", url, f"kill {i}", LONG), 12)
-    time.sleep(0.3)
+    _wait_in_flight(run, 8)
     killed_pid, _ = replicas_of(run)[1]
     os.kill(killed_pid, signal.SIGKILL)
     _join(load)
@@ -147,7 +168,7 @@ def test_faults_lose_nothing(cluster):
 
     # SIGTERM with requests in flight: they finish (the drain), then everything stops.
     in_flight = _threads(lambda i: ledger.rest("SIGTERM drain", url, f"drain {i}", LONG), 8)
-    time.sleep(0.3)
+    _wait_in_flight(run, 8)
     run.process.send_signal(signal.SIGTERM)
     _join(in_flight)
     assert run.process.wait(60) == 0, run.log()
