@@ -126,3 +126,11 @@ def test_quant_bench_quick(tmp_path, tiny_model_dir):
         assert row["ppl"] > 1 and row["throughput_tok_s"] > 0 and row["decode_ms"]["n"] == 8 - 1
         assert row["weights_mib"] > 0 and all(len(tokens) == 8 for tokens in row["greedy"])
     assert results[1]["weights_mib"] < results[0]["weights_mib"]
+
+
+def test_fallback_bench_quick(tmp_path):
+    run_script("fallback_bench.py", "--quick", "--out", str(tmp_path))
+    assert "Engine ÷ transformers" in (tmp_path / "fallback.md").read_text()
+    data = json.loads((tmp_path / "fallback.json").read_text())
+    assert data["engine_tok_s"] > 0 and data["transformers_tok_s"] > 0
+    assert data["ratio"] == pytest.approx(data["engine_tok_s"] / data["transformers_tok_s"])
