@@ -23,8 +23,9 @@ from typing import Any
 
 from gateway import yaml_text
 from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
+from gateway.envoy_fields import discovery_type, socket_address, type_url
 from gateway.tls import TlsFiles, listener_tls, upstream_tls
-from gateway.upstream import ROUTINGS, discovery_type, engine_cluster, hash_policy, retry_policy
+from gateway.upstream import ROUTINGS, engine_cluster, hash_policy, retry_policy
 from inference_service.observability.tracing import otlp_target
 
 LUA_FILTER = "envoy.filters.http.lua"
@@ -43,9 +44,6 @@ UNLIMITED = 1_000_000
 # generation is megabytes. This is a ceiling, not an allocation.
 RESPONSE_BUFFER_LIMIT = 64 * 2**20
 
-
-def _type(name: str) -> str:
-    return f"type.googleapis.com/{name}"
 
 
 @dataclass(frozen=True)
@@ -88,12 +86,6 @@ class GatewayConfig:
         """The engine ports Envoy balances over."""
         return self.upstream_ports or (self.upstream_port,)
 
-
-def _address(host: str, port: int) -> dict[str, Any]:
-    address: dict[str, Any] = {"address": host, "port_value": port}
-    if host == "::":
-        address["ipv4_compat"] = True
-    return {"socket_address": address}
 
 
 def _lua_metadata(route: RestRoute) -> dict[str, Any]:
@@ -160,7 +152,7 @@ def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False,
 def _cors(origins: tuple[str, ...]) -> dict[str, Any]:
     """TGI's CORS: GET and POST, the content-type header, the given origins or any."""
     matches = [{"exact": origin} for origin in origins] or [{"safe_regex": {"regex": ".*"}}]
-    return {"@type": _type("envoy.extensions.filters.http.cors.v3.CorsPolicy"), "allow_origin_string_match": matches,
+    return {"@type": type_url("envoy.extensions.filters.http.cors.v3.CorsPolicy"), "allow_origin_string_match": matches,
             "allow_methods": "GET, POST", "allow_headers": "content-type"}
 
 
@@ -208,12 +200,12 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 
 def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> list[dict[str, Any]]:
     return [
-        {"name": CORS_FILTER, "typed_config": {"@type": _type("envoy.extensions.filters.http.cors.v3.Cors")}},
+        {"name": CORS_FILTER, "typed_config": {"@type": type_url("envoy.extensions.filters.http.cors.v3.Cors")}},
         {"name": LUA_FILTER, "typed_config": {
-            "@type": _type("envoy.extensions.filters.http.lua.v3.Lua"),
+            "@type": type_url("envoy.extensions.filters.http.lua.v3.Lua"),
             "default_source_code": {"inline_string": lua_source}}},
         {"name": "envoy.filters.http.grpc_json_transcoder", "typed_config": {
-            "@type": _type("envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"),
+            "@type": type_url("envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"),
             "proto_descriptor_bin": base64.b64encode(descriptor).decode("ascii"),
             "services": [SERVICE],
             # Route on the REST path (the routes above), not on the gRPC path it becomes.
@@ -225,13 +217,13 @@ def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> lis
             "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True,
                               "stream_sse_style_delimited": True}}},
         {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": _type("envoy.extensions.filters.http.router.v3.Router"), "suppress_envoy_headers": True}},
+            "@type": type_url("envoy.extensions.filters.http.router.v3.Router"), "suppress_envoy_headers": True}},
     ]
 
 
 def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes, lua_source: str) -> dict[str, Any]:
     manager = {
-        "@type": _type("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "@type": type_url("envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
         "stat_prefix": "rest",
         "codec_type": "AUTO",
         "server_name": "inference-service",
@@ -250,7 +242,7 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
     if config.listener_tls is not None:
         chain["transport_socket"] = listener_tls(config.listener_tls)
-    return {"name": "rest", "address": _address(config.hostname, config.port),
+    return {"name": "rest", "address": socket_address(config.hostname, config.port),
             "per_connection_buffer_limit_bytes": max(RESPONSE_BUFFER_LIMIT, config.payload_limit),
             "filter_chains": [chain]}
 
@@ -258,7 +250,7 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
 def _cluster(config: GatewayConfig) -> dict[str, Any]:
     limits = {key: UNLIMITED for key in ("max_connections", "max_pending_requests", "max_requests")}
     protocol = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+        "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
         "explicit_http_config": {"http2_protocol_options": {
             "connection_keepalive": {"interval": "30s", "timeout": "10s"}}}}}
     cluster = engine_cluster(CLUSTER, config.upstream_host, config.ports, config.routing, protocol, limits)
@@ -271,7 +263,7 @@ def _tracing(config: GatewayConfig) -> dict[str, Any]:
     """Envoy's OpenTelemetry tracer; sampling is Envoy's default (every request), and a caller's
     sampled flag in `traceparent` is kept."""
     return {"provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
-        "@type": _type("envoy.config.trace.v3.OpenTelemetryConfig"),
+        "@type": type_url("envoy.config.trace.v3.OpenTelemetryConfig"),
         "grpc_service": {"envoy_grpc": {"cluster_name": COLLECTOR_CLUSTER}, "timeout": "5s"},
         "service_name": config.otlp_service_name}}}
 
@@ -279,17 +271,17 @@ def _tracing(config: GatewayConfig) -> dict[str, Any]:
 def _collector_cluster(endpoint: str) -> dict[str, Any]:
     host, port, tls = otlp_target(endpoint)
     discovery = discovery_type(host)
-    endpoint_address = {"endpoint": {"address": _address(host, port)}}
+    endpoint_address = {"endpoint": {"address": socket_address(host, port)}}
     cluster: dict[str, Any] = {
         "name": COLLECTOR_CLUSTER, "type": discovery, "connect_timeout": "5s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": _type("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+            "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
             "explicit_http_config": {"http2_protocol_options": {}}}},
         "load_assignment": {"cluster_name": COLLECTOR_CLUSTER, "endpoints": [{"lb_endpoints": [endpoint_address]}]},
     }
     if tls:
         cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
-            "@type": _type("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"), "sni": host}}
+            "@type": type_url("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"), "sni": host}}
     return cluster
 
 
@@ -302,7 +294,7 @@ def render(config: GatewayConfig) -> dict[str, Any]:
     """Envoy's bootstrap config (a dict ready for YAML or JSON)."""
     bootstrap: dict[str, Any] = {}
     if config.admin_port is not None:
-        bootstrap["admin"] = {"address": _address(config.admin_host, config.admin_port)}
+        bootstrap["admin"] = {"address": socket_address(config.admin_host, config.admin_port)}
     bootstrap["static_resources"] = {
         "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source(config.routing))],
         "clusters": [_cluster(config)] + ([_collector_cluster(config.otlp_endpoint)] if config.otlp_endpoint else []),
@@ -310,7 +302,8 @@ def render(config: GatewayConfig) -> dict[str, Any]:
     bootstrap["overload_manager"] = {"resource_monitors": [{
         "name": "envoy.resource_monitors.global_downstream_max_connections",
         "typed_config": {
-            "@type": _type("envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
+            "@type": type_url(
+                "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
             "max_active_downstream_connections": 50_000}}]}
     return bootstrap
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.envoy_fields import type_url
+
 TLS_SOCKET = "envoy.transport_sockets.tls"
 
 
@@ -23,9 +25,6 @@ class TlsFiles:
     key: str | None = None
     ca: str | None = None  # listener: clients must be signed by it; upstream: the engine must be
 
-
-def _type(name: str) -> str:
-    return f"type.googleapis.com/{name}"
 
 
 def _certificates(files: TlsFiles) -> list[dict[str, Any]]:
@@ -38,7 +37,7 @@ def listener_tls(files: TlsFiles) -> dict[str, Any]:
     if files.cert is None or files.key is None:
         raise ValueError("TLS on the listener needs a certificate and its key")
     context: dict[str, Any] = {"alpn_protocols": ["h2", "http/1.1"], "tls_certificates": _certificates(files)}
-    tls: dict[str, Any] = {"@type": _type("envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"),
+    tls: dict[str, Any] = {"@type": type_url("envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"),
                            "common_tls_context": context}
     if files.ca:
         context["validation_context"] = {"trusted_ca": {"filename": files.ca}}
@@ -53,5 +52,5 @@ def upstream_tls(files: TlsFiles) -> dict[str, Any]:
     if files.cert:
         context["tls_certificates"] = _certificates(files)
     return {"name": TLS_SOCKET, "typed_config": {
-        "@type": _type("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
+        "@type": type_url("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
         "common_tls_context": context}}

@@ -18,38 +18,22 @@ that is down or draining is taken out, and which requests are retried.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
+
+from gateway.envoy_fields import discovery_type, socket_address, type_url
 
 PREFIX_HASH_HEADER = "x-prefix-hash"
 ROUTINGS = ("least-request", "prefix")
 HEALTH_CHECK_INTERVAL = "1s"
 
 
-def _type(name: str) -> str:
-    return f"type.googleapis.com/{name}"
-
-
-def _address(host: str, port: int) -> dict[str, Any]:
-    address: dict[str, Any] = {"address": host, "port_value": port}
-    if host == "::":
-        address["ipv4_compat"] = True
-    return {"socket_address": address}
-
-
-def discovery_type(host: str) -> str:
-    try:
-        ipaddress.ip_address(host)
-        return "STATIC"
-    except ValueError:
-        return "STRICT_DNS"
 
 
 def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
                    protocol_options: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
-    endpoints = [{"endpoint": {"address": _address(host, port)}} for port in ports]
+    endpoints = [{"endpoint": {"address": socket_address(host, port)}} for port in ports]
     return {
         "name": name,
         "type": discovery_type(host),
@@ -75,7 +59,7 @@ def retry_policy() -> dict[str, Any]:
         "retry_on": "connect-failure,refused-stream,unavailable,resource-exhausted",
         "num_retries": 2,
         "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
-            "@type": _type("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")}}],
+            "@type": type_url("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")}}],
         "host_selection_retry_max_attempts": 3,
     }
 

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from inference_service.outputs import ScheduledRequest
-from inference_service.worker.model_runner import ModelRunner, StepLogits
+from inference_service.worker.model_runner import RowsToKeep, StepLogits
 
 ATTENTION_IMPL = "transformers"  # what /info and the startup log call this path
 
@@ -33,25 +33,17 @@ class CacheRunner:
         self._caches: dict[str, DynamicCache] = {}
 
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
-        keep_rows, sample_rows, prompt_rows = ModelRunner._rows_to_keep(scheduled)
+        rows = RowsToKeep.of(scheduled)
         kept: list[torch.Tensor] = []
         token_start = 0
         for item in scheduled:
-            rows = [r - token_start for r in keep_rows if token_start <= r < token_start + item.num_new_tokens]
-            if rows:
-                kept.append(self._forward(item)[rows])
-            else:
-                self._forward(item)
+            logits = self._forward(item)  # [n, V]: every new token's, the cache grows by all of them
+            wanted = [r - token_start for r in rows.keep if token_start <= r < token_start + item.num_new_tokens]
+            if wanted:
+                kept.append(logits[wanted])
             token_start += item.num_new_tokens
         logits = torch.cat(kept) if kept else torch.empty(0, device=self.device)  # [K, V]
-        prompt_logits = {request_id: logits[start:end] for request_id, (start, end) in prompt_rows.items()}
-        speculating = any(s.num_draft_tokens for s in scheduled)
-        return StepLogits(
-            sample_ids=[s.request_id for s in scheduled if s.sample],
-            sample_logits=logits[sample_rows] if len(sample_rows) != len(keep_rows) else logits,
-            prompt_logits=prompt_logits,
-            num_sample_rows=[1 + s.num_draft_tokens for s in scheduled if s.sample] if speculating else None,
-        )
+        return rows.step_logits(scheduled, logits)
 
     def _forward(self, item: ScheduledRequest) -> torch.Tensor:
         """fp32 logits of the item's new tokens [n, V], its cache grown by them."""

@@ -41,17 +41,9 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         meta, input_ids, position_ids = self._prepare(scheduled)
-        keep_rows, sample_rows, prompt_rows = self._rows_to_keep(scheduled)
-        logits = self.forward(meta, input_ids, position_ids, keep_rows)  # [K, V]
-        prompt_logits = {request_id: logits[start:end] for request_id, (start, end) in prompt_rows.items()}
-        speculating = any(s.num_draft_tokens for s in scheduled)
-        return StepLogits(
-            sample_ids=[s.request_id for s in scheduled if s.sample],
-            sample_logits=logits[sample_rows] if len(sample_rows) != len(keep_rows) else logits,
-            prompt_logits=prompt_logits,
-            num_attention_calls=meta.num_calls,
-            num_sample_rows=[1 + s.num_draft_tokens for s in scheduled if s.sample] if speculating else None,
-        )
+        rows = RowsToKeep.of(scheduled)
+        logits = self.forward(meta, input_ids, position_ids, rows.keep)  # [K, V]
+        return rows.step_logits(scheduled, logits, num_attention_calls=meta.num_calls)
 
     def release(self, request_id: str) -> None:
         """The request ended; the paged runner keeps nothing per request (its blocks are the
@@ -112,26 +104,44 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
         return meta, ids, pos
 
-    @staticmethod
-    def _rows_to_keep(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int], dict[str, tuple[int, int]]]:
-        """Packed rows whose logits we need; indices into them for sampling and prompt logprobs."""
-        keep_rows: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: dict[str, tuple[int, int]] = {}
+@dataclass
+class RowsToKeep:
+    """Which packed rows of a step need logits, and where sampling and prompt logprobs find theirs
+    among them (shared by both runners, so the engine reads their logits alike)."""
+
+    keep: list[int]  # packed token rows
+    sample: list[int]  # indices into `keep`: each sampling request's rows, consecutive
+    prompt: dict[str, tuple[int, int]]  # request id → [start, end) into `keep`
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest]) -> RowsToKeep:
+        rows = cls([], [], {})
         token_start = 0
         for item in scheduled:
             end = token_start + item.num_new_tokens
             num_sampled = 1 + item.num_draft_tokens  # the last known token's row and each guess's
             if item.prompt_logprobs:
-                prompt_rows[item.request_id] = (len(keep_rows), len(keep_rows) + item.num_new_tokens)
-                keep_rows.extend(range(token_start, end))
+                rows.prompt[item.request_id] = (len(rows.keep), len(rows.keep) + item.num_new_tokens)
+                rows.keep.extend(range(token_start, end))
                 if item.sample:
-                    sample_rows.extend(range(len(keep_rows) - num_sampled, len(keep_rows)))
+                    rows.sample.extend(range(len(rows.keep) - num_sampled, len(rows.keep)))
             elif item.sample:
-                sample_rows.extend(range(len(keep_rows), len(keep_rows) + num_sampled))
-                keep_rows.extend(range(end - num_sampled, end))
+                rows.sample.extend(range(len(rows.keep), len(rows.keep) + num_sampled))
+                rows.keep.extend(range(end - num_sampled, end))
             token_start = end
-        return keep_rows, sample_rows, prompt_rows
+        return rows
+
+    def step_logits(self, scheduled: list[ScheduledRequest], logits: torch.Tensor,
+                    num_attention_calls: int = 0) -> StepLogits:
+        """The step's `StepLogits` from the kept rows' logits [K, V]."""
+        speculating = any(s.num_draft_tokens for s in scheduled)
+        return StepLogits(
+            sample_ids=[s.request_id for s in scheduled if s.sample],
+            sample_logits=logits[self.sample] if len(self.sample) != len(self.keep) else logits,
+            prompt_logits={request_id: logits[start:end] for request_id, (start, end) in self.prompt.items()},
+            num_attention_calls=num_attention_calls,
+            num_sample_rows=[1 + s.num_draft_tokens for s in scheduled if s.sample] if speculating else None,
+        )
 
 
 def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
