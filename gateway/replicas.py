@@ -37,7 +37,6 @@ class Replica:
     port: int
     process: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
-    given_up: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -138,7 +137,6 @@ class ReplicaSet:
             if len(replica.restarts) >= MAX_RESTARTS:
                 logger.error("replica %d exited with code %d, %d times within %.0fs: leaving it down",
                              replica.index, code, len(replica.restarts) + 1, RESTART_WINDOW_S)
-                replica.given_up = True
                 return
             logger.warning("replica %d (pid %d) exited with code %d: restarting", replica.index, replica.pid, code)
             replica.restarts.append(now)

@@ -42,8 +42,12 @@ def docs_file(name: str) -> tuple[str, bytes] | None:
     """(content type, bytes) of the page (`""`) or one of its assets; None for anything else."""
     if not name:
         return "text/html; charset=utf-8", PAGE.encode()
-    if name not in ASSETS:
-        return None
+    return (ASSETS[name], _asset(name)) if name in ASSETS else None
+
+
+@functools.cache
+def _asset(name: str) -> bytes:
+    """Read once (only the few names of ASSETS reach here): they never change while serving."""
     from swagger_ui_bundle import swagger_ui_path
 
-    return ASSETS[name], (swagger_ui_path / name).read_bytes()
+    return (swagger_ui_path / name).read_bytes()

@@ -53,6 +53,23 @@ def envoy_installed() -> None:
         pytest.skip(str(error))
 
 
+@pytest.fixture
+def launched(tiny_model_dir, envoy_installed):
+    """`launched(*flags)`: `inference-service launch` on the tiny model as a child process, stopped
+    at the end of the test."""
+    from tests.launched import Launched
+
+    runs: list[Launched] = []
+
+    def start(*extra: str) -> Launched:
+        runs.append(Launched(tiny_model_dir, *extra))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
 @pytest.fixture(scope="module")
 def start_gateway(tmp_path_factory, envoy_installed):
     """`start_gateway(server, **GatewayConfig fields)`: an Envoy in front of `server`."""

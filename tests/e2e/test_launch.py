@@ -7,38 +7,14 @@ import os
 import signal
 import time
 import urllib.request
-from pathlib import Path
-
-import pytest
 
 from gateway.launch import MAX_RESTARTS
-from tests.launched import Launched
-
-
-@pytest.fixture
-def launched(tiny_model_dir, envoy_installed):
-    runs: list[Launched] = []
-
-    def start() -> Launched:
-        runs.append(Launched(tiny_model_dir))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.stop()
+from tests.launched import alive
 
 
 def get(url: str) -> tuple[int, bytes]:
     with urllib.request.urlopen(url, timeout=30) as response:
         return response.status, response.read()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
 def test_launch_restarts_envoy_and_stops_cleanly(launched):

@@ -14,27 +14,13 @@ import urllib.error
 import urllib.request
 
 import grpc
-import pytest
 
-from tests.launched import Launched
+from tests.launched import Launched, alive
 from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
 
 READY = r"ready: TGI REST API on (http://\S+) \(gRPC too\), balanced over (\d+) replicas"
 REPLICA = r"replica (\d+) \(pid (\d+)\): gRPC port (\d+)"
-
-
-@pytest.fixture
-def launched(tiny_model_dir, envoy_installed):
-    runs: list[Launched] = []
-
-    def start(*extra: str) -> Launched:
-        runs.append(Launched(tiny_model_dir, "--num-replicas", "2", *extra))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.stop()
 
 
 def generate(url: str, inputs: str, max_new_tokens: int = 8, timeout: float = 60) -> tuple[int, dict]:
@@ -75,17 +61,8 @@ def replicas_of(run: Launched) -> dict[int, tuple[int, int]]:
     return {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in run.matches(REPLICA)}
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = f"/proc/{pid}/status"
-    return not os.path.exists(status) or "zombie" not in open(status).read().lower()
-
-
 def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
-    run = launched()
+    run = launched("--num-replicas", "2")
     url = run.wait_for(READY).group(1)
     wait_envoy_sees_healthy(run)
     replicas = replicas_of(run)
@@ -146,7 +123,7 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
 
 
 def test_prefix_routing_keeps_a_prefix_on_one_replica(launched):
-    run = launched("--routing", "prefix")
+    run = launched("--num-replicas", "2", "--routing", "prefix")
     url = run.wait_for(READY).group(1)
     wait_envoy_sees_healthy(run)
     ports = [port for _, port in replicas_of(run).values()]

@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from tests.certs import make_certs
-from tests.launched import Launched
 from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
 
@@ -23,19 +22,6 @@ BODY = json.dumps({"inputs": "hello", "parameters": {"max_new_tokens": 3}}).enco
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def launched(tiny_model_dir, envoy_installed):
-    runs: list[Launched] = []
-
-    def start(*extra: str) -> Launched:
-        runs.append(Launched(tiny_model_dir, *extra))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.stop()
 
 
 def _post(url: str, context: ssl.SSLContext) -> int:
