@@ -150,17 +150,16 @@ def make_envoy(server_config, options: LaunchOptions, grpc_ports: tuple[int, ...
     """Envoy on --port in front of the engine's gRPC port(s) on this machine; with the server's TLS
     settings, TLS (mutual with a client CA) for callers and from Envoy to the engine, where Envoy
     presents the server's certificate as its client certificate (gateway/tls.py)."""
-    listener_tls = upstream_tls = None
+    tls = None  # the same files on both sides of Envoy
     if server_config.tls:
-        listener_tls = TlsFiles(server_config.tls_cert, server_config.tls_key, server_config.tls_client_ca)
-        upstream_tls = TlsFiles(server_config.tls_cert, server_config.tls_key, server_config.tls_client_ca)
+        tls = TlsFiles(server_config.tls_cert, server_config.tls_key, server_config.tls_client_ca)
     gateway_config = GatewayConfig(
         hostname=server_config.hostname, port=options.port, upstream_host=loopback(server_config.hostname),
         upstream_port=grpc_ports[0], upstream_ports=grpc_ports, routing=options.routing,
         payload_limit=server_config.payload_limit, cors_allow_origin=options.cors_allow_origin,
         admin_port=options.envoy_admin_port, otlp_endpoint=server_config.otlp_endpoint,
-        otlp_service_name=f"{server_config.otlp_service_name}-gateway", listener_tls=listener_tls,
-        upstream_tls=upstream_tls)
+        otlp_service_name=f"{server_config.otlp_service_name}-gateway", listener_tls=tls,
+        upstream_tls=tls)
     return Envoy(gateway_config, workdir, binary=options.envoy_binary, concurrency=options.envoy_concurrency,
                  log_level=server_config.log_level)
 
@@ -216,16 +215,19 @@ async def keep_running(envoy: Envoy) -> None:
         logger.info("Envoy restarted (pid %d)", envoy.pid)
 
 
+def healthy(url: str, context: ssl.SSLContext | None = None) -> bool:
+    """A REST health URL answers 200 now."""
+    try:
+        with urllib.request.urlopen(url, timeout=5, context=context) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def wait_healthy(url: str, timeout_s: float, context: ssl.SSLContext | None = None) -> None:
     """Poll a REST health URL until it answers 200."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5, context=context) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+    while not healthy(url, context):
         if time.monotonic() > deadline:
             raise GatewayError(f"{url} did not answer 200 within {timeout_s:.0f}s")
         time.sleep(0.1)

@@ -18,8 +18,8 @@ import signal
 import tempfile
 from pathlib import Path
 
-from gateway.envoy import Envoy, GatewayError
-from gateway.launch import LaunchOptions, keep_running, loopback, make_envoy, start_envoy, wait_healthy
+from gateway.envoy import Envoy
+from gateway.launch import LaunchOptions, keep_running, loopback, make_envoy, start_envoy
 from gateway.replicas import ReplicaSet
 
 logger = logging.getLogger("gateway.launch")
@@ -77,16 +77,9 @@ async def _announce(replicas: ReplicaSet, envoy: Envoy) -> None:
             if replica.alive and replica.port in healthy:
                 pending.remove(replica)
                 logger.info("replica %d (pid %d) serving on gRPC port %d", replica.index, replica.pid, replica.port)
-        if not ready and len(pending) < len(replicas.replicas) and await asyncio.to_thread(_healthy, envoy):
+        some_serve = len(pending) < len(replicas.replicas)
+        if not ready and some_serve and await asyncio.to_thread(healthy, envoy.url("/health"), envoy.ssl_context()):
             ready = True
             logger.info("ready: TGI REST API on %s (gRPC too), balanced over %d replicas", envoy.url(),
                         len(replicas.replicas))
         await asyncio.sleep(POLL_S)
-
-
-def _healthy(envoy: Envoy) -> bool:
-    try:
-        wait_healthy(envoy.url("/health"), 0, envoy.ssl_context())
-        return True
-    except GatewayError:
-        return False
