@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from gateway.envoy import Envoy
-from gateway.launch import LaunchOptions, keep_running, loopback, make_envoy, start_envoy
+from gateway.launch import LaunchOptions, healthy, keep_running, loopback, make_envoy, start_envoy
 from gateway.replicas import ReplicaSet
 
 logger = logging.getLogger("gateway.launch")
@@ -72,9 +72,9 @@ async def _announce(replicas: ReplicaSet, envoy: Envoy) -> None:
     `/health` answers 200."""
     pending, ready = list(replicas.replicas), False
     while pending or not ready:
-        healthy = await asyncio.to_thread(envoy.healthy_ports)
+        serving_ports = await asyncio.to_thread(envoy.healthy_ports)
         for replica in list(pending):
-            if replica.alive and replica.port in healthy:
+            if replica.alive and replica.port in serving_ports:
                 pending.remove(replica)
                 logger.info("replica %d (pid %d) serving on gRPC port %d", replica.index, replica.pid, replica.port)
         some_serve = len(pending) < len(replicas.replicas)
