@@ -32,6 +32,8 @@ class ScheduledRequest:
     # Speculation: the last `num_draft_tokens` of `token_ids` are guesses past the known tokens,
     # run to be verified (each gets logits); they count as computed only once accepted.
     num_draft_tokens: int = 0
+    # Encoder-decoders: the encoder's input, on the request's first chunk (again after a preemption).
+    encoder_token_ids: list[int] | None = None
 
     @property
     def num_known_tokens(self) -> int:
@@ -181,6 +183,21 @@ class EngineInfo:
     prefix_caching: bool = False  # full KV blocks are reused across requests with the same prefix
     speculate: int = 0  # draft tokens proposed per request and step (0: no speculation)
     attention_impl: str = "paged"  # or "transformers": the fallback runner (worker/cache_runner.py)
+    # Encoder-decoders: the prompt feeds the encoder, the decoder starts from this token.
+    decoder_start_token_id: int | None = None
+    # The model's generation config: the first generated token, and the last one at max_new_tokens.
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | None = None
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.decoder_start_token_id is not None
+
+    @property
+    def pipeline_tag(self) -> str | None:
+        """The hub's pipeline tag for an encoder-decoder; None otherwise, as TGI reports for a model
+        it did not fetch from the hub (TGI's `/` defaults `return_full_text` on it)."""
+        return "text2text-generation" if self.is_encoder_decoder else None
 
     @property
     def max_batch_total_tokens(self) -> int:

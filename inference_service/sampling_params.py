@@ -22,6 +22,9 @@ class SamplingParams:
     prompt_logprobs: bool = False  # TGI's decoder_input_details
     presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: minus once for each token generated so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # (output index, token id): the token the output takes there whatever the logits say (transformers'
+    # forced BOS and forced EOS); its logprob is still the model's.
+    forced_token_ids: tuple[tuple[int, int], ...] = ()
 
     @property
     def has_warpers(self) -> bool:

@@ -27,23 +27,25 @@ MAX_CLIENT_BATCH_SIZE = 4  # TGI's default for /v1/completions prompt arrays
 _OPTIONAL_PARAMETERS = (
     "best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p",
     "typical_p", "do_sample", "max_new_tokens", "return_full_text", "truncate", "watermark",
-    "details", "decoder_input_details", "seed", "top_n_tokens", "adapter_id",
+    "details", "decoder_input_details", "seed", "top_n_tokens", "adapter_id", "forced_bos_token",
 )
 
 
 # -- requests -----------------------------------------------------------------------------------
 def is_compat_route(request: pb.GenerateRequest) -> bool:
     """TGI's root route `/` is the only one whose body may carry `stream` (the gateway maps it to
-    CompatGenerate or GenerateStream); there `return_full_text` defaults to true, as TGI does for a
-    model whose hub pipeline tag it can't read."""
+    CompatGenerate or GenerateStream)."""
     return request.HasField("stream")
 
 
-def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = False) -> GenerateParameters:
+def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = False,
+                       pipeline_tag: str | None = None) -> GenerateParameters:
+    """On the compat route `return_full_text` defaults to true for a `text-generation` model or one
+    whose pipeline tag is unknown (TGI's rule); an encoder-decoder's `text2text-generation` says false."""
     values: dict[str, Any] = {name: getattr(message, name) for name in _OPTIONAL_PARAMETERS
                               if message.HasField(name)}
     if compat_route:
-        values.setdefault("return_full_text", True)
+        values.setdefault("return_full_text", pipeline_tag in (None, "text-generation"))
     values["stop"] = list(message.stop)
     if message.HasField("grammar"):
         values["grammar"] = {"type": message.grammar.type,
@@ -68,11 +70,12 @@ def plain_json(value: Any) -> Any:
     return value
 
 
-def request_from_pb(request: pb.GenerateRequest, *, compat_route: bool = False) -> GenerateRequest:
+def request_from_pb(request: pb.GenerateRequest, *, compat_route: bool = False,
+                    pipeline_tag: str | None = None) -> GenerateRequest:
     """An absent `parameters` is all defaults (validation documents why it doesn't sample then)."""
     compat_route = compat_route or is_compat_route(request)
-    return GenerateRequest(inputs=request.inputs,
-                           parameters=parameters_from_pb(request.parameters, compat_route=compat_route))
+    return GenerateRequest(inputs=request.inputs, parameters=parameters_from_pb(
+        request.parameters, compat_route=compat_route, pipeline_tag=pipeline_tag))
 
 
 def wants_details(request: pb.GenerateRequest) -> bool:
@@ -167,7 +170,8 @@ def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig,
         max_batch_size=info.max_batch_size, max_batch_prefill_tokens=info.max_batch_prefill_tokens,
         block_size=info.block_size, stats=stats_to_pb(stats), quantize=info.quantize,
         weights_memory_bytes=info.weights_nbytes, speculate=info.speculate,
-        use_prefix_caching=info.prefix_caching, attention_impl=info.attention_impl)
+        use_prefix_caching=info.prefix_caching, attention_impl=info.attention_impl,
+        model_pipeline_tag=info.pipeline_tag)
 
 
 def model_card(model_id: str) -> pb.ModelCard:

@@ -63,7 +63,8 @@ class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServi
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         with self._observer.track("Generate", context) as call:
             engine = self.engine()
-            validated = call.validated(await engine.validate(convert.request_from_pb(request), stream=False))
+            domain_request = convert.request_from_pb(request, pipeline_tag=engine.info.pipeline_tag)
+            validated = call.validated(await engine.validate(domain_request, stream=False))
             result = call.finished(await engine.generate(validated))
             return convert.generate_response_to_pb(result, details=convert.wants_details(request))
 
@@ -72,7 +73,8 @@ class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServi
                              context: Context) -> pb.CompatGenerateResponse:
         with self._observer.track("CompatGenerate", context) as call:
             engine = self.engine()
-            domain_request = convert.request_from_pb(request, compat_route=True)
+            domain_request = convert.request_from_pb(request, compat_route=True,
+                                                    pipeline_tag=engine.info.pipeline_tag)
             validated = call.validated(await engine.validate(domain_request, stream=False))
             result = call.finished(await engine.generate(validated))
             response = convert.generate_response_to_pb(result, details=convert.wants_details(request))
@@ -83,7 +85,8 @@ class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServi
                              context: Context) -> AsyncIterator[pb.StreamResponse]:
         with self._observer.track("GenerateStream", context) as call:
             engine = self.engine()
-            validated = call.validated(await engine.validate(convert.request_from_pb(request), stream=True))
+            domain_request = convert.request_from_pb(request, pipeline_tag=engine.info.pipeline_tag)
+            validated = call.validated(await engine.validate(domain_request, stream=True))
             details, num_sent = convert.wants_details(request), 0
             async with (contextlib.aclosing(engine.generate_stream(validated)) as outputs,
                         contextlib.aclosing(with_keepalives(outputs, requested_interval(context))) as events):

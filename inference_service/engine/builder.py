@@ -223,7 +223,28 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         attention_impl=ATTENTION_IMPL if loaded.fallback_reason else "paged",
         quantize=loaded.quantize,
         weights_nbytes=weights_nbytes(loaded.model),
+        **_generation_defaults(loaded.model),
     )
+
+
+def _generation_defaults(model) -> dict:
+    """What the model's generation config fixes about the tokens: where an encoder-decoder's decoder
+    starts, and the forced first and last tokens (BART forces EOS last, mBART/M2M100 checkpoints a
+    language first). The rest of it (beams, lengths) is the caller's business, as in TGI."""
+    generation = getattr(model, "generation_config", None)
+
+    def setting(name: str) -> int | None:  # as `generate` reads them: the generation config only
+        value = getattr(generation, name, None)
+        return value if isinstance(value, int) else None
+
+    start = None
+    if model.config.is_encoder_decoder:
+        start = setting("decoder_start_token_id")
+        start = setting("bos_token_id") if start is None else start
+        if start is None:
+            raise ModelLoadError("the encoder-decoder's generation config names no decoder_start_token_id")
+    return {"decoder_start_token_id": start, "forced_bos_token_id": setting("forced_bos_token_id"),
+            "forced_eos_token_id": setting("forced_eos_token_id")}
 
 
 def _model_context(text_config, tokenizer) -> int:
@@ -253,7 +274,8 @@ def warm_up(engine: LLMEngine, num_tokens: int = 16) -> None:
     num_tokens = min(num_tokens, engine.info.max_input_tokens)
     table = kv.allocate_slots(_WARMUP_ID, num_tokens + 1)
     try:
-        runner.execute([ScheduledRequest(_WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True)])
+        runner.execute([ScheduledRequest(_WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True,
+                                         encoder_token_ids=[0] * num_tokens)])
         runner.execute([ScheduledRequest(_WARMUP_ID, num_tokens, 1, [0], table, True)])
     finally:
         kv.free(_WARMUP_ID)

@@ -95,6 +95,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(validated.prompt_token_ids), validated.sampling_params,
                           validated.stopping_params)
+        if self.info.is_encoder_decoder:  # the prompt feeds the encoder; the decoder starts from one token
+            request.encoder_token_ids = request.prompt_token_ids
+            request.prompt_token_ids = [self.info.decoder_start_token_id]
         # Each sequence walks its own copy of the grammar (best_of variants share the compiled one).
         grammar = validated.grammar.new_state() if validated.grammar is not None else None
         self.live[request_id] = _Live(
@@ -315,7 +318,7 @@ class LLMEngine:
             tokens=live.pending[:count],
             top_tokens=live.pending_top[:count],
             num_generated_tokens=live.request.num_output_tokens,
-            num_prompt_tokens=live.request.num_prompt_tokens,
+            num_prompt_tokens=live.request.num_input_tokens,
         )
         del live.pending[:count], live.pending_top[:count]
         if not live.sent_prefill:
@@ -334,7 +337,7 @@ class LLMEngine:
         output.finish_reason = reason
         output.generated_text = text
         output.num_generated_tokens = request.num_output_tokens
-        output.num_prompt_tokens = request.num_prompt_tokens
+        output.num_prompt_tokens = request.num_input_tokens
         output.seed = None if request.sampling.is_greedy else request.sampling.seed
         self.scheduler.finish(request, FINISHED_STATUS[reason])
         output.timings = request.timings
@@ -348,7 +351,7 @@ class LLMEngine:
         error.timings = request.timings
         return RequestOutput(request_id=request_id, error=error, timings=request.timings,
                              num_generated_tokens=request.num_output_tokens,
-                             num_prompt_tokens=request.num_prompt_tokens)
+                             num_prompt_tokens=request.num_input_tokens)
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every live request with a generation error (an unexpected engine failure)."""

@@ -52,6 +52,14 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     # Hash chain of the full blocks of prompt + output (prefix caching), grown as needed.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Encoder-decoders: the caller's prompt, read by the encoder; `prompt_token_ids` is then the
+    # decoder's start (its K/V is what the blocks budget).
+    encoder_token_ids: list[int] | None = None
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The caller's prompt length (the encoder's input for encoder-decoders)."""
+        return len(self.encoder_token_ids) if self.encoder_token_ids is not None else len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

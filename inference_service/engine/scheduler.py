@@ -176,6 +176,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             prompt_logprobs=wants_prompt_logprobs,
             num_draft_tokens=len(drafts),
+            encoder_token_ids=request.encoder_token_ids if start == 0 else None,
         )
 
     # -- after the step -------------------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inference_service.errors import ValidationError
@@ -64,6 +64,9 @@ class GenerateParameters:
     # OpenAI's: subtracted once from the logit of every token already seen; added to given ids' logits.
     presence_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Ours: the first generated token, as a token of the vocabulary (transformers' forced_bos_token_id:
+    # M2M100's or mBART's target language, e.g. "__fr__"); default: the model's generation config.
+    forced_bos_token: str | None = None
 
 
 @dataclass
@@ -132,6 +135,7 @@ class Validator:
         self._info = info
         self._rng = rng or random.SystemRandom()
         self._grammar_compiler = grammar_compiler  # None: grammar support disabled
+        self._vocab: dict[str, int] | None = None
 
     def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
         """Raise `ValidationError` with the first failing check, in TGI's order."""
@@ -153,12 +157,13 @@ class Validator:
         self._check_truncate(params.truncate)
         prompt_token_ids = self._tokenize(request, params.truncate)
         max_new_tokens = self._check_lengths(len(prompt_token_ids), params.max_new_tokens)
+        forced = self._forced_tokens(params.forced_bos_token, max_new_tokens)
         grammar = self._compile_grammar(params.grammar)
         return ValidatedRequest(
             inputs=request.inputs,
             prompt_token_ids=prompt_token_ids,
             input_length=len(prompt_token_ids),
-            sampling_params=_sampling_params(params, seed, top_n_tokens),
+            sampling_params=replace(_sampling_params(params, seed, top_n_tokens), forced_token_ids=forced),
             stopping_params=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop)),
             best_of=best_of,
             details=bool(params.details),
@@ -218,6 +223,27 @@ class Validator:
             raise ValidationError(f"tokenizer error {error}") from error
         _check(len(token_ids) > 0, "`inputs` cannot be empty")
         return token_ids if truncate is None else token_ids[-truncate:]
+
+    def _forced_tokens(self, forced_bos_token: str | None, max_new_tokens: int) -> tuple[tuple[int, int], ...]:
+        """(output index, token id) pairs the output must hold, as `generate` forces them: the first
+        token (the request's `forced_bos_token`, else the model's), then EOS as the last one allowed
+        when the model's generation config says so (it wins where both fall on one token)."""
+        forced = {}
+        bos_id = self._info.forced_bos_token_id
+        if forced_bos_token is not None:
+            bos_id = self._vocabulary().get(forced_bos_token)
+            _check(bos_id is not None and bos_id < self._info.vocab_size,
+                   f"`forced_bos_token` must be a token of the model's vocabulary. Given: {forced_bos_token!r}")
+        if bos_id is not None:
+            forced[0] = bos_id
+        if self._info.forced_eos_token_id is not None and max_new_tokens > 0:
+            forced[max_new_tokens - 1] = self._info.forced_eos_token_id
+        return tuple(sorted(forced.items()))
+
+    def _vocabulary(self) -> dict[str, int]:
+        if self._vocab is None:
+            self._vocab = self._tokenizer.get_vocab()  # a copy per call: read once
+        return self._vocab
 
     def _check_lengths(self, input_length: int, max_new_tokens: int | None) -> int:
         """Total then prompt length, as TGI; returns max_new_tokens ("auto" = what fits)."""

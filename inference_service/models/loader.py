@@ -214,16 +214,20 @@ def load_model(
     attn_implementation: str,
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
-    """The causal LM in `path`, in eval mode on `device`, never reaching out to the hub.
+    """The causal LM (or text-to-text encoder-decoder) in `path`, in eval mode on `device`, never
+    reaching out to the hub.
 
     safetensors win over `.bin` when a folder holds both; `.bin` files are unpickled with
     `weights_only=True`, so a checkpoint can't run code when it is read.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     folder = _checkpoint_folder(path, "model", "config.json")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(os.fspath(folder), trust_remote_code=trust_remote_code,
+                                            local_files_only=True)
+        auto_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        model = auto_class.from_pretrained(
             os.fspath(folder),
             dtype=dtype,
             attn_implementation=attn_implementation,

@@ -5,7 +5,8 @@ bypass it (falcon, gptj), ignore it silently (bloom), or need masks we don't bui
 alibi models). The probe runs a packed batch through the loaded model, one sequence continuing a
 cached prefix, and requires one attention call per layer and logits equal to a plain forward.
 A model that fails (or is known to) is served by the fallback runner (worker/cache_runner.py)
-through transformers' own attention, never served wrong; encoder-decoders are refused by name.
+through transformers' own attention, never served wrong. So are encoder-decoders: T5's decoder
+attention bypasses the interface, and cross-attention reads a per-request encoder output.
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ FALLBACK_ARCHITECTURES = {
 }
 
 
+# Text-to-text encoder-decoders (AutoModelForSeq2SeqLM) tested on tiny random configs
+# (tests/integration/test_seq2seq_models.py); speech and vision ones need inputs this API doesn't take.
+ENCODER_DECODER_ARCHITECTURES = ("t5", "mt5", "umt5", "bart", "mbart", "m2m_100", "marian", "pegasus")
+ENCODER_DECODER_REASON = ("an encoder-decoder: its encoder runs once per request, its decoder through "
+                          "transformers' attention with the cross-attention cache kept per request")
+
+
 def check_architecture(config) -> str | None:
     """Refuse what can't work before spending time loading weights; the reason a known architecture
     needs the fallback runner (None: the paged path, pending the probe)."""
     model_type = getattr(config, "model_type", "unknown")
     if getattr(config, "is_encoder_decoder", False):
-        raise ModelLoadError(f"architecture '{model_type}' is not supported: encoder-decoder models "
-                             "need a cross-attention cache this engine does not have")
+        if model_type not in ENCODER_DECODER_ARCHITECTURES:
+            raise ModelLoadError(f"architecture '{model_type}' is not supported: of the encoder-decoders, "
+                                 f"this engine serves {', '.join(ENCODER_DECODER_ARCHITECTURES)}")
+        return ENCODER_DECODER_REASON
     return FALLBACK_ARCHITECTURES.get(model_type)
 
 

@@ -58,6 +58,8 @@ class SamplingState:
         self.generated_ids: dict[int, None] | None = {} if params.presence_penalty != 0.0 else None
         self.last_token_id: int | None = int(prompt_token_ids[-1]) if prompt_token_ids else None
         self.num_tokens = len(prompt_token_ids)
+        self.num_generated = 0
+        self._forced = dict(params.forced_token_ids)
 
     def append(self, token_id: int) -> None:
         """Record a generated token; a token the grammar rejects raises `GenerationError` first."""
@@ -70,6 +72,12 @@ class SamplingState:
             self.generated_ids.setdefault(token_id)
         self.last_token_id = token_id
         self.num_tokens += 1
+        self.num_generated += 1
+
+    @property
+    def forced_token_id(self) -> int | None:
+        """The token the next output position must take, if one is forced there."""
+        return self._forced.get(self.num_generated) if self._forced else None
 
     @property
     def num_seen(self) -> int:
@@ -122,6 +130,10 @@ class Sampler:
             token_ids = allowed.argmax(dim=-1)  # [B]
         else:
             token_ids = self._choose(self.process(allowed, states), states)  # [B]
+        forced = [(row, s.forced_token_id) for row, s in enumerate(states) if s.forced_token_id is not None]
+        if forced:  # after the draw, so a seeded request's random stream is the same either way
+            rows, ids = zip(*forced, strict=True)
+            token_ids[list(rows)] = torch.tensor(ids, dtype=token_ids.dtype, device=token_ids.device)
         return _gather_output(logits, token_ids, params)
 
     def apply_grammars(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:

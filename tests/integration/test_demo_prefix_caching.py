@@ -32,9 +32,9 @@ def _prompt(question: str) -> str:
 async def _run(demo_dir, prefix_caching: bool):
     engine = AsyncEngine.from_config(EngineConfig(
         model=ModelConfig(model_id=str(demo_dir), dtype="float32"),
-        cache=CacheConfig(max_batch_total_tokens=320, prefix_caching=prefix_caching),  # 20 blocks of 16
+        cache=CacheConfig(max_batch_total_tokens=192, prefix_caching=prefix_caching),  # 12 blocks of 16
         scheduler=SchedulerConfig(max_batch_prefill_tokens=48),  # the system prompt takes several steps
-        limits=LimitsConfig(max_total_tokens=320)))
+        limits=LimitsConfig(max_total_tokens=192)))
     engine.start()
 
     async def one(index: int):

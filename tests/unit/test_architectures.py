@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from transformers import AutoConfig
 from tiny_models import NUM_LAYERS, VOCAB_SIZE, same_weights_model, tiny_config, tiny_model
 
 from inference_service.errors import ModelLoadError
@@ -350,8 +351,10 @@ def test_architectures_that_bypass_the_interface_go_to_the_fallback_before_loadi
         tiny_model(config, attn_implementation=attention.ATTENTION_NAME)
 
 
-def test_encoder_decoder_is_refused():
+def test_text_encoder_decoders_go_to_the_fallback_and_others_are_refused_by_name():
     config = tiny_config("t5")
     assert config.is_encoder_decoder
-    with pytest.raises(ModelLoadError, match="'t5'.*encoder-decoder"):
-        registry.check_architecture(config)
+    assert "encoder-decoder" in registry.check_architecture(config)
+    speech = AutoConfig.for_model("whisper")  # an encoder-decoder whose input is audio
+    with pytest.raises(ModelLoadError, match="'whisper'.*encoder-decoders, this engine serves t5"):
+        registry.check_architecture(speech)

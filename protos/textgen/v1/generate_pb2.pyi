@@ -78,6 +78,7 @@ class GenerateParameters(_message.Message):
     TOP_N_TOKENS_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    FORCED_BOS_TOKEN_FIELD_NUMBER: _builtins.int
     best_of: _builtins.int
     temperature: _builtins.float
     repetition_penalty: _builtins.float
@@ -99,6 +100,11 @@ class GenerateParameters(_message.Message):
     top_n_tokens: _builtins.int
     adapter_id: _builtins.str
     """Accepted and ignored, as TGI does for unknown adapters: the base model serves the request."""
+    forced_bos_token: _builtins.str
+    """Ours: the first generated token, given as a token of the model's vocabulary, e.g. M2M100's
+    target language "__fr__" (transformers' forced_bos_token_id). Default: the model's generation
+    config.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -127,10 +133,11 @@ class GenerateParameters(_message.Message):
         top_n_tokens: _builtins.int | None = ...,
         grammar: Global___Grammar | None = ...,
         adapter_id: _builtins.str | None = ...,
+        forced_bos_token: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_adapter_id", b"_adapter_id", "_best_of", b"_best_of", "_decoder_input_details", b"_decoder_input_details", "_details", b"_details", "_do_sample", b"_do_sample", "_frequency_penalty", b"_frequency_penalty", "_grammar", b"_grammar", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_return_full_text", b"_return_full_text", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_n_tokens", b"_top_n_tokens", "_top_p", b"_top_p", "_truncate", b"_truncate", "_typical_p", b"_typical_p", "_watermark", b"_watermark", "adapter_id", b"adapter_id", "best_of", b"best_of", "decoder_input_details", b"decoder_input_details", "details", b"details", "do_sample", b"do_sample", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "return_full_text", b"return_full_text", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_n_tokens", b"top_n_tokens", "top_p", b"top_p", "truncate", b"truncate", "typical_p", b"typical_p", "watermark", b"watermark"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adapter_id", b"_adapter_id", "_best_of", b"_best_of", "_decoder_input_details", b"_decoder_input_details", "_details", b"_details", "_do_sample", b"_do_sample", "_forced_bos_token", b"_forced_bos_token", "_frequency_penalty", b"_frequency_penalty", "_grammar", b"_grammar", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_return_full_text", b"_return_full_text", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_n_tokens", b"_top_n_tokens", "_top_p", b"_top_p", "_truncate", b"_truncate", "_typical_p", b"_typical_p", "_watermark", b"_watermark", "adapter_id", b"adapter_id", "best_of", b"best_of", "decoder_input_details", b"decoder_input_details", "details", b"details", "do_sample", b"do_sample", "forced_bos_token", b"forced_bos_token", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "return_full_text", b"return_full_text", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_n_tokens", b"top_n_tokens", "top_p", b"top_p", "truncate", b"truncate", "typical_p", b"typical_p", "watermark", b"watermark"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adapter_id", b"_adapter_id", "_best_of", b"_best_of", "_decoder_input_details", b"_decoder_input_details", "_details", b"_details", "_do_sample", b"_do_sample", "_frequency_penalty", b"_frequency_penalty", "_grammar", b"_grammar", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_return_full_text", b"_return_full_text", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_n_tokens", b"_top_n_tokens", "_top_p", b"_top_p", "_truncate", b"_truncate", "_typical_p", b"_typical_p", "_watermark", b"_watermark", "adapter_id", b"adapter_id", "best_of", b"best_of", "decoder_input_details", b"decoder_input_details", "details", b"details", "do_sample", b"do_sample", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "return_full_text", b"return_full_text", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_n_tokens", b"top_n_tokens", "top_p", b"top_p", "truncate", b"truncate", "typical_p", b"typical_p", "watermark", b"watermark"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adapter_id", b"_adapter_id", "_best_of", b"_best_of", "_decoder_input_details", b"_decoder_input_details", "_details", b"_details", "_do_sample", b"_do_sample", "_forced_bos_token", b"_forced_bos_token", "_frequency_penalty", b"_frequency_penalty", "_grammar", b"_grammar", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_return_full_text", b"_return_full_text", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_n_tokens", b"_top_n_tokens", "_top_p", b"_top_p", "_truncate", b"_truncate", "_typical_p", b"_typical_p", "_watermark", b"_watermark", "adapter_id", b"adapter_id", "best_of", b"best_of", "decoder_input_details", b"decoder_input_details", "details", b"details", "do_sample", b"do_sample", "forced_bos_token", b"forced_bos_token", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "return_full_text", b"return_full_text", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_n_tokens", b"top_n_tokens", "top_p", b"top_p", "truncate", b"truncate", "typical_p", b"typical_p", "watermark", b"watermark"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adapter_id: _TypeAlias = _typing.Literal["adapter_id"]  # noqa: Y015
     _WhichOneofArgType__adapter_id: _TypeAlias = _typing.Literal["_adapter_id", b"_adapter_id"]  # noqa: Y015
@@ -142,6 +149,8 @@ class GenerateParameters(_message.Message):
     _WhichOneofArgType__details: _TypeAlias = _typing.Literal["_details", b"_details"]  # noqa: Y015
     _WhichOneofReturnType__do_sample: _TypeAlias = _typing.Literal["do_sample"]  # noqa: Y015
     _WhichOneofArgType__do_sample: _TypeAlias = _typing.Literal["_do_sample", b"_do_sample"]  # noqa: Y015
+    _WhichOneofReturnType__forced_bos_token: _TypeAlias = _typing.Literal["forced_bos_token"]  # noqa: Y015
+    _WhichOneofArgType__forced_bos_token: _TypeAlias = _typing.Literal["_forced_bos_token", b"_forced_bos_token"]  # noqa: Y015
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
     _WhichOneofReturnType__grammar: _TypeAlias = _typing.Literal["grammar"]  # noqa: Y015
@@ -178,6 +187,8 @@ class GenerateParameters(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__details) -> _WhichOneofReturnType__details | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__do_sample) -> _WhichOneofReturnType__do_sample | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forced_bos_token) -> _WhichOneofReturnType__forced_bos_token | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
     @_typing.overload

@@ -1,0 +1,222 @@
+"""Encoder-decoders (T5, mT5, UMT5, BART, mBART, M2M100, Marian, Pegasus) run through the fallback
+runner: the encoder once per request, the decoder with transformers' caches, decode rows of requests
+in step batched together. Per family, on a tiny random config: greedy output equals transformers'
+`generate` (staggered arrivals, mixed lengths, truncation, guesses, preemption), logprobs equal
+`log_softmax` of a plain forward within 1e-4, seeded sampling does not depend on batch neighbours,
+a cancelled stream leaves no block and no cache, and forced first tokens (per request or from the
+generation config) and BART's forced last EOS behave as in `generate`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
+from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.errors import ValidationError
+
+WIDTH = 64
+_BART_STYLE = {"d_model": WIDTH, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+               "decoder_attention_heads": 4, "encoder_ffn_dim": 2 * WIDTH, "decoder_ffn_dim": 2 * WIDTH,
+               "max_position_embeddings": 128, "init_std": 0.15, "dropout": 0.0}
+_T5_STYLE = {"d_model": WIDTH, "d_kv": 16, "d_ff": 2 * WIDTH, "num_layers": 2, "num_decoder_layers": 2,
+             "num_heads": 4, "initializer_factor": 1.0, "dropout_rate": 0.0}
+# The decoder start each family's checkpoints use: T5 and Marian start from PAD, the BART family from EOS.
+FAMILIES = {
+    "t5": (_T5_STYLE, "pad"),
+    "mt5": (_T5_STYLE, "pad"),
+    "umt5": (_T5_STYLE, "pad"),
+    "bart": (_BART_STYLE, "eos"),
+    "mbart": (_BART_STYLE, "eos"),
+    "m2m_100": (_BART_STYLE, "eos"),
+    "marian": (_BART_STYLE, "pad"),
+    "pegasus": (_BART_STYLE, "pad"),
+}
+PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7),
+           ("café naïve", 16), ("the quick brown fox", 9)]
+
+
+def seq2seq_config(family: str, tokenizer, **overrides):
+    fields, start = FAMILIES[family]
+    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    ids["decoder_start_token_id"] = ids[f"{start}_token_id"]
+    return AutoConfig.for_model(family, **fields, **ids, **overrides)
+
+
+def save_model(config, tokenizer, folder, seed: int = 0, **generation):
+    torch.manual_seed(seed)
+    model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32).eval()
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory, byte_tokenizer):
+    config = seq2seq_config(request.param, byte_tokenizer)
+    return save_model(config, byte_tokenizer, tmp_path_factory.mktemp(request.param))
+
+
+def _engine(folder, speculate: int = 0, total_tokens: int = 2048) -> AsyncEngine:
+    return AsyncEngine.from_config(EngineConfig(
+        model=ModelConfig(model_id=str(folder)), cache=CacheConfig(block_size=4, max_batch_total_tokens=total_tokens),
+        scheduler=SchedulerConfig(max_batch_prefill_tokens=8, speculate=speculate),
+        limits=LimitsConfig(max_total_tokens=64)))
+
+
+async def _generate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
+    request = await engine.validate(GenerateRequest(inputs, GenerateParameters(
+        max_new_tokens=max_new_tokens, details=True, **parameters)), stream=False)
+    return request, await engine.generate(request)
+
+
+async def _idle(engine: AsyncEngine):
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == stats.num_waiting == 0:
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError("not idle")
+
+
+async def _served(folder, calls, **engine_options):
+    """Run `calls(engine)` on a started engine; its results and the idle stats after."""
+    engine = _engine(folder, **engine_options)
+    engine.start()
+    try:
+        results = await calls(engine)
+        stats = await _idle(engine)
+        runner = engine._engine.runner
+        num_batched, num_caches = runner.num_batched_rows, runner.num_caches
+    finally:
+        await engine.shutdown(timeout_s=1)
+    assert stats.num_free_blocks == stats.num_total_blocks and num_caches == 0
+    return results, stats, num_batched
+
+
+def check_against_transformers(reference, request, result, **generate_options):
+    """Tokens equal greedy `generate`'s, and each logprob is log_softmax of the logits `generate`
+    computed for that position."""
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False, num_beams=1,
+                                 max_new_tokens=request.stopping_params.max_new_tokens, output_logits=True,
+                                 return_dict_in_generate=True, **generate_options)
+    tokens = [t.id for t in result.tokens]
+    assert tokens == out.sequences[0, 1:].tolist(), request.inputs
+    expected = [torch.log_softmax(logits[0].float(), dim=-1)[t].item() for logits, t in zip(out.logits, tokens)]
+    assert [t.logprob for t in result.tokens] == pytest.approx(expected, abs=1e-4)
+
+
+async def test_greedy_and_logprobs_equal_transformers(family_dir):
+    reference = AutoModelForSeq2SeqLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+
+    async def calls(engine):
+        info = engine.info
+        assert (info.attention_impl, info.pipeline_tag, info.prefix_caching) == (
+            "transformers", "text2text-generation", False)
+
+        async def one(index: int):
+            await asyncio.sleep(0.01 * (index // 2))  # pairs arrive together, later ones join a running batch
+            return await _generate(engine, *PROMPTS[index], truncate=5 if index == 2 else None)
+
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    for speculate in (0, 3):
+        results, _stats, num_batched = await _served(family_dir, calls, speculate=speculate)
+        if not speculate:
+            assert num_batched > 0  # decode rows of requests admitted together ran as one forward
+        assert len(results[2][0].prompt_token_ids) == 5  # truncate cuts the encoder's input
+        for request, result in results:
+            check_against_transformers(reference, request, result)
+
+
+async def test_preempted_requests_recompute_their_encoder_and_finish_alike(family_dir):
+    reference = AutoModelForSeq2SeqLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+
+    async def calls(engine):
+        return await asyncio.gather(*(_generate(engine, prompt, 20) for prompt, _ in PROMPTS))
+
+    # 16 blocks of 4 decoder tokens: five requests of up to 21 tokens can't all stay.
+    results, stats, _ = await _served(family_dir, calls, total_tokens=64)
+    assert stats.num_preemptions > 0
+    for request, result in results:
+        check_against_transformers(reference, request, result)
+
+
+async def test_seeded_sampling_ignores_its_neighbours_and_cancel_leaves_nothing(family_dir):
+    seeded = {"do_sample": True, "seed": 5, "temperature": 0.9, "top_k": 40}
+
+    async def calls(engine):
+        _, alone = await _generate(engine, "the quick brown fox", 15, **seeded)
+        together = await asyncio.gather(_generate(engine, "the quick brown fox", 15, **seeded),
+                                        _generate(engine, "a", 25), _generate(engine, "café", 9, do_sample=True))
+        request = await engine.validate(GenerateRequest("a", GenerateParameters(max_new_tokens=60)), stream=True)
+        stream = engine.generate_stream(request)
+        async for _output in stream:
+            break
+        await stream.aclose()
+        return alone, together
+
+    (alone, together), _stats, _ = await _served(family_dir, calls)
+    assert [t.id for t in together[0][1].tokens] == [t.id for t in alone.tokens]
+
+
+async def test_prompt_details_are_the_decoder_start_and_full_text_prepends_the_input(family_dir):
+    async def calls(engine):
+        return await _generate(engine, "the quick brown fox", 4, decoder_input_details=True, return_full_text=True)
+
+    (request, result), _stats, _ = await _served(family_dir, calls)
+    config = AutoConfig.from_pretrained(family_dir)
+    # As TGI's seq2seq models: the decoder's input is the prefill, with no logprob for its first token.
+    assert [(t.id, t.logprob) for t in result.prefill_tokens] == [(config.decoder_start_token_id, None)]
+    assert result.generated_text.startswith("the quick brown fox")
+    assert result.num_prompt_tokens == len(request.prompt_token_ids) > 1  # usage counts the encoder's input
+
+
+@pytest.mark.parametrize("family", ["m2m_100", "mbart"])
+async def test_forced_first_token_per_request_and_from_the_generation_config(family, tmp_path, byte_tokenizer):
+    """M2M100/mBART name the target language by forcing the first generated token: the model's
+    generation config gives a default, a request's `forced_bos_token` overrides it."""
+    language = byte_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    other = byte_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    folder = save_model(seq2seq_config(family, byte_tokenizer), byte_tokenizer, tmp_path,
+                        forced_bos_token_id=language)
+    reference = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert reference.generation_config.forced_bos_token_id == language
+
+    async def calls(engine):
+        default = await _generate(engine, "the quick brown fox", 8)
+        chosen = await _generate(engine, "the quick brown fox", 8, forced_bos_token="<|im_end|>")
+        with pytest.raises(ValidationError, match="forced_bos_token"):
+            await _generate(engine, "the quick brown fox", 8, forced_bos_token="not-a-token")
+        return default, chosen
+
+    (default, chosen), _stats, _ = await _served(folder, calls)
+    check_against_transformers(reference, *default)
+    assert default[1].tokens[0].id == language
+    assert chosen[1].tokens[0].id == other
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([chosen[0].prompt_token_ids]), do_sample=False, max_new_tokens=8,
+                                 forced_bos_token_id=other)
+    assert [t.id for t in chosen[1].tokens] == out[0, 1:].tolist()
+
+
+async def test_bart_forces_eos_as_the_last_token_as_generate_does(tmp_path, byte_tokenizer):
+    folder = save_model(seq2seq_config("bart", byte_tokenizer), byte_tokenizer, tmp_path)
+    reference = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=torch.float32).eval()
+    forced_eos = reference.generation_config.forced_eos_token_id
+    assert forced_eos is not None  # BART's default
+
+    async def calls(engine):
+        return await _generate(engine, "jumps over the lazy dog", 6)
+
+    (request, result), _stats, _ = await _served(folder, calls)
+    assert [t.id for t in result.tokens].index(forced_eos) == len(result.tokens) - 1
+    check_against_transformers(reference, request, result)
