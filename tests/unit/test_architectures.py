@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoConfig
 from tiny_models import NUM_LAYERS, VOCAB_SIZE, same_weights_model, tiny_config, tiny_model
+from transformers import AutoConfig
 
 from inference_service.errors import ModelLoadError
 from inference_service.models import registry
