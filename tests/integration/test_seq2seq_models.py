@@ -110,7 +110,8 @@ def check_against_transformers(reference, request, result, **generate_options):
                                  return_dict_in_generate=True, **generate_options)
     tokens = [t.id for t in result.tokens]
     assert tokens == out.sequences[0, 1:].tolist(), request.inputs
-    expected = [torch.log_softmax(logits[0].float(), dim=-1)[t].item() for logits, t in zip(out.logits, tokens, strict=True)]
+    expected = [torch.log_softmax(logits[0].float(), dim=-1)[t].item()
+                for logits, t in zip(out.logits, tokens, strict=True)]
     assert [t.logprob for t in result.tokens] == pytest.approx(expected, abs=1e-4)
 
 
