@@ -2,7 +2,7 @@
 runner: the encoder once per request, the decoder with transformers' caches, decode rows of requests
 in step batched together. Per family, on a tiny random config: greedy output equals transformers'
 `generate` (staggered arrivals, mixed lengths, truncation, guesses, preemption), logprobs equal
-`log_softmax` of a plain forward within 1e-4, seeded sampling does not depend on batch neighbours,
+`log_softmax` of `generate`'s logits within 1e-4, seeded sampling does not depend on batch neighbours,
 a cancelled stream leaves no block and no cache, and forced first tokens (per request or from the
 generation config) and BART's forced last EOS behave as in `generate`."""
 
@@ -18,44 +18,10 @@ from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, Mo
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import ValidationError
+from tests.tiny_seq2seq import FAMILIES, save_model, seq2seq_config
 
-WIDTH = 64
-_BART_STYLE = {"d_model": WIDTH, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-               "decoder_attention_heads": 4, "encoder_ffn_dim": 2 * WIDTH, "decoder_ffn_dim": 2 * WIDTH,
-               "max_position_embeddings": 128, "init_std": 0.15, "dropout": 0.0}
-_T5_STYLE = {"d_model": WIDTH, "d_kv": 16, "d_ff": 2 * WIDTH, "num_layers": 2, "num_decoder_layers": 2,
-             "num_heads": 4, "initializer_factor": 1.0, "dropout_rate": 0.0}
-# The decoder start each family's checkpoints use: T5 and Marian start from PAD, the BART family from EOS.
-FAMILIES = {
-    "t5": (_T5_STYLE, "pad"),
-    "mt5": (_T5_STYLE, "pad"),
-    "umt5": (_T5_STYLE, "pad"),
-    "bart": (_BART_STYLE, "eos"),
-    "mbart": (_BART_STYLE, "eos"),
-    "m2m_100": (_BART_STYLE, "eos"),
-    "marian": (_BART_STYLE, "pad"),
-    "pegasus": (_BART_STYLE, "pad"),
-}
 PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7),
            ("café naïve", 16), ("the quick brown fox", 9)]
-
-
-def seq2seq_config(family: str, tokenizer, **overrides):
-    fields, start = FAMILIES[family]
-    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-           "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    ids["decoder_start_token_id"] = ids[f"{start}_token_id"]
-    return AutoConfig.for_model(family, **fields, **ids, **overrides)
-
-
-def save_model(config, tokenizer, folder, seed: int = 0, **generation):
-    torch.manual_seed(seed)
-    model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32).eval()
-    for name, value in generation.items():
-        setattr(model.generation_config, name, value)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
