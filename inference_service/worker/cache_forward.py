@@ -28,7 +28,14 @@ class Batch:
 
     ids: tuple[str, ...]
     cache: Cache
-    inputs: dict = field(default_factory=dict)  # model arguments fixed while the batch lasts
+    inputs: dict = field(default_factory=dict)  # model arguments fixed while the batch lasts ([B, ...])
+
+    def subset(self, ids: tuple[str, ...], device: torch.device) -> Batch:
+        """A batch of some of these requests (`ids`, in this batch's order): their rows, copied once."""
+        rows = torch.tensor([self.ids.index(i) for i in ids], dtype=torch.long, device=device)
+        inputs = {name: tuple(t.index_select(0, rows) for t in value) if isinstance(value, tuple)
+                  else value.index_select(0, rows) for name, value in self.inputs.items()}
+        return Batch(ids, cache_rows.select(self.cache, rows), inputs)
 
 
 @dataclass
@@ -47,6 +54,9 @@ class DecoderOnlyForward:
 
     def start(self, item: ScheduledRequest) -> Sequence:
         return Sequence(DynamicCache(config=self.model.config))
+
+    def start_batch(self, ids: tuple[str, ...], items: list[ScheduledRequest]) -> None:
+        return None  # prompts of several lengths would need padding the positions can't take
 
     def batch(self, ids: tuple[str, ...], sequences: list[Sequence]) -> Batch:
         return Batch(ids, cache_rows.stack([s.cache for s in sequences]))
@@ -75,6 +85,20 @@ class EncoderDecoderForward:
         ids = torch.tensor([item.encoder_token_ids], dtype=torch.long, device=self.device)  # [1, S]
         encoder_output = self.encoder(input_ids=ids).last_hidden_state  # [1, S, H]
         return Sequence(EncoderDecoderCache(DynamicCache(), DynamicCache()), encoder_output)
+
+    def start_batch(self, ids: tuple[str, ...], items: list[ScheduledRequest]) -> tuple[Batch, list[Sequence]]:
+        """Requests starting together: one padded encoder pass, and a batch whose empty caches their
+        first decoder step fills."""
+        lengths = [len(item.encoder_token_ids) for item in items]
+        longest = max(lengths)
+        padded = [item.encoder_token_ids + [0] * (longest - n) for item, n in zip(items, lengths, strict=True)]
+        mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], dtype=torch.long, device=self.device)
+        ids_tensor = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, S]
+        encoder_output = self.encoder(input_ids=ids_tensor, attention_mask=mask).last_hidden_state  # [B, S, H]
+        batch = Batch(ids, EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                      {"encoder_outputs": (encoder_output,), "attention_mask": mask})
+        sequences = [Sequence(None, encoder_output[i:i + 1, :n], batch, i) for i, n in enumerate(lengths)]
+        return batch, sequences
 
     def batch(self, ids: tuple[str, ...], sequences: list[Sequence]) -> Batch:
         lengths = [s.encoder_output.shape[1] for s in sequences]

@@ -33,6 +33,14 @@ def stack(caches: list[DynamicCache], pad_to: int | None = None) -> DynamicCache
     return _cache(layers)
 
 
+def select(cache: Cache, rows: torch.Tensor) -> Cache:
+    """The stacked cache's `rows` (indices [R]) as a new stacked cache (one copy)."""
+    if isinstance(cache, EncoderDecoderCache):
+        return EncoderDecoderCache(select(cache.self_attention_cache, rows), select(cache.cross_attention_cache, rows))
+    return _cache([_layer(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+                   for layer in cache.layers])
+
+
 def row(cache: DynamicCache, index: int, length: int | None = None) -> DynamicCache:
     """Row `index` of a stacked cache as a batch-1 cache of views; `length` keeps only its first
     tokens (dropping the padding `stack` added)."""

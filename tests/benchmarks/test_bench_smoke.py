@@ -130,7 +130,9 @@ def test_quant_bench_quick(tmp_path, tiny_model_dir):
 
 def test_fallback_bench_quick(tmp_path):
     run_script("fallback_bench.py", "--quick", "--out", str(tmp_path))
-    assert "Engine ÷ transformers" in (tmp_path / "fallback.md").read_text()
-    data = json.loads((tmp_path / "fallback.json").read_text())
-    assert data["engine_tok_s"] > 0 and data["transformers_tok_s"] > 0
-    assert data["ratio"] == pytest.approx(data["engine_tok_s"] / data["transformers_tok_s"])
+    assert "engine ÷ transformers" in (tmp_path / "fallback.md").read_text()
+    rows = json.loads((tmp_path / "fallback.json").read_text())["families"]
+    assert [(row["family"], row["encoder_decoder"]) for row in rows] == [("bloom", False), ("t5", True)]
+    for row in rows:
+        assert row["engine_tok_s"] > 0 and row["transformers_tok_s"] > 0
+        assert row["ratio"] == pytest.approx(row["engine_tok_s"] / row["transformers_tok_s"])
