@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # Written last into a converted folder: its presence means the conversion finished.
 CONVERSION_MARKER = "conversion.json"
+# Part of a conversion's cache folder name: raised when a fix changes what a file converts to, so a
+# conversion made before it is not reused (2: config fields transformers' reader misses).
+CONVERTER_VERSION = 2
 
 # Temporary folders older than this are leftovers of a killed conversion or download.
 STALE_AFTER_S = 24 * 3600
@@ -35,6 +38,11 @@ STALE_AFTER_S = 24 * 3600
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex
 # (LLAMA_VOCAB_PRE_TYPE_SMOLLM, _STARCODER, _REFACT); transformers' GGUF reader drops the digit split.
 _DIGIT_SPLIT_PRE_TYPES = frozenset({"smollm", "starcoder", "refact"})
+
+
+def conversion_name(sha256: str) -> str:
+    """The cache folder name of the conversion of the GGUF file with this sha256."""
+    return f"{sha256}-v{CONVERTER_VERSION}"
 
 
 def is_converted(folder: str | os.PathLike) -> bool:
@@ -89,11 +97,13 @@ def _write_folder(gguf_path: Path, folder: Path) -> None:
     """Write config, float32 weights, tokenizer and the marker for `gguf_path` into `folder`."""
     try:
         with _progress_bars_off():
-            pre_type = _read_metadata(gguf_path).get("tokenizer.ggml.pre")
-            model = _dequantized_model(gguf_path)
+            metadata = _read_metadata(gguf_path)
+            model = _dequantized_model(gguf_path, metadata)
             model.save_pretrained(folder)
-            tokenizer = _tokenizer(gguf_path, pre_type)
-            tokenizer.model_max_length = model.config.max_position_embeddings
+            tokenizer = _tokenizer(gguf_path, metadata.get("tokenizer.ggml.pre"))
+            context = getattr(model.config, "max_position_embeddings", None)
+            if context:  # ALiBi models (BLOOM) state none: --max-total-tokens decides
+                tokenizer.model_max_length = context
             tokenizer.save_pretrained(folder)
         _rewrite_json(folder / "config.json", _portable_config)
         _rewrite_json(folder / "tokenizer_config.json", _portable_tokenizer_config)
@@ -115,15 +125,38 @@ def _read_metadata(gguf_path: Path) -> dict:
     return metadata
 
 
-def _dequantized_model(gguf_path: Path) -> torch.nn.Module:
+# Metadata llama.cpp writes that transformers' GGUF reader leaves out of the config (which then keeps
+# its defaults whatever the file says: Qwen3's head size 128, GPT-2's 1024 positions), and the config
+# attribute each fills where the config has it.
+_MISSED_KEYS = {
+    "attention.key_length": "head_dim",
+    "context_length": "n_positions",  # GPT-2 (the reader sets an unused `n_ctx`)
+    "feed_forward_length": "n_inner",  # GPT-2 (the reader sets an unused `feed_forward_length`)
+    "attn_logit_softcapping": "attn_logit_softcapping",  # Gemma 2
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
+def _fill_missed_config(config, metadata: dict) -> None:
+    architecture = metadata.get("general.architecture")
+    for key, attribute in _MISSED_KEYS.items():
+        value = metadata.get(f"{architecture}.{key}")
+        derived = isinstance(getattr(type(config), attribute, None), property)  # Falcon's head_dim
+        if isinstance(value, (int, float)) and attribute in config.to_dict() and not derived:
+            setattr(config, attribute, value)
+
+
+def _dequantized_model(gguf_path: Path, metadata: dict) -> torch.nn.Module:
     """A fresh float32 model (no `quantization_config`) holding the GGUF's dequantized weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _fill_missed_config(config, metadata)
+    auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = auto_class.from_config(config, dtype=torch.float32)
     # The same reader `from_pretrained(gguf_file=...)` uses for these architectures: it dequantizes,
     # maps llama.cpp tensor names and undoes llama.cpp's q/k row permutation.
     parsed = load_gguf_checkpoint(

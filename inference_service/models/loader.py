@@ -24,7 +24,7 @@ from huggingface_hub import snapshot_download
 from inference_service.config import DEMO_MODEL_ID, ModelConfig, default_cache_dir
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo
-from inference_service.models.gguf import convert_gguf, file_sha256, is_converted
+from inference_service.models.gguf import conversion_name, convert_gguf, file_sha256, is_converted
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     cache = Path(default_cache_dir()) / "gguf"
     sha256 = _gguf_sha256(path, cache)
-    folder = cache / sha256
+    folder = cache / conversion_name(sha256)
     if not is_converted(folder):
         logger.info("converting %s into %s (once; later starts reuse it)", path, folder)
         convert_gguf(path, folder)

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference_service.config import ModelConfig
 from inference_service.errors import ModelLoadError
-from inference_service.models.gguf import CONVERSION_MARKER, convert_gguf, is_converted
+from inference_service.models.gguf import CONVERSION_MARKER, conversion_name, convert_gguf, is_converted
 from inference_service.models.loader import load_model, load_tokenizer, resolve_model
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -234,7 +234,7 @@ def test_resolve_model_converts_a_gguf_once_into_the_cache(tmp_path, monkeypatch
     source = converted_dir.parent / "tiny.gguf"
     sha256 = hashlib.sha256(source.read_bytes()).hexdigest()
     resolved = resolve_model(ModelConfig(model_id=str(source)))
-    assert resolved.path == tmp_path / "inference-service" / "gguf" / sha256
+    assert resolved.path == tmp_path / "inference-service" / "gguf" / conversion_name(sha256)
     assert (resolved.model_sha, resolved.source) == (sha256, "gguf")
     marker_time = (resolved.path / CONVERSION_MARKER).stat().st_mtime_ns
     assert resolve_model(ModelConfig(model_id=str(source))) == resolved
