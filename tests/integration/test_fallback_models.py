@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from tests.engine_calls import generate, idle, seeded_alone_and_among_others
 from tests.unit.tiny_models import tiny_config
 
 FAMILIES = ["bloom", "falcon", "gptj", "mpt"]
@@ -42,21 +42,6 @@ def _engine(folder, speculate: int = 0) -> AsyncEngine:
         limits=LimitsConfig(max_total_tokens=128)))
 
 
-async def _generate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
-    request = await engine.validate(GenerateRequest(inputs, GenerateParameters(
-        max_new_tokens=max_new_tokens, details=True, **parameters)), stream=False)
-    return request, await engine.generate(request)
-
-
-async def _idle(engine: AsyncEngine):
-    for _ in range(200):
-        stats = engine.stats()
-        if stats.num_running == stats.num_waiting == 0:
-            return stats
-        await asyncio.sleep(0.02)
-    raise AssertionError("not idle")
-
-
 async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
     reference = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
     for speculate in (0, 3):
@@ -68,10 +53,10 @@ async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
 
             async def one(index: int, running: AsyncEngine):
                 await asyncio.sleep(0.01 * index)  # later ones join a running batch
-                return await _generate(running, *PROMPTS[index])
+                return await generate(running, *PROMPTS[index])
 
             results = await asyncio.gather(*(one(i, engine) for i in range(len(PROMPTS))))
-            stats = await _idle(engine)
+            stats = await idle(engine)
         finally:
             await engine.shutdown(timeout_s=1)
         assert stats.num_free_blocks == stats.num_total_blocks and engine._engine.runner.num_caches == 0
@@ -95,19 +80,11 @@ async def test_seeded_sampling_ignores_its_neighbours_and_cancel_leaves_nothing(
     engine = _engine(family_dir)
     engine.start()
     try:
-        seeded = {"do_sample": True, "seed": 5, "temperature": 0.9, "top_k": 40}
-        _, alone = await _generate(engine, "the quick brown fox", 15, **seeded)
-        together = await asyncio.gather(_generate(engine, "the quick brown fox", 15, **seeded),
-                                        _generate(engine, "a", 25), _generate(engine, "café", 9, do_sample=True))
-        request = await engine.validate(GenerateRequest("a", GenerateParameters(max_new_tokens=60)), stream=True)
-        stream = engine.generate_stream(request)
-        async for _output in stream:
-            break
-        await stream.aclose()
-        stats = await _idle(engine)
+        alone, together = await seeded_alone_and_among_others(engine)
+        stats = await idle(engine)
     finally:
         await engine.shutdown(timeout_s=1)
-    assert [t.id for t in together[0][1].tokens] == [t.id for t in alone.tokens]
+    assert together == alone
     assert stats.num_free_blocks == stats.num_total_blocks and engine._engine.runner.num_caches == 0
 
 
@@ -127,7 +104,7 @@ async def test_a_model_that_fails_the_probe_is_served_by_the_fallback(tmp_path, 
     engine.start()
     try:
         assert engine.info.attention_impl == "transformers"
-        request, result = await _generate(engine, "the quick brown fox", 10)
+        request, result = await generate(engine, "the quick brown fox", 10)
     finally:
         await engine.shutdown(timeout_s=1)
     with torch.inference_mode():

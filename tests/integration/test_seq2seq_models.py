@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import ValidationError
+from tests.engine_calls import generate, idle, seeded_alone_and_among_others
 from tests.tiny_seq2seq import FAMILIES, save_model, seq2seq_config
 
 PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7),
@@ -37,28 +37,13 @@ def _engine(folder, speculate: int = 0, total_tokens: int = 2048) -> AsyncEngine
         limits=LimitsConfig(max_total_tokens=64)))
 
 
-async def _generate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
-    request = await engine.validate(GenerateRequest(inputs, GenerateParameters(
-        max_new_tokens=max_new_tokens, details=True, **parameters)), stream=False)
-    return request, await engine.generate(request)
-
-
-async def _idle(engine: AsyncEngine):
-    for _ in range(200):
-        stats = engine.stats()
-        if stats.num_running == stats.num_waiting == 0:
-            return stats
-        await asyncio.sleep(0.02)
-    raise AssertionError("not idle")
-
-
 async def _served(folder, calls, **engine_options):
     """Run `calls(engine)` on a started engine; its results and the idle stats after."""
     engine = _engine(folder, **engine_options)
     engine.start()
     try:
         results = await calls(engine)
-        stats = await _idle(engine)
+        stats = await idle(engine)
         runner = engine._engine.runner
         num_batched, num_caches = runner.num_batched_rows, runner.num_caches
     finally:
@@ -91,7 +76,7 @@ async def test_greedy_and_logprobs_equal_transformers(family_dir):
 
         async def one(index: int):
             await asyncio.sleep(0.01 * (index // 2))  # pairs arrive together, later ones join a running batch
-            return await _generate(engine, *PROMPTS[index], truncate=5 if index == 2 else None)
+            return await generate(engine, *PROMPTS[index], truncate=5 if index == 2 else None)
 
         return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
 
@@ -108,7 +93,7 @@ async def test_preempted_requests_recompute_their_encoder_and_finish_alike(famil
     reference = AutoModelForSeq2SeqLM.from_pretrained(family_dir, dtype=torch.float32).eval()
 
     async def calls(engine):
-        return await asyncio.gather(*(_generate(engine, prompt, 20) for prompt, _ in PROMPTS))
+        return await asyncio.gather(*(generate(engine, prompt, 20) for prompt, _ in PROMPTS))
 
     # 16 blocks of 4 decoder tokens: five requests of up to 21 tokens can't all stay.
     results, stats, _ = await _served(family_dir, calls, total_tokens=64)
@@ -118,26 +103,13 @@ async def test_preempted_requests_recompute_their_encoder_and_finish_alike(famil
 
 
 async def test_seeded_sampling_ignores_its_neighbours_and_cancel_leaves_nothing(family_dir):
-    seeded = {"do_sample": True, "seed": 5, "temperature": 0.9, "top_k": 40}
-
-    async def calls(engine):
-        _, alone = await _generate(engine, "the quick brown fox", 15, **seeded)
-        together = await asyncio.gather(_generate(engine, "the quick brown fox", 15, **seeded),
-                                        _generate(engine, "a", 25), _generate(engine, "café", 9, do_sample=True))
-        request = await engine.validate(GenerateRequest("a", GenerateParameters(max_new_tokens=60)), stream=True)
-        stream = engine.generate_stream(request)
-        async for _output in stream:
-            break
-        await stream.aclose()
-        return alone, together
-
-    (alone, together), _stats, _ = await _served(family_dir, calls)
-    assert [t.id for t in together[0][1].tokens] == [t.id for t in alone.tokens]
+    (alone, together), _stats, _ = await _served(family_dir, seeded_alone_and_among_others)
+    assert together == alone
 
 
 async def test_prompt_details_are_the_decoder_start_and_full_text_prepends_the_input(family_dir):
     async def calls(engine):
-        return await _generate(engine, "the quick brown fox", 4, decoder_input_details=True, return_full_text=True)
+        return await generate(engine, "the quick brown fox", 4, decoder_input_details=True, return_full_text=True)
 
     (request, result), _stats, _ = await _served(family_dir, calls)
     config = AutoConfig.from_pretrained(family_dir)
@@ -159,10 +131,10 @@ async def test_forced_first_token_per_request_and_from_the_generation_config(fam
     assert reference.generation_config.forced_bos_token_id == language
 
     async def calls(engine):
-        default = await _generate(engine, "the quick brown fox", 8)
-        chosen = await _generate(engine, "the quick brown fox", 8, forced_bos_token="<|im_end|>")
+        default = await generate(engine, "the quick brown fox", 8)
+        chosen = await generate(engine, "the quick brown fox", 8, forced_bos_token="<|im_end|>")
         with pytest.raises(ValidationError, match="forced_bos_token"):
-            await _generate(engine, "the quick brown fox", 8, forced_bos_token="not-a-token")
+            await generate(engine, "the quick brown fox", 8, forced_bos_token="not-a-token")
         return default, chosen
 
     (default, chosen), _stats, _ = await _served(folder, calls)
@@ -182,7 +154,7 @@ async def test_bart_forces_eos_as_the_last_token_as_generate_does(tmp_path, byte
     assert forced_eos is not None  # BART's default
 
     async def calls(engine):
-        return await _generate(engine, "jumps over the lazy dog", 6)
+        return await generate(engine, "jumps over the lazy dog", 6)
 
     (request, result), _stats, _ = await _served(folder, calls)
     assert [t.id for t in result.tokens].index(forced_eos) == len(result.tokens) - 1
