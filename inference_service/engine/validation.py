@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from inference_service.errors import ValidationError
@@ -163,7 +163,7 @@ class Validator:
             inputs=request.inputs,
             prompt_token_ids=prompt_token_ids,
             input_length=len(prompt_token_ids),
-            sampling_params=replace(_sampling_params(params, seed, top_n_tokens), forced_token_ids=forced),
+            sampling_params=_sampling_params(params, seed, top_n_tokens, forced),
             stopping_params=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop)),
             best_of=best_of,
             details=bool(params.details),
@@ -281,7 +281,8 @@ def _check_sampling_ranges(params: GenerateParameters) -> None:
            "`presence_penalty` must be >= -2.0 and <= 2.0")
 
 
-def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int) -> SamplingParams:
+def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int,
+                     forced_token_ids: tuple[tuple[int, int], ...] = ()) -> SamplingParams:
     return SamplingParams(
         do_sample=wants_sampling(params),
         temperature=1.0 if params.temperature is None else params.temperature,
@@ -296,6 +297,7 @@ def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int) -
         prompt_logprobs=bool(params.decoder_input_details),
         presence_penalty=params.presence_penalty or 0.0,
         logit_bias=tuple(sorted(params.logit_bias.items())),
+        forced_token_ids=forced_token_ids,
     )
 
 
