@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 # Written last into a converted folder: its presence means the conversion finished.
 CONVERSION_MARKER = "conversion.json"
 # Part of a conversion's cache folder name: raised when a fix changes what a file converts to, so a
-# conversion made before it is not reused (2: config fields transformers' reader misses).
-CONVERTER_VERSION = 2
+# conversion made before it is not reused (2: config fields transformers' reader misses; 3: T5's
+# feed-forward and output matrix as llama.cpp reads them).
+CONVERTER_VERSION = 3
 
 # Temporary folders older than this are leftovers of a killed conversion or download.
 STALE_AFTER_S = 24 * 3600
@@ -134,6 +135,7 @@ _MISSED_KEYS = {
     "feed_forward_length": "n_inner",  # GPT-2 (the reader sets an unused `feed_forward_length`)
     "attn_logit_softcapping": "attn_logit_softcapping",  # Gemma 2
     "final_logit_softcapping": "final_logit_softcapping",
+    "decoder_block_count": "num_decoder_layers",  # T5 (the reader gives the decoder the encoder's depth)
 }
 
 
@@ -155,15 +157,75 @@ def _dequantized_model(gguf_path: Path, metadata: dict) -> torch.nn.Module:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     _fill_missed_config(config, metadata)
+    tensors = _tensor_data(gguf_path)
+    if config.model_type in ("t5", "umt5"):
+        config = _t5_as_llama_cpp_runs_it(config, tensors)
     auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = auto_class.from_config(config, dtype=torch.float32)
+    if _has_own_output_matrix(tensors):
+        _untie_output(model)
     # The same reader `from_pretrained(gguf_file=...)` uses for these architectures: it dequantizes,
     # maps llama.cpp tensor names and undoes llama.cpp's q/k row permutation.
-    parsed = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )
+    with _name_map_covering_every_block(config):
+        parsed = load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+        )
     _load_strict(model, parsed["tensors"])
     return model.eval()
+
+
+def _tensor_data(gguf_path: Path) -> dict:
+    """The file's tensors by llama.cpp name, memory-mapped (nothing is read until used)."""
+    from gguf import GGUFReader
+
+    return {tensor.name: tensor for tensor in GGUFReader(str(gguf_path)).tensors}
+
+
+def _has_own_output_matrix(tensors: dict) -> bool:
+    """Whether the file's output matrix is its own, not a stored copy of the token embeddings."""
+    output, embeddings = tensors.get("output.weight"), tensors.get("token_embd.weight")
+    if output is None or embeddings is None:
+        return False
+    same = output.tensor_type == embeddings.tensor_type and output.data.shape == embeddings.data.shape
+    return not (same and bool((output.data == embeddings.data).all()))
+
+
+def _t5_as_llama_cpp_runs_it(config, tensors: dict):
+    """The T5 config llama.cpp runs the file as: a gated GELU feed-forward where the file has gate
+    matrices (FLAN-T5, T5 v1.1) and ReLU where it has none (original T5), and the decoder output
+    scaled by d_model^-0.5 only when the output matrix is the embeddings (as transformers does for
+    tied T5). transformers' reader makes every T5 gated."""
+    gated = any(".ffn_gate." in name for name in tensors)
+    derived = ("is_gated_act", "dense_act_fn", "scale_decoder_outputs", "tie_word_embeddings")
+    fields = {key: value for key, value in config.to_dict().items() if key not in derived}
+    fields["feed_forward_proj"] = "gated-gelu" if gated else "relu"
+    return type(config)(**fields, tie_word_embeddings=not _has_own_output_matrix(tensors))
+
+
+def _untie_output(model: torch.nn.Module) -> None:
+    """Give the output layer its own matrix where the config ties it (transformers 5 ties every T5)."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not model.get_input_embeddings().weight:
+        return
+    head.weight = torch.nn.Parameter(torch.empty_like(head.weight))
+    tied = getattr(model, "all_tied_weights_keys", {})
+    for name, module in model.named_modules():
+        if module is head:
+            tied.pop(f"{name}.weight", None)  # else save_pretrained would drop it as a copy
+
+
+@contextmanager
+def _name_map_covering_every_block(config) -> Iterator[None]:
+    """The reader maps block names up to `num_hidden_layers`, which for T5 is the encoder's depth:
+    raise it to cover a deeper decoder while the tensors are read."""
+    decoder_layers = getattr(config, "num_decoder_layers", None)
+    depth = config.num_hidden_layers
+    if isinstance(decoder_layers, int) and decoder_layers > depth:
+        config.num_hidden_layers = decoder_layers
+    try:
+        yield
+    finally:
+        config.num_hidden_layers = depth
 
 
 def _load_strict(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -198,6 +260,8 @@ def _tokenizer(gguf_path: Path, pre_type: str | None):
 def _portable_config(config: dict) -> dict:
     """Add the transformers-4 spellings (`rope_theta`, `torch_dtype`) next to the 5.x ones."""
     config.pop("quantization_config", None)
+    if config.get("scale_decoder_outputs") is False:  # transformers 4 spells an untied T5 this way
+        config["tie_word_embeddings"] = False
     rope = config.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:
         config.setdefault("rope_theta", rope["rope_theta"])
