@@ -15,6 +15,7 @@ from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, Mo
 from tests.e2e.rest_helpers import sse_events
 from tests.tiny_seq2seq import save_model, seq2seq_config
 from textgen.v1 import generate_pb2 as pb
+from textgen_client import Client, ValidationError
 
 SENTENCES = ["the quick brown fox", "jumps over the lazy dog", "a", "café naïve", "runs home at night",
              "the dog and the fox", "over", "quick quick brown"]
@@ -113,6 +114,19 @@ def test_a_request_names_its_target_language(served, translator):
     assert " 422 " in refused.splitlines()[0] and "forced_bos_token" in refused
     info = json.loads(gateway.curl("/info"))
     assert info["model_pipeline_tag"] == "text2text-generation"
+
+
+def test_the_typed_client_names_a_target_language(served, translator):
+    server, _gateway = served
+    _, language, other = translator
+    with Client(server.target) as client:
+        chosen = client.generate(SENTENCES[2], max_new_tokens=4, forced_bos_token=other)
+        streamed = list(client.generate_stream(SENTENCES[2], max_new_tokens=4, forced_bos_token=other))
+        default = client.generate(SENTENCES[2], max_new_tokens=4)
+        with pytest.raises(ValidationError, match="forced_bos_token"):
+            client.generate(SENTENCES[2], forced_bos_token="__xx__")
+    assert chosen.details.tokens[0].text == other and streamed[0].token.text == other
+    assert default.details.tokens[0].id == language
 
 
 def test_openai_completions_count_the_encoders_input_as_the_prompt(served, byte_tokenizer):

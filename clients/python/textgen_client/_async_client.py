@@ -176,6 +176,7 @@ class AsyncClient(OpenAIMethods):
         grammar: Grammar | None = None,
         details: bool = True,
         adapter_id: str | None = None,
+        forced_bos_token: str | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> Response:
@@ -187,6 +188,8 @@ class AsyncClient(OpenAIMethods):
         `best_of=n` samples n candidates and returns the most likely, the others in
         `details.best_of_sequences`. `decoder_input_details=True` adds the prompt tokens and
         their logprobs (`details.prefill`). `details=False` skips token details.
+        `forced_bos_token` (encoder-decoders) is the token the output starts with, e.g. M2M100's
+        target language `"__fr__"`; the model's generation config gives the default.
         `timeout` (seconds) overrides the client's default; `metadata` adds headers to this call.
 
         Raises:
@@ -200,7 +203,7 @@ class AsyncClient(OpenAIMethods):
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "truncate": truncate,
             "typical_p": typical_p, "watermark": watermark, "details": details,
             "decoder_input_details": decoder_input_details, "top_n_tokens": top_n_tokens,
-            "grammar": grammar, "adapter_id": adapter_id})
+            "grammar": grammar, "adapter_id": adapter_id, "forced_bos_token": forced_bos_token})
         reply = await self._unary("generate", request, timeout, metadata, self._retry)
         return _convert.response(reply)
 
@@ -225,6 +228,7 @@ class AsyncClient(OpenAIMethods):
         grammar: Grammar | None = None,
         details: bool = True,
         adapter_id: str | None = None,
+        forced_bos_token: str | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> AsyncIterator[StreamResponse]:
@@ -246,7 +250,8 @@ class AsyncClient(OpenAIMethods):
             "return_full_text": return_full_text, "seed": seed, "stop_sequences": stop_sequences,
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "truncate": truncate,
             "typical_p": typical_p, "watermark": watermark, "details": details,
-            "top_n_tokens": top_n_tokens, "grammar": grammar, "adapter_id": adapter_id})
+            "top_n_tokens": top_n_tokens, "grammar": grammar, "adapter_id": adapter_id,
+            "forced_bos_token": forced_bos_token})
         async for response in self._stream("generate_stream", request, timeout, metadata, _StreamEnd()):
             yield response
 
