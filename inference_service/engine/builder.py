@@ -26,7 +26,8 @@ from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker import attention, native_linear
 from inference_service.worker.cache_runner import ATTENTION_IMPL, CacheRunner
-from inference_service.worker.cpu_kernels import decode_kernel_for, linear_kernel_for
+from inference_service.worker.cpu_kernels import decode_glue_for, decode_kernel_for, linear_kernel_for
+from inference_service.worker.decode_step import decode_step_for
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 from inference_service.worker.quant import schemes
@@ -68,7 +69,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
         num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
         kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
-        runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype))
+        runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype),
+                             decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)))
     else:  # blocks stay the memory budget of the per-request caches
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
         runner = CacheRunner(loaded.model, loaded.device)

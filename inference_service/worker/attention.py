@@ -95,12 +95,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     value_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
     if meta.decode_only:
-        out = _attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap)  # [Sd, H, Dv]
+        out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap)  # [Sd, H, Dv]
         return out.unsqueeze(0), None
     out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
     if meta.decode_token_index is not None:
         q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
-        out[meta.decode_token_index] = _attend_decode(meta, q_decode, key_cache, value_cache,
+        out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache,
                                                       scaling, window, softcap)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
@@ -126,7 +126,7 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
     _CHECKED_MODULES.add(module)
 
 
-def _attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]

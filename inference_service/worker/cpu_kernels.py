@@ -3,10 +3,12 @@
 Three kernels, for the places where torch's CPU path wastes memory bandwidth at decode (each
 source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`),
 projections of a few rows (`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed
-weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). The shared library is plain C ABI
-called through ctypes, so building it needs a C++ compiler and nothing of torch's build tooling:
-about two seconds. Where no compiler works, or `INFERENCE_SERVICE_CPU_KERNELS=off`, the engine
-keeps torch's paths, which compute the same thing more slowly.
+weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). And the small ops between a
+decode step's projections, one call each (`csrc/decode_glue.cpp`, used by decode_step.py). The
+shared library is plain C ABI called through ctypes, so building it needs a C++ compiler and
+nothing of torch's build tooling: about two seconds. Where no compiler works, or
+`INFERENCE_SERVICE_CPU_KERNELS=off`, the engine keeps torch's paths, which compute the same thing
+more slowly.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from inference_service.worker.quant.packed import PackedWeight
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp", CSRC / "quant_linear.cpp")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp", CSRC / "quant_linear.cpp",
+           CSRC / "decode_glue.cpp")
 HEADERS = (CSRC / "vec8.h",)  # included by the sources: part of the cache key
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
@@ -168,6 +171,53 @@ class QuantLinearKernel:
         return out
 
 
+class DecodeGlue:
+    """The ops between a decode step's projections (see csrc/decode_glue.cpp); fp32, contiguous."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._norm = library.add_rms_norm_f32
+        self._norm.restype = ctypes.c_int
+        self._norm.argtypes = [_POINTER] * 4 + [_I64] * 2 + [_F32]
+        self._rope = library.rope_kv_write_f32
+        self._rope.restype = ctypes.c_int
+        self._rope.argtypes = [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4
+        self._silu_mul = library.silu_mul_f32
+        self._silu_mul.restype = ctypes.c_int
+        self._silu_mul.argtypes = [_POINTER] * 2 + [_I64] * 2
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """hidden [S, D] += delta (in place), then weight * rmsnorm(hidden) → new [S, D]."""
+        out = torch.empty_like(hidden)
+        self._norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                   out.data_ptr(), hidden.shape[0], hidden.shape[1], eps)
+        return out
+
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slots: torch.Tensor, heads: int, kv_heads: int) -> None:
+        """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the cache."""
+        status = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            None if q_norm is None else q_norm.data_ptr(),
+                            None if k_norm is None else k_norm.data_ptr(), eps, key_cache.data_ptr(),
+                            value_cache.data_ptr(), slots.data_ptr(), qkv.shape[0], heads, kv_heads, qkv.shape[-1])
+        if status != 0:
+            raise RuntimeError(f"rotary kernel refused head size {qkv.shape[-1]}")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [S, 2 I] → silu(gate) * up [S, I]."""
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, width)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        return out
+
+
+def decode_glue_for(device: torch.device, dtype: torch.dtype) -> DecodeGlue | None:
+    """The native decode-step ops where they apply (fp32 on CPU) and build; None: torch ops."""
+    library = _library_for(device, dtype)
+    return DecodeGlue(library) if library is not None else None
+
+
 def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel | None:
     """The native decode attention where it applies (fp32 on CPU) and builds; None: the torch path."""
     library = _library_for(device, dtype)
@@ -194,6 +244,11 @@ def load_quant_linear() -> QuantLinearKernel | None:
 def load_paged_decode() -> PagedDecodeKernel | None:
     library = load_library()
     return PagedDecodeKernel(library) if library is not None else None
+
+
+def load_decode_glue() -> DecodeGlue | None:
+    library = load_library()
+    return DecodeGlue(library) if library is not None else None
 
 
 def load_small_batch_linear() -> SmallBatchLinear | None:

@@ -13,6 +13,7 @@ import torch
 from inference_service.outputs import ScheduledRequest
 from inference_service.worker.attention import PrefillChunk, StepMetadata, step_context
 from inference_service.worker.cpu_kernels import PagedDecodeKernel
+from inference_service.worker.decode_step import DecodeStep
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 
 
@@ -32,11 +33,12 @@ class ModelRunner:
     """Owns the model and the KV cache tensors (and the decode kernel that reads the cache, if any)."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache | None, device: torch.device,
-                 decode_kernel: PagedDecodeKernel | None = None):
+                 decode_kernel: PagedDecodeKernel | None = None, decode_step: DecodeStep | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.decode_kernel = decode_kernel
+        self.decode_step = decode_step  # decode-only steps of Llama-style models, in fewer calls
 
     # -- one step -------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
@@ -52,6 +54,9 @@ class ModelRunner:
     def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 keep_rows: list[int]) -> torch.Tensor:
         """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V])."""
+        if meta.decode_only and self.decode_step is not None:
+            with torch.inference_mode():
+                return self.decode_step.forward(meta, input_ids, position_ids, keep_rows)
         keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(meta):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,

@@ -29,9 +29,28 @@ SLOTS_PER_REPLICA = 8  # --max-concurrent-requests of each replica
 LONG = 400  # tokens: requests that are still running when the fault hits
 
 
+@pytest.fixture(scope="module")
+def slow_model_dir(tmp_path_factory, byte_tokenizer):
+    """A random Llama wide and deep enough that a LONG request runs for about a second here (the
+    2-layer test model decodes 400 tokens in a fraction of that, too fast to catch in flight)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("slow-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(byte_tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+        bos_token_id=byte_tokenizer.bos_token_id, eos_token_id=byte_tokenizer.eos_token_id,
+        pad_token_id=byte_tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    byte_tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
-def cluster(tiny_model_dir, envoy_installed):
-    run = Launched(tiny_model_dir, "--num-replicas", "2", "--max-concurrent-requests", str(SLOTS_PER_REPLICA))
+def cluster(slow_model_dir, envoy_installed):
+    run = Launched(slow_model_dir, "--num-replicas", "2", "--max-concurrent-requests", str(SLOTS_PER_REPLICA))
     try:
         url = run.wait_for(READY).group(1)
         wait_envoy_sees_healthy(run)

@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from inference_service.errors import ModelLoadError
 from inference_service.models import registry
 from inference_service.outputs import ScheduledRequest
-from inference_service.worker import attention, cpu_kernels, model_runner, native_linear
+from inference_service.worker import attention, cpu_kernels, decode_step, model_runner, native_linear
 from inference_service.worker.kv_cache import PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
 
@@ -177,7 +177,7 @@ class CountingKernel:
         return self.kernel(*args)
 
 
-def _run_paged(model, tokens, tables, monkeypatch, decode_kernel=None) -> list[Row]:
+def _run_paged(model, tokens, tables, monkeypatch, decode_kernel=None, decode_step=None) -> list[Row]:
     """Run the schedule through the runner, on a cache pre-filled with garbage (stale blocks)."""
     shapes = probe_layer_shapes(model, torch.device("cpu"))
     assert len(shapes) == NUM_LAYERS
@@ -185,13 +185,14 @@ def _run_paged(model, tokens, tables, monkeypatch, decode_kernel=None) -> list[R
     generator = torch.Generator().manual_seed(0)
     for tensor in cache.keys + cache.values:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
-    runner = ModelRunner(model, cache, torch.device("cpu"), decode_kernel)
+    runner = ModelRunner(model, cache, torch.device("cpu"), decode_kernel, decode_step)
     rows = []
     with _recording_steps(monkeypatch) as metas:
         for step_index, step in enumerate(SCHEDULE, start=1):
             out = runner.execute(_scheduled(step, tokens, tables))
-            assert metas[-1].num_calls == NUM_LAYERS, f"step {step_index}: attention calls != layers"
-            assert metas[-1].decode_only == all(c.count == 1 for c in step)
+            if decode_step is None or not all(c.count == 1 for c in step):  # else no transformers pass
+                assert metas[-1].num_calls == NUM_LAYERS, f"step {step_index}: attention calls != layers"
+                assert metas[-1].decode_only == all(c.count == 1 for c in step)
             sampled = [c for c in step if c.sample]
             assert out.sample_ids == [c.request_id for c in sampled]
             assert out.sample_logits.shape == (len(sampled), VOCAB_SIZE)
@@ -249,6 +250,48 @@ def test_packed_paged_logits_equal_a_plain_forward(model_type, decode, monkeypat
     print(f"{model_type}: max |diff| per step " + " ".join(f"{d:.1e}" for d in diffs.values()))
     bad = {step: diff for step, diff in diffs.items() if not diff <= TOLERANCE}
     assert not bad, f"{model_type}: paged logits differ from a plain forward at steps {bad}"
+
+
+class CountingStep:
+    """A DecodeStep counting the steps it runs."""
+
+    def __init__(self, step):
+        assert step is not None, "no decode plan for a Llama-style model"
+        self.step, self.calls = step, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.step.forward(*args)
+
+
+@pytest.mark.parametrize("ops", ["torch", "native"])
+@pytest.mark.parametrize("model_type", sorted(set(registry.TESTED_ARCHITECTURES) & decode_step.LLAMA_STYLE))
+def test_decode_steps_without_transformers_layers_equal_a_plain_forward(model_type, ops, monkeypatch):
+    """Decode-only steps through DecodeStep (fused projections; torch or native ops between them),
+    windows included: the logits equal a plain forward, and with torch ops they are bitwise those
+    of the transformers path over the same weights."""
+    reference_model = tiny_model(_config(model_type))
+    paged_model = same_weights_model(reference_model, attention.ATTENTION_NAME)
+    transformers_path = same_weights_model(reference_model, attention.ATTENTION_NAME)
+    kernel = glue = None
+    if ops == "native":
+        for model in (paged_model, transformers_path):
+            native_linear.install(model, cpu_kernels.load_small_batch_linear())
+        kernel, glue = cpu_kernels.load_paged_decode(), cpu_kernels.load_decode_glue()
+        assert kernel is not None and glue is not None, "the native kernels did not build"
+    step = CountingStep(decode_step.decode_step_for(paged_model, glue))
+    tokens, tables = _sequences_and_tables()
+
+    rows = _run_paged(paged_model, tokens, tables, monkeypatch, kernel, step)
+    assert step.calls == NUM_DECODE_ONLY_STEPS
+    diffs = _max_diffs(rows, PlainForward(reference_model, tokens), key=lambda row: row.step)
+    bad = {s: diff for s, diff in diffs.items() if not diff <= TOLERANCE}
+    assert not bad, f"{model_type}: decode-step logits differ from a plain forward at steps {bad}"
+    expected = _run_paged(transformers_path, tokens, tables, monkeypatch, kernel)
+    decode_rows = [(row, want) for row, want in zip(rows, expected, strict=True) if row.step > 2]
+    assert len(decode_rows) == NUM_DECODE_ONLY_STEPS * len(SCHEDULE[-1])
+    if ops == "torch":
+        assert all(torch.equal(row.logits, want.logits) for row, want in decode_rows)
 
 
 def _control_diffs(model_type: str, wrong_overrides: dict, monkeypatch) -> dict[str, float]:

@@ -75,7 +75,7 @@ class Batch:
                                       decode_block_table=self.block_table, decode_context_lens=self.context_lens,
                                       decode_only=True, decode_kernel=decode_kernel)
         keys, values = self.cache.layer(0)
-        return attention._attend_decode(meta, self.q.transpose(0, 1), keys, values, self.scale, window, softcap)
+        return attention.attend_decode(meta, self.q.transpose(0, 1), keys, values, self.scale, window, softcap)
 
 
 # Context lengths: 1 token, exact block multiples, one longer than the rest (padding in the table).

@@ -14,6 +14,11 @@
 // Chunks never straddle groups: gs % CH == 0, or one group covers all of K. 4-bit uses CH = 16
 // (8 bytes → two vectors, fewer conversions per weight) where gs allows, else CH = 8.
 // Threads split N (torch's OpenMP runtime, as in the other kernels).
+//
+// Rows of packed codes are short (a 576-wide 4-bit row is 288 bytes, under 5 cache lines) and RN
+// of them are read side by side, which the hardware prefetcher does not follow well: codes came
+// from memory at about 6 GB/s per core. So each new cache line of a row also prefetches the same
+// line of the next block of RN rows (measured on the demo model's decode step: 13.6 → 11.4 ms).
 
 #include <algorithm>
 #include <cstdint>
@@ -115,7 +120,11 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
             int64_t c = c0;
             for (; c < stop; c += CH) {
                 const uint8_t* ptrs[RN];
-                for (int r = 0; r < RN; ++r) ptrs[r] = base[r] + (BITS == 8 ? c : c / 2);
+                const int64_t byte = BITS == 8 ? c : c / 2;
+                for (int r = 0; r < RN; ++r) ptrs[r] = base[r] + byte;
+                if (byte % 64 < C::kBytes) {  // a new cache line: ask for the next block's line now
+                    for (int r = 0; r < RN; ++r) __builtin_prefetch(ptrs[r] + RN * a.row_bytes);
+                }
                 step(c, ptrs);
             }
             if (c < c1) {  // the row's last, partial chunk: through a zeroed copy
