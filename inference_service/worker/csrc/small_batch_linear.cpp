@@ -21,11 +21,14 @@ constexpr int64_t kMinParallelElements = 1 << 16;   // below this, waking thread
 // Output rows [n0, n1), RN weight rows at a time: RN * M accumulators stay in registers.
 template <int M, int RN>
 void rows(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t n,
-          int64_t k) {
+          int64_t k, bool prefetch) {
     int64_t j = n0;
     for (; j + RN <= n1; j += RN) {
         v8 acc[RN][M] = {};
         for (int64_t c = 0; c < k; c += 8) {
+            if (prefetch && c % 16 == 0 && j + kRowsPerTask + RN <= n) {  // the next task's line now
+                for (int r = 0; r < RN; ++r) __builtin_prefetch(w + (j + kRowsPerTask + r) * k + c);
+            }
             for (int r = 0; r < RN; ++r) {
                 const v8 wv = load8(w + (j + r) * k + c);
                 for (int m = 0; m < M; ++m) acc[r][m] += wv * load8(x + m * k + c);
@@ -49,9 +52,13 @@ void rows(const float* x, const float* w, const float* bias, float* y, int64_t n
 
 template <int M>
 void rows_of(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t n,
-             int64_t k) {
+             int64_t k, bool prefetch) {
+#if defined(__AVX512VL__)  // 32 vector registers: more W rows per load of x (16 rows of x: 7% faster)
+    constexpr int RN = M == 1 ? 8 : M == 2 ? 8 : M <= 4 ? 5 : M <= 6 ? 4 : 3;
+#else
     constexpr int RN = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // RN * M + M + 1 vector registers
-    rows<M, RN>(x, w, bias, y, n0, n1, n, k);
+#endif
+    rows<M, RN>(x, w, bias, y, n0, n1, n, k, prefetch);
 }
 
 // Input rows go 8 at a time over each task's W rows; the task's W slice (64 rows) stays in L2
@@ -62,17 +69,22 @@ void run(const float* x, const float* w, const float* bias, float* y, int64_t m,
     for (int64_t t = 0; t < tasks; ++t) {
         const int64_t n0 = t * kRowsPerTask, n1 = std::min(n, n0 + kRowsPerTask);
         for (int64_t m0 = 0; m0 < m; m0 += 8) {
+            // With several rows of x the kernel computes long enough per W line that memory sits idle
+            // (and on the second pass over a task it reads only L2): fetch the next task's W lines
+            // meanwhile. Measured in a decode step of the demo model: 6 rows 41 → 35 ms, 16 rows
+            // 64 → 56 ms; one row (memory-bound) is unchanged, so it is left to the hardware.
+            const bool prefetch = m > 1;
             const float* xs = x + m0 * k;
             float* ys = y + m0 * n;
             switch (std::min<int64_t>(8, m - m0)) {
-                case 1: rows_of<1>(xs, w, bias, ys, n0, n1, n, k); break;
-                case 2: rows_of<2>(xs, w, bias, ys, n0, n1, n, k); break;
-                case 3: rows_of<3>(xs, w, bias, ys, n0, n1, n, k); break;
-                case 4: rows_of<4>(xs, w, bias, ys, n0, n1, n, k); break;
-                case 5: rows_of<5>(xs, w, bias, ys, n0, n1, n, k); break;
-                case 6: rows_of<6>(xs, w, bias, ys, n0, n1, n, k); break;
-                case 7: rows_of<7>(xs, w, bias, ys, n0, n1, n, k); break;
-                default: rows_of<8>(xs, w, bias, ys, n0, n1, n, k); break;
+                case 1: rows_of<1>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                case 2: rows_of<2>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                case 3: rows_of<3>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                case 4: rows_of<4>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                case 5: rows_of<5>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                case 6: rows_of<6>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                case 7: rows_of<7>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
+                default: rows_of<8>(xs, w, bias, ys, n0, n1, n, k, prefetch); break;
             }
         }
     }
