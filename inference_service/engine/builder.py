@@ -86,10 +86,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
                        config.scheduler.max_batch_size, grammar_compiler, speculator)
     logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
                 "tokens, max_total_tokens=%d, attention: %s, decode attention: %s, native few-row linears: %d, "
-                "prefix caching: %s, speculate: %d", info.model_id,
+                "decode steps: %s, prefix caching: %s, speculate: %d", info.model_id,
                 info.architecture, info.dtype, info.quantize or "unquantized", info.weights_nbytes / 2**20,
                 loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens, info.attention_impl,
                 "native" if runner.decode_kernel else "torch", native_linears,
+                getattr(runner, "decode_step", None) or "transformers' layers",
                 "on" if info.prefix_caching else "off", info.speculate)
     return engine
 

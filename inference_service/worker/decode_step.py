@@ -47,6 +47,10 @@ class DecodeStep:
         self.layers = [_Layer(layer, window) for layer in body.layers]
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
 
+    def __str__(self) -> str:
+        """How decode steps run, for the startup log."""
+        return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
+
     def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 keep_rows: list[int]) -> torch.Tensor:
         """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""

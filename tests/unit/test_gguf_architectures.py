@@ -125,6 +125,19 @@ def greedy(prompt: list[int], max_new_tokens: int) -> ValidatedRequest:
                             top_n_tokens=0)
 
 
+def served_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The tokens an engine serving the file at `path` generates greedily for `prompt`."""
+    engine = build_engine(EngineConfig(model=ModelConfig(model_id=str(path)),
+                                       cache=CacheConfig(max_batch_total_tokens=512),
+                                       limits=LimitsConfig(max_total_tokens=64)))
+    engine.add_request("r", greedy(prompt, max_new_tokens))
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens += [t.id for t in output.tokens]
+    return tokens
+
+
 def test_a_gguf_file_loads_with_the_original_logits_and_serves_what_it_generates(written):
     original, path = written
     resolved = resolve_model(ModelConfig(model_id=str(path)))
@@ -134,14 +147,7 @@ def test_a_gguf_file_loads_with_the_original_logits_and_serves_what_it_generates
         expected, got = original(ids).logits, loaded(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
-    engine = build_engine(EngineConfig(model=ModelConfig(model_id=str(path)),
-                                       cache=CacheConfig(max_batch_total_tokens=512),
-                                       limits=LimitsConfig(max_total_tokens=64)))
-    engine.add_request("r", greedy(ids[0].tolist(), 10))
-    tokens = []
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens += [t.id for t in output.tokens]
+    tokens = served_greedy(path, ids[0].tolist(), 10)
     with torch.inference_mode():
         reference = original.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10,
                                       pad_token_id=original.config.eos_token_id)

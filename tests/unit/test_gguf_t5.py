@@ -15,10 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, DynamicCache, EncoderDecoderCache, T5Tokenizer
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
-from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
-from inference_service.engine.builder import build_engine
+from inference_service.config import ModelConfig
 from inference_service.models.loader import load_model, resolve_model
-from tests.unit.test_gguf_architectures import greedy
+from tests.unit.test_gguf_architectures import served_greedy
 
 TOKENS = ["<pad>", "</s>", "<unk>"] + [f"\u2581w{i}" for i in range(120)] + [chr(97 + i) for i in range(26)]
 SCORES = [0.0, 0.0, 0.0] + [-float(i) for i in range(1, len(TOKENS) - 2)]
@@ -111,14 +110,7 @@ def test_a_t5_gguf_loads_with_the_original_logits_and_serves_what_it_generates(w
     tokenizer = T5Tokenizer.from_pretrained(resolved.path)
     assert tokenizer.convert_ids_to_tokens([5, 130]) == [TOKENS[5], TOKENS[130]]
 
-    engine = build_engine(EngineConfig(model=ModelConfig(model_id=str(path)),
-                                       cache=CacheConfig(max_batch_total_tokens=512),
-                                       limits=LimitsConfig(max_total_tokens=64)))
-    engine.add_request("r", greedy(encoder_ids[0].tolist(), 10))
-    tokens = []
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens += [t.id for t in output.tokens]
+    tokens = served_greedy(path, encoder_ids[0].tolist(), 10)
     # An explicit cache: generate's own is sized by the encoder's depth, too shallow for this decoder.
     cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
     with torch.inference_mode():

@@ -15,7 +15,7 @@
 
 namespace {
 
-constexpr int64_t kRowsPerTask = 64;                // W rows per scheduling unit
+constexpr int64_t kRowsPerTask = 32;                // W rows per scheduling unit (2 threads split 576 evenly)
 constexpr int64_t kMinParallelElements = 1 << 16;   // below this, waking threads costs more than it saves
 
 // Output rows [n0, n1), RN weight rows at a time: RN * M accumulators stay in registers.
