@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from inference_service.errors import ModelLoadError
@@ -186,8 +187,11 @@ def _has_own_output_matrix(tensors: dict) -> bool:
     output, embeddings = tensors.get("output.weight"), tensors.get("token_embd.weight")
     if output is None or embeddings is None:
         return False
-    same = output.tensor_type == embeddings.tensor_type and output.data.shape == embeddings.data.shape
-    return not (same and bool((output.data == embeddings.data).all()))
+    a, b = output.data, embeddings.data
+    if output.tensor_type != embeddings.tensor_type or a.shape != b.shape:
+        return True
+    rows = max(1, (1 << 24) // max(1, a[0].size))  # compared in slices: the matrices may be GBs
+    return not all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
 
 
 def _t5_as_llama_cpp_runs_it(config, tensors: dict):

@@ -101,7 +101,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if meta.decode_token_index is not None:
         q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
         out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache,
-                                                      scaling, window, softcap)
+                                                     scaling, window, softcap)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
         out[rows] = _attend_prefill(chunk, query[:, :, rows], key[:, :, rows], value[:, :, rows],
@@ -127,7 +127,7 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
 
 
 def attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                  scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):

@@ -197,6 +197,7 @@ class DecodeGlue:
                       k_norm: torch.Tensor | None, eps: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slots: torch.Tensor, heads: int, kv_heads: int) -> None:
         """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the cache."""
+        cos, sin = cos.contiguous(), sin.contiguous()
         status = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             None if q_norm is None else q_norm.data_ptr(),
                             None if k_norm is None else k_norm.data_ptr(), eps, key_cache.data_ptr(),
