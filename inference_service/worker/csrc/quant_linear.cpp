@@ -95,6 +95,7 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
     const int64_t full = a.k - a.k % CH;  // chunks below this are whole
     for (int64_t j = n0; j < n1; j += RN) {
         const int rn = static_cast<int>(std::min<int64_t>(RN, n1 - j));
+        const bool ahead = j + 2 * RN <= a.n;  // a next block to prefetch
         v8 acc[RN][M] = {};
         for (int64_t g = 0; g < a.groups; ++g) {
             const int64_t c0 = g * a.gs, c1 = std::min(a.k, c0 + a.gs);
@@ -122,7 +123,7 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
                 const uint8_t* ptrs[RN];
                 const int64_t byte = BITS == 8 ? c : c / 2;
                 for (int r = 0; r < RN; ++r) ptrs[r] = base[r] + byte;
-                if (byte % 64 < C::kBytes) {  // a new cache line: ask for the next block's line now
+                if (ahead && byte % 64 < C::kBytes) {  // a new cache line: the next block's line now
                     for (int r = 0; r < RN; ++r) __builtin_prefetch(ptrs[r] + RN * a.row_bytes);
                 }
                 step(c, ptrs);
