@@ -159,11 +159,12 @@ def _dequantized_model(gguf_path: Path, metadata: dict) -> torch.nn.Module:
         del config.quantization_config
     _fill_missed_config(config, metadata)
     tensors = _tensor_data(gguf_path)
+    own_output = _has_own_output_matrix(tensors)
     if config.model_type in ("t5", "umt5"):
-        config = _t5_as_llama_cpp_runs_it(config, tensors)
+        config = _t5_as_llama_cpp_runs_it(config, tensors, own_output)
     auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = auto_class.from_config(config, dtype=torch.float32)
-    if _has_own_output_matrix(tensors):
+    if own_output:
         _untie_output(model)
     # The same reader `from_pretrained(gguf_file=...)` uses for these architectures: it dequantizes,
     # maps llama.cpp tensor names and undoes llama.cpp's q/k row permutation.
@@ -194,16 +195,16 @@ def _has_own_output_matrix(tensors: dict) -> bool:
     return not all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
 
 
-def _t5_as_llama_cpp_runs_it(config, tensors: dict):
+def _t5_as_llama_cpp_runs_it(config, tensors: dict, own_output: bool):
     """The T5 config llama.cpp runs the file as: a gated GELU feed-forward where the file has gate
     matrices (FLAN-T5, T5 v1.1) and ReLU where it has none (original T5), and the decoder output
     scaled by d_model^-0.5 only when the output matrix is the embeddings (as transformers does for
-    tied T5). transformers' reader makes every T5 gated."""
+    tied T5, i.e. not `own_output`). transformers' reader makes every T5 gated."""
     gated = any(".ffn_gate." in name for name in tensors)
     derived = ("is_gated_act", "dense_act_fn", "scale_decoder_outputs", "tie_word_embeddings")
     fields = {key: value for key, value in config.to_dict().items() if key not in derived}
     fields["feed_forward_proj"] = "gated-gelu" if gated else "relu"
-    return type(config)(**fields, tie_word_embeddings=not _has_own_output_matrix(tensors))
+    return type(config)(**fields, tie_word_embeddings=not own_output)
 
 
 def _untie_output(model: torch.nn.Module) -> None:

@@ -169,12 +169,14 @@ def fuse_projections(modules: list[torch.nn.Module]) -> torch.nn.Module:
 
     The weights are concatenated along the output rows and each module is re-pointed at its row
     slice (contiguous, so its kernels still take it). Modules that can't be fused this way (mixed
-    kinds, GPTQ's per-module input orders) are returned as a module that calls each in turn.
+    kinds, biases on some only, GPTQ's per-module input orders) are returned as a module that calls
+    each in turn.
     """
-    if all(type(m) is type(modules[0]) for m in modules) and all(_plain_linear(m) for m in modules):
-        return _fuse_linears(modules)
-    if all(isinstance(m, QuantLinear) for m in modules) and _same_packing(modules):
-        return _fuse_quant_linears(modules)
+    if len({m.bias is None for m in modules}) == 1:
+        if all(type(m) is type(modules[0]) for m in modules) and all(_plain_linear(m) for m in modules):
+            return _fuse_linears(modules)
+        if all(isinstance(m, QuantLinear) for m in modules) and _same_packing(modules):
+            return _fuse_quant_linears(modules)
     return _Concatenated(modules)
 
 
@@ -187,28 +189,30 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 def _same_packing(modules: list[QuantLinear]) -> bool:
     first = modules[0]
     return all(m.input_perm is None and (m.bits, m.group_size, m.in_features) ==
-               (first.bits, first.group_size, first.in_features) and (m.bias is None) == (first.bias is None)
-               for m in modules)
+               (first.bits, first.group_size, first.in_features) for m in modules)
+
+
+def _row_slices(modules: list[torch.nn.Module], fused: torch.Tensor):
+    """(module, its rows of `fused`), for tensors concatenated in the modules' order."""
+    start = 0
+    for module in modules:
+        yield module, fused[start:start + module.out_features]
+        start += module.out_features
 
 
 def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
-    has_bias = modules[0].bias is not None
-    if has_bias != all(m.bias is not None for m in modules):
-        return _Concatenated(modules)
     weight = torch.cat([m.weight.detach() for m in modules])
-    bias = torch.cat([m.bias.detach() for m in modules]) if has_bias else None
-    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    bias = torch.cat([m.bias.detach() for m in modules]) if modules[0].bias is not None else None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     fused.__class__ = type(modules[0])  # NativeLinear keeps its kernel
     fused.__dict__.update({k: v for k, v in modules[0].__dict__.items() if k == "native_kernel"})
     fused.weight = torch.nn.Parameter(weight, requires_grad=False)
-    fused.bias = torch.nn.Parameter(bias, requires_grad=False) if has_bias else None
-    start = 0
-    for module in modules:
-        rows = module.out_features
-        module.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
-        if has_bias:
-            module.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
-        start += rows
+    fused.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+    for module, rows in _row_slices(modules, weight):
+        module.weight = torch.nn.Parameter(rows, requires_grad=False)
+    if bias is not None:
+        for module, rows in _row_slices(modules, bias):
+            module.bias = torch.nn.Parameter(rows, requires_grad=False)
     return fused
 
 
@@ -218,14 +222,11 @@ def _fuse_quant_linears(modules: list[QuantLinear]) -> QuantLinear:
     bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
     fused = QuantLinear(PackedWeight(first.bits, parts["codes"], parts["scales"], parts["offsets"],
                                      first.group_size, first.in_features), bias)
-    start = 0
-    for module in modules:
-        rows = module.out_features
-        for name, tensor in parts.items():
-            setattr(module, name, tensor[start:start + rows])
-        if bias is not None:
-            module.bias = bias[start:start + rows]
-        start += rows
+    if bias is not None:
+        parts["bias"] = bias
+    for name, tensor in parts.items():
+        for module, rows in _row_slices(modules, tensor):
+            setattr(module, name, rows)
     return fused
 
 

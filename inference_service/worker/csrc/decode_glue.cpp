@@ -16,12 +16,12 @@
 
 namespace {
 
-// weight * x / sqrt(mean(x^2) + eps), over n floats; weight may be null (no scaling).
+// weight * x / sqrt(mean(x^2) + eps), over n floats (out may be x).
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = weight ? weight[i] * (x[i] * inv) : x[i] * inv;
+    for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
 // x (dim floats) rotated in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
