@@ -26,7 +26,7 @@ from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker import attention, native_linear
 from inference_service.worker.cache_runner import ATTENTION_IMPL, CacheRunner
-from inference_service.worker.cpu_kernels import decode_glue_for, decode_kernel_for, linear_kernel_for
+from inference_service.worker.cpu_kernels import decode_glue_for, decode_kernel_for, linear_kernel_for, panel_kernel_for
 from inference_service.worker.decode_step import decode_step_for
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
@@ -64,7 +64,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     loaded = load(config)
     dtype = next(loaded.model.parameters()).dtype
     linear_kernel = linear_kernel_for(loaded.device, dtype)
-    native_linears = native_linear.install(loaded.model, linear_kernel) if linear_kernel else 0
+    native_linears = (native_linear.install(loaded.model, linear_kernel, panel_kernel_for(loaded.device, dtype))
+                      if linear_kernel else 0)
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
         num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
@@ -85,7 +86,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
                        config.scheduler.max_batch_size, grammar_compiler, speculator)
     logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
-                "tokens, max_total_tokens=%d, attention: %s, decode attention: %s, native few-row linears: %d, "
+                "tokens, max_total_tokens=%d, attention: %s, decode attention: %s, native linears: %d, "
                 "decode steps: %s, prefix caching: %s, speculate: %d", info.model_id,
                 info.architecture, info.dtype, info.quantize or "unquantized", info.weights_nbytes / 2**20,
                 loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens, info.attention_impl,

@@ -3,8 +3,10 @@
 Three kernels, for the places where torch's CPU path wastes memory bandwidth at decode (each
 source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`),
 projections of a few rows (`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed
-weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). And the small ops between a
-decode step's projections, one call each (`csrc/decode_glue.cpp`, used by decode_step.py). The
+weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). A GEMM for projections of
+many rows, from fp32 or packed weights (`csrc/panel_linear.cpp`), faster here than torch's and with
+no dequantized copy of a packed weight. And the small ops between a decode step's projections,
+one call each (`csrc/decode_glue.cpp`, used by decode_step.py). The
 shared library is plain C ABI called through ctypes, so building it needs a C++ compiler and
 nothing of torch's build tooling: about two seconds. Where no compiler works, or
 `INFERENCE_SERVICE_CPU_KERNELS=off`, the engine keeps torch's paths, which compute the same thing
@@ -33,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp", CSRC / "quant_linear.cpp",
-           CSRC / "decode_glue.cpp")
-HEADERS = (CSRC / "vec8.h",)  # included by the sources: part of the cache key
+           CSRC / "panel_linear.cpp", CSRC / "decode_glue.cpp")
+HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h")  # included by the sources: part of the cache key
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
 # flush-to-zero for the whole process (GCC < 13). It lets the exp loop use glibc's vector exp.
@@ -48,6 +50,10 @@ MAX_LINEAR_ROWS = 32
 # + torch's GEMM. Measured crossover (benchmarks/quant_kernels.py, 4-bit gs 32, 1 thread): M = 32 for
 # the demo model's 576-wide projections (a tie there), M = 128 for the 1536-wide ones and the head.
 MAX_QUANT_ROWS = 48
+# Above those row counts the panel GEMM computes, for inputs up to this wide (its panel of 32 columns,
+# K x 128 bytes, then still sits in L2). Measured on the demo model's projections, 2 threads, against
+# torch's fp32 GEMM: 1.2x at 64 rows, 1.2x at 128, 1.07x at 512.
+MAX_PANEL_K = 8192
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -122,6 +128,54 @@ class SmallBatchLinear:
         if status != 0:
             raise RuntimeError(f"linear kernel refused {rows} rows of {in_features} features")
         return out
+
+
+class PanelLinear:
+    """x [..., K] · W[N, K]ᵀ (+ bias) → [..., N] for many rows of x, W fp32 or packed (csrc/panel_linear.cpp)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.panel_linear_f32
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_POINTER] * 4 + [_I64] * 3
+        self._quant = library.panel_quant_linear_f32
+        self._quant.restype = ctypes.c_int
+        self._quant.argtypes = [_POINTER] * 6 + [_I64] * 5
+
+    @staticmethod
+    def takes(in_features: int) -> bool:
+        return 0 < in_features <= MAX_PANEL_K
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """weight fp32 [N, K] contiguous; bias fp32 [N] contiguous or None."""
+        x, out, rows = self._operands(x, weight.shape[0], weight.shape[1])
+        if rows:
+            self._check(self._fn(x.data_ptr(), weight.data_ptr(), _pointer(bias), out.data_ptr(), rows,
+                                 weight.shape[0], weight.shape[1]), weight.shape[1])
+        return out
+
+    def quant(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same over a packed weight (contiguous buffers), widened to fp32 as dequantize() does."""
+        k, n = packed.in_features, packed.out_features
+        x, out, rows = self._operands(x, n, k)
+        if rows:
+            self._check(self._quant(x.data_ptr(), packed.codes.data_ptr(), packed.scales.data_ptr(),
+                                    packed.offsets.data_ptr(), _pointer(bias), out.data_ptr(), rows, n, k,
+                                    packed.bits, packed.group_size), k)
+        return out
+
+    @staticmethod
+    def _operands(x: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """x contiguous, the output [..., n], and the number of rows."""
+        return x.contiguous(), x.new_empty(*x.shape[:-1], n), x.numel() // k
+
+    @staticmethod
+    def _check(status: int, k: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"panel linear kernel refused an input of {k} features")
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
 
 
 class QuantLinearKernel:
@@ -231,6 +285,12 @@ def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> SmallBatchLin
     return SmallBatchLinear(library) if library is not None else None
 
 
+def panel_kernel_for(device: torch.device, dtype: torch.dtype) -> PanelLinear | None:
+    """The native many-row linear where it applies (fp32 on CPU) and builds; None: torch's GEMM."""
+    library = _library_for(device, dtype)
+    return PanelLinear(library) if library is not None else None
+
+
 def quant_kernel_for(device: torch.device, dtype: torch.dtype) -> QuantLinearKernel | None:
     """The native packed-weight linear where it applies (fp32 on CPU) and builds; None: dequantize."""
     library = _library_for(device, dtype)
@@ -240,6 +300,11 @@ def quant_kernel_for(device: torch.device, dtype: torch.dtype) -> QuantLinearKer
 def load_quant_linear() -> QuantLinearKernel | None:
     library = load_library()
     return QuantLinearKernel(library) if library is not None else None
+
+
+def load_panel_linear() -> PanelLinear | None:
+    library = load_library()
+    return PanelLinear(library) if library is not None else None
 
 
 def load_paged_decode() -> PagedDecodeKernel | None:

@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from inference_service.worker import native_linear
 from inference_service.worker.attention import StepMetadata, attend_decode
 from inference_service.worker.cpu_kernels import DecodeGlue
 from inference_service.worker.native_linear import NativeLinear
@@ -205,7 +206,7 @@ def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
     bias = torch.cat([m.bias.detach() for m in modules]) if modules[0].bias is not None else None
     fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     fused.__class__ = type(modules[0])  # NativeLinear keeps its kernel
-    fused.__dict__.update({k: v for k, v in modules[0].__dict__.items() if k == "native_kernel"})
+    fused.__dict__.update({k: v for k, v in modules[0].__dict__.items() if k in native_linear.KERNELS})
     fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     fused.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
     for module, rows in _row_slices(modules, weight):

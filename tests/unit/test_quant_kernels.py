@@ -123,7 +123,8 @@ def test_native_dequantize_equals_reference(kernel, bits, group_size):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 7, cpu_kernels.MAX_QUANT_ROWS + 1, 100])
 def test_all_paths_agree(kernel, monkeypatch, bits, rows):
-    """Kernel (few rows), native dequantize + GEMM (many rows, in slices), torch only: one answer."""
+    """Kernel (few rows), panel GEMM (many rows), native dequantize + GEMM (in slices), torch only: one
+    answer."""
     monkeypatch.setattr(quant_linear, "DEQUANT_SLICE_ELEMENTS", 1000)  # several slices of output rows
     packed = random_packed(50, 100, bits, 32, seed=rows)
     bias = torch.randn(50)
@@ -131,6 +132,7 @@ def test_all_paths_agree(kernel, monkeypatch, bits, rows):
     expected = reference(x, packed, bias)
     with torch.no_grad():
         assert_close(QuantLinear.from_packed(packed, bias)(x), expected)
+    assert_close(cpu_kernels.load_panel_linear().quant(x, packed, bias), expected)
     assert_close(dequantized_linear(x, packed, bias, kernel), expected)
     assert_close(dequantized_linear(x, packed, bias), expected)
 
@@ -142,7 +144,7 @@ def test_switched_off_uses_torch(kernel, monkeypatch):
     x = torch.randn(2, 64)
     with torch.no_grad():
         assert_close(module(x), reference(x, packed, None))
-    assert module._native_kernel(module.packed) == (None, False)
+    assert module._native_kernels(module.packed) == (None, False, None)
 
 
 def test_input_perm(kernel):

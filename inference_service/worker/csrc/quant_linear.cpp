@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dequant_row.h"
 #include "vec8.h"
 
 #if defined(__AVX2__)
@@ -223,24 +224,7 @@ extern "C" int quant_dequantize_f32(const uint8_t* codes, const float* scales, c
     const int64_t groups = (k + group_size - 1) / group_size, row_bytes = bits == 8 ? k : (k + 1) / 2;
 #pragma omp parallel for schedule(static) if (n * k >= kMinParallelElements)
     for (int64_t r = 0; r < n; ++r) {
-        const uint8_t* c = codes + r * row_bytes;
-        float* out = w + r * k;
-        for (int64_t g = 0; g < groups; ++g) {
-            const float s = scales[r * groups + g], o = offsets[r * groups + g];
-            const int64_t k0 = g * group_size, k1 = std::min(k, k0 + group_size);
-            if (bits == 8) {
-                for (int64_t i = k0; i < k1; ++i) out[i] = static_cast<float>(c[i]) * s + o;
-            } else {
-                int64_t i = k0;
-                if (i % 2 && i < k1) { out[i] = static_cast<float>(c[i / 2] >> 4) * s + o; ++i; }
-                for (; i + 1 < k1; i += 2) {  // one byte: two codes
-                    const uint8_t b = c[i / 2];
-                    out[i] = static_cast<float>(b & 15) * s + o;
-                    out[i + 1] = static_cast<float>(b >> 4) * s + o;
-                }
-                if (i < k1) out[i] = static_cast<float>(c[i / 2] & 15) * s + o;
-            }
-        }
+        dequantize_row(codes + r * row_bytes, scales + r * groups, offsets + r * groups, w + r * k, k, bits, group_size);
     }
     return 0;
 }

@@ -1,11 +1,11 @@
 """`QuantLinear`: a linear layer over a PackedWeight, computed from the packed codes.
 
 The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
-engine's memory accounting see them; `.packed` is a PackedWeight view of them. Up to
-MAX_QUANT_ROWS rows of fp32 input on CPU (decode steps) go to the native kernel, which reads the
-codes directly; more rows (prefill), other dtypes or devices, or no native library: the weight is
-dequantized to x's dtype in slices of output rows and multiplied by torch's GEMM, which at many
-rows is faster than the kernel and keeps the temporary fp32 weight small.
+engine's memory accounting see them; `.packed` is a PackedWeight view of them. On CPU in fp32 with
+the native library, up to MAX_QUANT_ROWS rows (decode steps) go to the packed-weight kernel, which
+reads the codes directly, and more (prefill) to the panel GEMM, which widens each panel of codes as
+it packs it. Other dtypes or devices, or no native library: the weight is dequantized to x's dtype
+in slices of output rows and multiplied by torch's GEMM, which keeps the temporary fp32 weight small.
 """
 
 from __future__ import annotations
@@ -72,21 +72,28 @@ class QuantLinear(torch.nn.Module):
         if self.input_perm is not None:
             x = x[..., self.input_perm]
         packed = self.packed
-        kernel, fits = self._native_kernel(packed)
-        if (fits and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.numel() <= cpu_kernels.MAX_QUANT_ROWS * self.in_features
+        kernel, fits, panel = self._native_kernels(packed)
+        if (panel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
                 and not (x.requires_grad and torch.is_grad_enabled())):
-            return kernel(x, packed, self.bias)
+            if fits and x.numel() <= cpu_kernels.MAX_QUANT_ROWS * self.in_features:
+                return kernel(x, packed, self.bias)
+            return panel.quant(x, packed, self.bias)
         return dequantized_linear(x, packed, self.bias, kernel)
 
-    def _native_kernel(self, packed: PackedWeight) -> tuple[cpu_kernels.QuantLinearKernel | None, bool]:
-        """The native library (None: torch only) and whether its matmul takes this weight and bias."""
+    def _native_kernels(self, packed: PackedWeight) -> tuple[cpu_kernels.QuantLinearKernel | None, bool,
+                                                              cpu_kernels.PanelLinear | None]:
+        """The native library's packed-weight kernel (None: torch only), whether it takes this weight,
+        and the panel GEMM where it takes this weight and bias (None: dequantize for torch's GEMM)."""
         if self._kernel is _UNRESOLVED:
-            kernel = cpu_kernels.quant_kernel_for(packed.codes.device, packed.scales.dtype)
+            device = packed.codes.device
+            kernel = cpu_kernels.quant_kernel_for(device, packed.scales.dtype)
             if kernel is not None and not all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets)):
                 kernel = None
-            bias_ok = self.bias is None or self.bias.dtype == torch.float32
-            self._kernel = kernel, kernel is not None and bias_ok and kernel.supports(packed)
+            bias_ok = self.bias is None or (self.bias.dtype == torch.float32 and self.bias.is_contiguous())
+            panel = cpu_kernels.panel_kernel_for(device, packed.scales.dtype) if kernel is not None else None
+            if panel is not None and not (bias_ok and panel.takes(self.in_features)):
+                panel = None
+            self._kernel = kernel, kernel is not None and bias_ok and kernel.supports(packed), panel
         return self._kernel
 
 

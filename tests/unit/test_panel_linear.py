@@ -1,0 +1,120 @@
+"""The panel GEMM (many rows of x) computes x·Wᵀ + b as float64 math does, from fp32 weights and from
+packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it.
+
+Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 6 with
+AVX2), output sizes with a partial last panel, K not a multiple of the 8x8 transpose, group sizes
+that do not divide K, and enough output columns to run both threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_config, tiny_model
+
+from inference_service.worker import cpu_kernels, native_linear
+from inference_service.worker.quant.linear import QuantLinear
+from inference_service.worker.quant.packed import PackedWeight, quantize_rtn
+
+TOLERANCE = 1e-5  # relative to the output's magnitude
+ROWS = [1, 5, 12, 13, 23, 24, 35, 100]
+SHAPES = [(1, 8), (40, 17), (64, 576), (97, 96), (700, 64)]
+
+
+@pytest.fixture(scope="module")
+def panel() -> cpu_kernels.PanelLinear:
+    built = cpu_kernels.load_panel_linear()
+    assert built is not None, "the native kernels did not build (is a C++ compiler installed?)"
+    return built
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    scale = expected.abs().max().item() + 1.0
+    assert (out.double() - expected).abs().max().item() <= TOLERANCE * scale
+
+
+def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out + bias.double() if bias is not None else out
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_fp32_weights(panel, rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    assert_close(panel(x, weight, None), expected(x, weight, None))
+    assert_close(panel(x, weight, bias), expected(x, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [13, 35])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (8, 32), (4, 32), (4, 16), (4, 24), (8, 5)])
+def test_packed_weights(panel, rows, out_features, in_features, bits, group_size):
+    generator = torch.Generator().manual_seed(rows + out_features + bits)
+    packed = quantize_rtn(torch.randn(out_features, in_features, generator=generator), bits,
+                          group_size or in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    assert_close(panel.quant(x, packed, bias), expected(x, packed.dequantize(), bias))
+
+
+def test_extreme_codes_and_scales(panel):
+    """All-zero and all-max codes, zero and huge scales: the widened floats are dequantize()'s."""
+    n, k = 64, 96
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    codes[1::2] = 255
+    scales = torch.ones(n, 3)
+    scales[:8] = 0.0
+    scales[8:16] = 1e30
+    packed = PackedWeight(8, codes, scales, torch.full((n, 3), -1.5), 32, k)
+    x = torch.randn(20, k) * 1e-6
+    assert_close(panel.quant(x, packed, None), expected(x, packed.dequantize(), None))
+
+
+def test_leading_dimensions_strided_input_and_zero_rows(panel):
+    x = torch.randn(2, 20, 2 * 64)[..., ::2]  # [2, 20, 64], not contiguous
+    weight = torch.randn(40, 64)
+    out = panel(x, weight, None)
+    assert out.shape == (2, 20, 40)
+    assert_close(out, expected(x, weight, None))
+    assert panel(torch.randn(1, 0, 64), weight, None).shape == (1, 0, 40)
+
+
+def test_modules_send_many_rows_to_the_panel_gemm(panel, monkeypatch):
+    """NativeLinear and QuantLinear above their few-row limits compute through the panel GEMM (a
+    broken panel kernel shows in their output), and still equal float64 math."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    linear_holder = torch.nn.Sequential(linear)
+    assert native_linear.install(linear_holder, cpu_kernels.load_small_batch_linear(), panel) == 1
+    packed = quantize_rtn(torch.randn(48, 64), 8, 64)
+    quant = QuantLinear.from_packed(packed, torch.randn(48))
+    x = torch.randn(3, 30, 64)  # 90 rows: above MAX_LINEAR_ROWS and MAX_QUANT_ROWS
+    with torch.no_grad():
+        assert_close(linear_holder(x), expected(x, linear.weight, linear.bias))
+        assert_close(quant(x), expected(x, packed.dequantize(), quant.bias))
+        calls = []
+
+        def recorder(kind: str):
+            return lambda self, x, *rest: calls.append(kind) or x[..., :48]
+
+        monkeypatch.setattr(cpu_kernels.PanelLinear, "__call__", recorder("fp32"))
+        monkeypatch.setattr(cpu_kernels.PanelLinear, "quant", recorder("packed"))
+        linear_holder(x)
+        quant(x)
+        linear_holder(x[:, :1])  # 3 rows: the few-row kernel
+    assert calls == ["fp32", "packed"]
+
+
+def test_a_tiny_model_prefills_the_same_through_the_panel_gemm(panel):
+    """A whole prefill (every projection above the few-row limit) equals torch's GEMM's logits."""
+    model = tiny_model(tiny_config("llama"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 70))
+    with torch.no_grad():
+        reference = model(ids).logits
+        native_linear.install(model, cpu_kernels.load_small_batch_linear(), panel)
+        assert (model(ids).logits - reference).abs().max().item() < 1e-4
