@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec8.h"
+
 namespace {
 
 // weight * x / sqrt(mean(x^2) + eps), over n floats (out may be x).
@@ -22,6 +24,32 @@ void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* 
     for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+// exp of 8 floats, within 2 ulp of expf (the scalar call the compiler makes costs ~3 ns a value: a
+// 16-row decode step of the demo model spent 2 ms in it). x = n ln2 + r with |r| <= ln2 / 2 (ln2
+// split in two so n ln2 is exact), exp(r) by Cephes' expf polynomial, 2^n built in the exponent bits.
+// Inputs are clamped: below so 2^n stays normal, above so a too-large x gives inf, as expf does
+// (from 88.4 on, a little before expf).
+inline v8 exp8(v8 x) {
+    typedef int32_t i32x8 __attribute__((vector_size(32)));
+    x = x < -87.3f ? v8{} - 87.3f : x;
+    x = x > 88.7f ? v8{} + 88.7f : x;
+    const v8 t = x * 1.44269504088896341f;
+    const i32x8 n = __builtin_convertvector(t + (t < 0 ? v8{} - 0.5f : v8{} + 0.5f), i32x8);  // round
+    const v8 nf = __builtin_convertvector(n, v8);
+    const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    v8 p = v8{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.f;
+    const i32x8 scale = (n + 127) << 23;
+    v8 two_n;
+    std::memcpy(&two_n, &scale, sizeof(two_n));
+    return p * two_n;
 }
 
 // x (dim floats) rotated in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
@@ -76,7 +104,12 @@ extern "C" int silu_mul_f32(const float* gate_up, float* out, int64_t rows, int6
         const float* gate = gate_up + r * 2 * width;
         const float* up = gate + width;
         float* o = out + r * width;
-        for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+        int64_t i = 0;
+        for (; i + 8 <= width; i += 8) {
+            const v8 g = load8(gate + i);
+            store8(o + i, g / (1.f + exp8(-g)) * load8(up + i));
+        }
+        for (; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
     return 0;
 }
