@@ -46,13 +46,13 @@ MAX_GROUPS = 8  # query heads per KV head that the attention kernel is instantia
 # Up to this many rows the linear kernel beats torch's fp32 GEMM here (measured: 1.9x at 1 row,
 # 2.2x at 8, 1.15x at 32, 1.1x at 48, 0.85x at 64); above it torch's GEMM is used.
 MAX_LINEAR_ROWS = 32
-# Up to this many rows QuantLinear uses the packed-weight kernel, above it (prefill) native dequantize
-# + torch's GEMM. Measured crossover (benchmarks/quant_kernels.py, 4-bit gs 32, 1 thread): M = 32 for
-# the demo model's 576-wide projections (a tie there), M = 128 for the 1536-wide ones and the head.
-MAX_QUANT_ROWS = 48
+# Up to this many rows (by bits of the codes) QuantLinear uses the packed-weight kernel, above it the
+# panel GEMM. Measured over the demo model's projections, 2 threads (benchmarks/quant_kernels.py):
+# 4-bit codes pack cheaper than they compute in the kernel from 8-12 rows, 8-bit ones from 16.
+MAX_QUANT_ROWS = {4: 8, 8: 16}
 # Above those row counts the panel GEMM computes, for inputs up to this wide (its panel of 32 columns,
 # K x 128 bytes, then still sits in L2). Measured on the demo model's projections, 2 threads, against
-# torch's fp32 GEMM: 1.2x at 64 rows, 1.2x at 128, 1.07x at 512.
+# torch's fp32 GEMM: 1.3x at 33-256 rows, 1.07x at 512, 1.05x at 1024.
 MAX_PANEL_K = 8192
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

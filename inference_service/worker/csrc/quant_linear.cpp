@@ -28,31 +28,10 @@
 #include "dequant_row.h"
 #include "vec8.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-constexpr int64_t kRowsPerTask = 64;               // W rows per scheduling unit
+constexpr int64_t kRowsPerTask = 32;               // W rows per scheduling unit (2 threads split 576 evenly)
 constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
-
-// 8 bytes → 8 int32. GCC scalarizes __builtin_convertvector from bytes (eight inserts: 3x slower
-// overall), so on x86 it is the one vpmovzxbd it should be.
-inline i32x8 widen(const uint8_t* p) {
-#if defined(__AVX2__)
-    return reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-    u8x8 b;
-    std::memcpy(&b, p, 8);
-    return __builtin_convertvector(b, i32x8);
-#endif
-}
-
-inline v8 to_f32(i32x8 v) { return __builtin_convertvector(v, v8); }
 
 // CH codes of one row starting at chunk byte p, as CH/8 fp32 vectors in xp's order.
 template <int BITS, int CH>

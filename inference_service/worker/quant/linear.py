@@ -2,10 +2,11 @@
 
 The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
 engine's memory accounting see them; `.packed` is a PackedWeight view of them. On CPU in fp32 with
-the native library, up to MAX_QUANT_ROWS rows (decode steps) go to the packed-weight kernel, which
-reads the codes directly, and more (prefill) to the panel GEMM, which widens each panel of codes as
-it packs it. Other dtypes or devices, or no native library: the weight is dequantized to x's dtype
-in slices of output rows and multiplied by torch's GEMM, which keeps the temporary fp32 weight small.
+the native library, up to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the
+packed-weight kernel, which reads the codes directly, and more (prefill, large batches) to the
+panel GEMM, which widens each panel of codes as it packs it. Other dtypes or devices, or no native
+library: the weight is dequantized to x's dtype in slices of output rows and multiplied by torch's
+GEMM, which keeps the temporary fp32 weight small.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class QuantLinear(torch.nn.Module):
         kernel, fits, panel = self._native_kernels(packed)
         if (panel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
                 and not (x.requires_grad and torch.is_grad_enabled())):
-            if fits and x.numel() <= cpu_kernels.MAX_QUANT_ROWS * self.in_features:
+            if fits and x.numel() <= cpu_kernels.MAX_QUANT_ROWS[self.bits] * self.in_features:
                 return kernel(x, packed, self.bias)
             return panel.quant(x, packed, self.bias)
         return dequantized_linear(x, packed, self.bias, kernel)
