@@ -140,6 +140,9 @@ class PanelLinear:
         self._quant = library.panel_quant_linear_f32
         self._quant.restype = ctypes.c_int
         self._quant.argtypes = [_POINTER] * 6 + [_I64] * 5
+        self._codes = library.panel_codes_linear_f32
+        self._codes.restype = ctypes.c_int
+        self._codes.argtypes = [_POINTER] * 6 + [_I64] * 4
 
     @staticmethod
     def takes(in_features: int) -> bool:
@@ -161,6 +164,18 @@ class PanelLinear:
             self._check(self._quant(x.data_ptr(), packed.codes.data_ptr(), packed.scales.data_ptr(),
                                     packed.offsets.data_ptr(), _pointer(bias), out.data_ptr(), rows, n, k,
                                     packed.bits, packed.group_size), k)
+        return out
+
+    def codes(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+              bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+        """x · W ᵀ (+ bias) for 8-bit codes in the panel layout (quant/panels.py), any number of rows:
+        codes [N/32, K, 32], scales and offsets [N/32, G, 32], all contiguous."""
+        panel_count, k, width = codes.shape
+        n = panel_count * width
+        x, out, rows = self._operands(x, n, k)
+        if rows:
+            self._check(self._codes(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                    _pointer(bias), out.data_ptr(), rows, n, k, group_size), k)
         return out
 
     @staticmethod

@@ -189,16 +189,18 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 
 def _same_packing(modules: list[QuantLinear]) -> bool:
     first = modules[0]
-    return all(m.input_perm is None and (m.bits, m.group_size, m.in_features) ==
-               (first.bits, first.group_size, first.in_features) for m in modules)
+    return all(m.input_perm is None and (m.bits, m.group_size, m.in_features, m.panelled) ==
+               (first.bits, first.group_size, first.in_features, first.panelled) for m in modules)
 
 
-def _row_slices(modules: list[torch.nn.Module], fused: torch.Tensor):
-    """(module, its rows of `fused`), for tensors concatenated in the modules' order."""
+def _row_slices(modules: list[torch.nn.Module], fused: torch.Tensor, rows_per_entry: int = 1):
+    """(module, its share of `fused`), for tensors concatenated in the modules' order along a first
+    dimension whose entries hold `rows_per_entry` output rows each."""
     start = 0
     for module in modules:
-        yield module, fused[start:start + module.out_features]
-        start += module.out_features
+        length = module.out_features // rows_per_entry
+        yield module, fused[start:start + length]
+        start += length
 
 
 def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
@@ -218,16 +220,23 @@ def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
 
 
 def _fuse_quant_linears(modules: list[QuantLinear]) -> QuantLinear:
+    """The fused module holds the one copy; each module is re-pointed at its share of its buffers (in
+    the panel layout, a run of whole panels: every module's rows fill panels)."""
     first = modules[0]
-    parts = {name: torch.cat([getattr(m, name) for m in modules]) for name in ("codes", "scales", "offsets")}
+    packed = [m.packed for m in modules]
+    parts = {name: torch.cat([getattr(p, name) for p in packed]) for name in ("codes", "scales", "offsets")}
     bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
     fused = QuantLinear(PackedWeight(first.bits, parts["codes"], parts["scales"], parts["offsets"],
-                                     first.group_size, first.in_features), bias)
+                                     first.group_size, first.in_features), bias, panelled=first.panelled)
+    shares: dict[QuantLinear, dict[str, torch.Tensor]] = {m: {} for m in modules}
+    for name in parts:
+        for module, entries in _row_slices(modules, getattr(fused, name), first.rows_per_entry):
+            shares[module][name] = entries
     if bias is not None:
-        parts["bias"] = bias
-    for name, tensor in parts.items():
-        for module, rows in _row_slices(modules, tensor):
-            setattr(module, name, rows)
+        for module, rows in _row_slices(modules, fused.bias):
+            shares[module]["bias"] = rows
+    for module, buffers in shares.items():
+        module.repoint(**buffers)
     return fused
 
 

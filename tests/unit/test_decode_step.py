@@ -65,7 +65,10 @@ def test_packed_projections_fuse_into_one_packed_matrix(rows, bits, group_size, 
     modules = _quant_linears(bits, group_size, bias)
     fused = _check_fused(modules, rows)
     assert isinstance(fused, QuantLinear) and fused.out_features == sum(OUT_FEATURES)
-    assert [m.codes.data_ptr() for m in modules][0] == fused.codes.data_ptr()
+    assert all(m.panelled == (bits == 8) for m in [*modules, fused])  # 8-bit codes in panels of 32 rows
+    row_bytes = fused.codes.numel() // fused.out_features
+    start = fused.codes.data_ptr()
+    assert [m.codes.data_ptr() - start for m in modules] == [0, 64 * row_bytes, 96 * row_bytes]
     assert all(m.codes.is_contiguous() and m.scales.is_contiguous() for m in modules)
 
 

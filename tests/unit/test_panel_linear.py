@@ -1,5 +1,6 @@
 """The panel GEMM (many rows of x) computes x·Wᵀ + b as float64 math does, from fp32 weights and from
-packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it.
+packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it. 8-bit codes stored in
+the panel layout (quant/panels.py) compute the same at every row count.
 
 Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 6 with
 AVX2), output sizes with a partial last panel, K not a multiple of the 8x8 transpose, group sizes
@@ -13,6 +14,7 @@ import torch
 from tiny_models import tiny_config, tiny_model
 
 from inference_service.worker import cpu_kernels, native_linear
+from inference_service.worker.quant import panels
 from inference_service.worker.quant.linear import QuantLinear
 from inference_service.worker.quant.packed import PackedWeight, quantize_rtn
 
@@ -118,3 +120,52 @@ def test_a_tiny_model_prefills_the_same_through_the_panel_gemm(panel):
         reference = model(ids).logits
         native_linear.install(model, cpu_kernels.load_small_batch_linear(), panel)
         assert (model(ids).logits - reference).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), [(32, 8, 8), (64, 96, 32), (96, 100, 7),
+                                                                         (320, 576, 576)])
+def test_panel_layout_round_trips(out_features, in_features, group_size):
+    packed = quantize_rtn(torch.randn(out_features, in_features), 8, group_size)
+    assert panels.takes(packed)
+    codes, scales, offsets = panels.to_panels(packed)
+    assert codes.shape == (out_features // panels.PANEL, in_features, panels.PANEL)
+    assert torch.equal(codes[-1, 3], packed.codes[-panels.PANEL:, 3])  # a panel's k-th line: its rows' codes
+    back = panels.from_panels(codes, scales, offsets, group_size, in_features)
+    assert all(torch.equal(getattr(back, n), getattr(packed, n)) for n in ("codes", "scales", "offsets"))
+
+
+def test_only_8_bit_codes_filling_panels_are_panelled():
+    assert QuantLinear.from_packed(quantize_rtn(torch.randn(64, 32), 8, 32)).panelled
+    assert not QuantLinear.from_packed(quantize_rtn(torch.randn(48, 32), 8, 32)).panelled
+    assert not QuantLinear.from_packed(quantize_rtn(torch.randn(64, 32), 4, 32)).panelled
+    with pytest.raises(ValueError, match="fill panels"):
+        QuantLinear(quantize_rtn(torch.randn(48, 32), 8, 32), panelled=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 24, 64, 65, 100])
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), [(64, 96, 96), (96, 100, 32), (32, 17, 5)])
+def test_panelled_codes_at_every_row_count(panel, rows, out_features, in_features, group_size):
+    """Decode-sized inputs (tiles widening codes as they go) and prefill-sized ones (each panel
+    widened once, above 64 rows) alike, with and without a bias; `.packed` gives the codes back."""
+    generator = torch.Generator().manual_seed(rows * 7 + out_features)
+    packed = quantize_rtn(torch.randn(out_features, in_features, generator=generator), 8, group_size)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    for module_bias in (None, bias):
+        module = QuantLinear.from_packed(packed, module_bias)
+        assert module.panelled
+        with torch.no_grad():
+            assert_close(module(x), expected(x, packed.dequantize(), module_bias))
+    assert torch.equal(module.packed.codes, packed.codes)
+    assert_close(panel.codes(x, module.codes, module.scales, module.offsets, bias, group_size),
+                 expected(x, packed.dequantize(), bias))
+
+
+def test_panelled_codes_without_the_native_library_take_torchs_path(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
+    packed = quantize_rtn(torch.randn(64, 40), 8, 8)
+    module = QuantLinear.from_packed(packed, torch.randn(64))
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        assert_close(module(x), expected(x, packed.dequantize(), module.bias))
+    assert module._native_kernels() == (None, False, None)

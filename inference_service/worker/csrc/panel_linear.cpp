@@ -20,6 +20,10 @@
 
 #include "dequant_row.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -91,7 +95,7 @@ inline void prefetch_line(const Ahead& ahead, int64_t line) {
 // y[MR, nr] = x[MR, k] · panel (+ bias), x rows ldx apart, y rows ldy apart. Prefetches two lines of
 // the next task per 8 k, from line `first_line` on.
 template <int MR>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, int64_t ldy, int nr,
+void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t k, float* y, int64_t ldy, int nr,
           const float* bias, const Ahead& ahead, int64_t first_line) {
     vf acc[MR][2] = {};
     for (int64_t c = 0; c < k; ++c) {
@@ -99,7 +103,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, 
             prefetch_line(ahead, first_line + c / 4);
             prefetch_line(ahead, first_line + c / 4 + 1);
         }
-        const vf b0 = loadv(panel + c * kNR), b1 = loadv(panel + c * kNR + kLanes);
+        const vf b0 = loadv(panel + c * ldp), b1 = loadv(panel + c * ldp + kLanes);
         for (int m = 0; m < MR; ++m) {
             const vf a = vf{} + x[m * ldx + c];
             acc[m][0] += a * b0;
@@ -115,16 +119,16 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* y, 
 }
 
 template <int MR>
-void tiles_of(const float* x, int64_t m, int64_t k, const float* panel, float* y, int64_t n, int nr,
+void tiles_of(const float* x, int64_t m, int64_t k, const float* panel, int64_t ldp, float* y, int64_t n, int nr,
               const float* bias, const Ahead& ahead) {
     const int64_t lines_per_tile = 2 * ((k + 7) / 8);  // what tile() prefetches
     int64_t m0 = 0, index = 0;
     for (; m0 + MR <= m; m0 += MR, ++index) {
-        tile<MR>(x + m0 * k, k, panel, k, y + m0 * n, n, nr, bias, ahead, index * lines_per_tile);
+        tile<MR>(x + m0 * k, k, panel, ldp, k, y + m0 * n, n, nr, bias, ahead, index * lines_per_tile);
     }
     switch (m - m0) {  // the rows left over
-#define TAIL(R) case R: if constexpr (R < MR) tile<R>(x + m0 * k, k, panel, k, y + m0 * n, n, nr, bias, ahead, \
-                                                         index * lines_per_tile); break;
+#define TAIL(R) case R: if constexpr (R < MR) tile<R>(x + m0 * k, k, panel, ldp, k, y + m0 * n, n, nr, bias, \
+                                                         ahead, index * lines_per_tile); break;
         TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
 #undef TAIL
         default: break;
@@ -146,7 +150,80 @@ void run(const float* x, const float* bias, float* y, int64_t m, int64_t n, int6
             fill(n0, nr, panel.data(), scratch);
             Ahead ahead;
             if (n0 + 2 * kNR <= n) ahead = {w_base + (n0 + kNR) * w_row_bytes, w_row_bytes, kNR};
-            tiles_of<kMR>(x, m, k, panel.data(), y + n0, n, nr, bias ? bias + n0 : nullptr, ahead);
+            tiles_of<kMR>(x, m, k, panel.data(), kNR, y + n0, n, nr, bias ? bias + n0 : nullptr, ahead);
+        }
+    }
+}
+
+// Prepacked 8-bit codes (quant/panels.py): panels of kCodePanel output columns, codes [K][kCodePanel]
+// and scales/offsets [G][kCodePanel] per panel, so each k reads one contiguous line of codes and
+// nothing is packed per call. Each tile widens 2 vectors of codes, applies the group's scale and
+// offset (the floats dequantize gives) and FMAs them into all its rows, at any row count: a decode
+// step streams the codes once, a prefill reuses each panel from L2.
+constexpr int kCodePanel = 32;
+
+// kLanes codes → floats.
+inline vf widen_codes(const uint8_t* p) {
+#if defined(__AVX512F__)
+    return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(p)))));
+#else
+    return to_f32(widen(p));
+#endif
+}
+
+// y[MR, 2 kLanes] = x[MR, k] · the panel's columns from `codes` on (+ bias).
+template <int MR>
+void code_tile(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, const float* offsets,
+               int64_t k, int64_t gs, float* y, int64_t ldy, const float* bias) {
+    vf acc[MR][2] = {};
+    for (int64_t c0 = 0, g = 0; c0 < k; c0 += gs, ++g) {
+        const vf s0 = loadv(scales + g * kCodePanel), s1 = loadv(scales + g * kCodePanel + kLanes);
+        const vf o0 = loadv(offsets + g * kCodePanel), o1 = loadv(offsets + g * kCodePanel + kLanes);
+        const int64_t c1 = std::min(k, c0 + gs);
+        for (int64_t c = c0; c < c1; ++c) {
+            const vf b0 = widen_codes(codes + c * kCodePanel) * s0 + o0;
+            const vf b1 = widen_codes(codes + c * kCodePanel + kLanes) * s1 + o1;
+            for (int m = 0; m < MR; ++m) {
+                const vf a = vf{} + x[m * ldx + c];
+                acc[m][0] += a * b0;
+                acc[m][1] += a * b1;
+            }
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        float out[2 * kLanes];
+        std::memcpy(out, &acc[m][0], sizeof(vf));
+        std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
+        for (int j = 0; j < 2 * kLanes; ++j) y[m * ldy + j] = out[j] + (bias ? bias[j] : 0.f);
+    }
+}
+
+template <int MR>
+void code_tiles_of(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* scales,
+                   const float* offsets, int64_t gs, float* y, int64_t n, const float* bias) {
+    int64_t m0 = 0;
+    for (; m0 + MR <= m; m0 += MR) code_tile<MR>(x + m0 * k, k, codes, scales, offsets, k, gs, y + m0 * n, n, bias);
+    switch (m - m0) {  // the rows left over
+#define TAIL(R) case R: if constexpr (R < MR) code_tile<R>(x + m0 * k, k, codes, scales, offsets, k, gs, \
+                                                              y + m0 * n, n, bias); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+#undef TAIL
+        default: break;
+    }
+}
+
+// A code panel [k][kCodePanel] widened to fp32 `out` [k][kCodePanel]: code * scale + offset.
+void widen_panel(const uint8_t* codes, const float* scales, const float* offsets, int64_t k, int64_t gs,
+                 float* out) {
+    for (int64_t c0 = 0, g = 0; c0 < k; c0 += gs, ++g) {
+        const int64_t c1 = std::min(k, c0 + gs);
+        for (int j = 0; j < kCodePanel; j += kLanes) {
+            const vf s = loadv(scales + g * kCodePanel + j), o = loadv(offsets + g * kCodePanel + j);
+            for (int64_t c = c0; c < c1; ++c) {
+                const vf w = widen_codes(codes + c * kCodePanel + j) * s + o;
+                std::memcpy(out + c * kCodePanel + j, &w, sizeof(vf));
+            }
         }
     }
 }
@@ -180,5 +257,41 @@ extern "C" int panel_quant_linear_f32(const float* x, const uint8_t* codes, cons
         pack(scratch.data(), k, k, nr, panel);
     };
     run(x, bias, y, m, n, k, fill, reinterpret_cast<const char*>(codes), row_bytes);
+    return 0;
+}
+
+// x [m, k]; codes uint8 [n / 32, k, 32], scales/offsets fp32 [n / 32, ceil(k / group_size), 32] (the
+// panel layout of 8-bit codes, quant/panels.py); bias [n] or null; y [m, n]. n a multiple of 32.
+// Up to kWidenOnceRows rows of x, tiles widen the codes as they go (decode: the codes are read
+// once); above, each panel is widened once into fp32 and the fp32 tiles run over it (prefill: a
+// tile per 12 rows would widen every code again).
+extern "C" int panel_codes_linear_f32(const float* x, const uint8_t* codes, const float* scales,
+                                      const float* offsets, const float* bias, float* y, int64_t m, int64_t n,
+                                      int64_t k, int64_t group_size) {
+    if (m < 1 || n < 1 || k < 1 || group_size < 1 || n % kCodePanel) return 1;
+    constexpr int64_t kWidenOnceRows = 64;  // measured: tiles widening as they go win up to here
+    const int64_t panels = n / kCodePanel, groups = (k + group_size - 1) / group_size;
+    const bool widen_once = m > kWidenOnceRows;
+#pragma omp parallel if (n * k >= (1 << 16))
+    {
+        std::vector<float> wide(widen_once ? k * kCodePanel : 0);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const uint8_t* pc = codes + p * k * kCodePanel;
+            const float *ps = scales + p * groups * kCodePanel, *po = offsets + p * groups * kCodePanel;
+            if (widen_once) widen_panel(pc, ps, po, k, group_size, wide.data());
+            for (int col = 0; col < kCodePanel; col += 2 * kLanes) {  // one tile wide with AVX-512, two with AVX2
+                const int64_t n0 = p * kCodePanel + col;
+                const float* b = bias ? bias + n0 : nullptr;
+                if (widen_once) {
+                    Ahead ahead;  // the next panel's codes, while this one computes
+                    if (p + 1 < panels) ahead = {reinterpret_cast<const char*>(pc + k * kCodePanel), k * kCodePanel, 1};
+                    tiles_of<kMR>(x, m, k, wide.data() + col, kCodePanel, y + n0, n, 2 * kLanes, b, ahead);
+                } else {
+                    code_tiles_of<kMR>(x, m, k, pc + col, ps + col, po + col, group_size, y + n0, n, b);
+                }
+            }
+        }
+    }
     return 0;
 }

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.worker import cpu_kernels
+from inference_service.worker.quant import panels
 from inference_service.worker.quant.packed import PackedWeight
 
 # fp32 weight elements dequantized at once: 4 MiB, a whole projection of the demo model (one GEMM
@@ -24,16 +25,25 @@ _UNRESOLVED = object()
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x[..., input_perm] · dequant(packed)ᵀ + bias, for x [..., K] → y [..., N]."""
+    """y = x[..., input_perm] · dequant(packed)ᵀ + bias, for x [..., K] → y [..., N].
+
+    8-bit codes whose output size is a multiple of panels.PANEL are stored in the panel layout
+    (`panelled`; see panels.py); others in the canonical one.
+    """
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
-                 input_perm: torch.Tensor | None = None):
+                 input_perm: torch.Tensor | None = None, panelled: bool | None = None):
         super().__init__()
         self.bits, self.group_size = packed.bits, packed.group_size
         self.in_features, self.out_features = packed.in_features, packed.out_features
-        self.register_buffer("codes", packed.codes.contiguous())  # uint8 [N, K] or [N, ceil(K / 2)]
-        self.register_buffer("scales", packed.scales.contiguous())  # fp32 [N, G]
-        self.register_buffer("offsets", packed.offsets.contiguous())  # fp32 [N, G]
+        self.panelled = panels.takes(packed) if panelled is None else panelled
+        if self.panelled and not panels.takes(packed):
+            raise ValueError(f"{packed.bits}-bit codes of {packed.out_features} rows do not fill panels")
+        codes, scales, offsets = (panels.to_panels(packed) if self.panelled
+                                  else (packed.codes, packed.scales, packed.offsets))
+        self.register_buffer("codes", codes.contiguous())  # uint8 [N, K] or [N, ceil(K / 2)]; panelled [N/P, K, P]
+        self.register_buffer("scales", scales.contiguous())  # fp32 [N, G]; panelled [N/P, G, P]
+        self.register_buffer("offsets", offsets.contiguous())  # fp32 [N, G]; panelled [N/P, G, P]
         self.register_buffer("bias", None if bias is None else bias.contiguous())  # [N]
         self.register_buffer("input_perm", input_perm)  # int64 [K]: GPTQ's act-order
         self._view: PackedWeight | None = None
@@ -45,8 +55,16 @@ class QuantLinear(torch.nn.Module):
         return cls(packed, bias, input_perm)
 
     @property
+    def rows_per_entry(self) -> int:
+        """Output rows per index of the buffers' first dimension (a panel's, or one)."""
+        return panels.PANEL if self.panelled else 1
+
+    @property
     def packed(self) -> PackedWeight:
-        """The buffers as a PackedWeight (no copy); rebuilt when `.to()` has replaced them."""
+        """The buffers as a canonical PackedWeight: a view (rebuilt when `.to()` has replaced them),
+        or for panelled codes a copy."""
+        if self.panelled:
+            return panels.from_panels(self.codes, self.scales, self.offsets, self.group_size, self.in_features)
         view = self._view
         if view is None or view.codes is not self.codes or view.scales is not self.scales \
                 or view.offsets is not self.offsets:
@@ -55,6 +73,12 @@ class QuantLinear(torch.nn.Module):
             self._kernel = _UNRESOLVED
         return view
 
+    def repoint(self, **buffers: torch.Tensor) -> None:
+        """Use these tensors (same layout and shapes) as buffers: fusing shares one copy of weights."""
+        for name, tensor in buffers.items():
+            setattr(self, name, tensor)
+        self._kernel = _UNRESOLVED
+
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` moves but does not round scales and offsets: PackedWeight keeps them fp32."""
         kept = {name: getattr(self, name) for name in ("scales", "offsets")}
@@ -62,39 +86,40 @@ class QuantLinear(torch.nn.Module):
         for name, original in kept.items():
             if getattr(self, name).dtype != torch.float32:
                 setattr(self, name, original.to(getattr(self, name).device))
+        self._kernel = _UNRESOLVED
         return self
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, "
-                f"input_perm={self.input_perm is not None}")
+                f"input_perm={self.input_perm is not None}, panelled={self.panelled}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x[..., self.input_perm]
-        packed = self.packed
-        kernel, fits, panel = self._native_kernels(packed)
+        kernel, fits, panel = self._native_kernels()
         if (panel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
                 and not (x.requires_grad and torch.is_grad_enabled())):
+            if self.panelled:
+                return panel.codes(x, self.codes, self.scales, self.offsets, self.bias, self.group_size)
             if fits and x.numel() <= cpu_kernels.MAX_QUANT_ROWS[self.bits] * self.in_features:
-                return kernel(x, packed, self.bias)
-            return panel.quant(x, packed, self.bias)
-        return dequantized_linear(x, packed, self.bias, kernel)
+                return kernel(x, self.packed, self.bias)
+            if panel.takes(self.in_features):
+                return panel.quant(x, self.packed, self.bias)
+        return dequantized_linear(x, self.packed, self.bias, kernel)
 
-    def _native_kernels(self, packed: PackedWeight) -> tuple[cpu_kernels.QuantLinearKernel | None, bool,
-                                                              cpu_kernels.PanelLinear | None]:
-        """The native library's packed-weight kernel (None: torch only), whether it takes this weight,
-        and the panel GEMM where it takes this weight and bias (None: dequantize for torch's GEMM)."""
+    def _native_kernels(self) -> tuple[cpu_kernels.QuantLinearKernel | None, bool, cpu_kernels.PanelLinear | None]:
+        """The native library's packed-weight kernel (None: torch only), whether it takes these
+        canonical codes, and its panel GEMM (None where the library or the bias does not apply)."""
         if self._kernel is _UNRESOLVED:
-            device = packed.codes.device
-            kernel = cpu_kernels.quant_kernel_for(device, packed.scales.dtype)
-            if kernel is not None and not all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets)):
+            device = self.codes.device
+            kernel = cpu_kernels.quant_kernel_for(device, self.scales.dtype)
+            if kernel is not None and not all(t.is_contiguous() for t in (self.codes, self.scales, self.offsets)):
                 kernel = None
             bias_ok = self.bias is None or (self.bias.dtype == torch.float32 and self.bias.is_contiguous())
-            panel = cpu_kernels.panel_kernel_for(device, packed.scales.dtype) if kernel is not None else None
-            if panel is not None and not (bias_ok and panel.takes(self.in_features)):
-                panel = None
-            self._kernel = kernel, kernel is not None and bias_ok and kernel.supports(packed), panel
+            panel = cpu_kernels.panel_kernel_for(device, self.scales.dtype) if kernel is not None and bias_ok else None
+            fits = kernel is not None and bias_ok and not self.panelled and kernel.supports(self.packed)
+            self._kernel = kernel, fits, panel
         return self._kernel
 
 
