@@ -218,6 +218,16 @@ def demo_grpc_server():
     server.stop(timeout_s=1.0)
 
 
+def copy_linear_weight(module, weight) -> None:
+    """Overwrite a served linear's weight [N, K] in place, whichever layout the engine keeps it in."""
+    from inference_service.worker.panelled_linear import PanelledLinear
+
+    if isinstance(module, PanelledLinear):
+        module.copy_weight_(weight)
+    else:
+        module.weight.copy_(weight)
+
+
 def greedy_token_ids(engine, prompt: str = "the quick brown fox", max_new_tokens: int = 16) -> list[int]:
     """The tokens a built `LLMEngine` generates greedily for `prompt` (through an AsyncEngine, as served)."""
     import asyncio

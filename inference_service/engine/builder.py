@@ -24,7 +24,7 @@ from inference_service.outputs import EngineInfo, ScheduledRequest
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
-from inference_service.worker import attention, native_linear
+from inference_service.worker import attention, native_linear, panelled_linear
 from inference_service.worker.cache_runner import ATTENTION_IMPL, CacheRunner
 from inference_service.worker.cpu_kernels import decode_glue_for, decode_kernel_for, linear_kernel_for, panel_kernel_for
 from inference_service.worker.decode_step import decode_step_for
@@ -63,9 +63,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         torch.set_num_threads(config.model.num_threads)
     loaded = load(config)
     dtype = next(loaded.model.parameters()).dtype
-    linear_kernel = linear_kernel_for(loaded.device, dtype)
-    native_linears = (native_linear.install(loaded.model, linear_kernel, panel_kernel_for(loaded.device, dtype))
-                      if linear_kernel else 0)
+    linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
+    native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
+    if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
+        native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
         num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)

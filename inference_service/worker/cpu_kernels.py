@@ -143,6 +143,9 @@ class PanelLinear:
         self._codes = library.panel_codes_linear_f32
         self._codes.restype = ctypes.c_int
         self._codes.argtypes = [_POINTER] * 6 + [_I64] * 4
+        self._panels = library.panel_weights_linear_f32
+        self._panels.restype = ctypes.c_int
+        self._panels.argtypes = [_POINTER] * 4 + [_I64] * 3
 
     @staticmethod
     def takes(in_features: int) -> bool:
@@ -168,7 +171,7 @@ class PanelLinear:
 
     def codes(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
               bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
-        """x · W ᵀ (+ bias) for 8-bit codes in the panel layout (quant/panels.py), any number of rows:
+        """x · W ᵀ (+ bias) for 8-bit codes in the panel layout (worker/panels.py), any number of rows:
         codes [N/32, K, 32], scales and offsets [N/32, G, 32], all contiguous."""
         panel_count, k, width = codes.shape
         n = panel_count * width
@@ -176,6 +179,16 @@ class PanelLinear:
         if rows:
             self._check(self._codes(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                                     _pointer(bias), out.data_ptr(), rows, n, k, group_size), k)
+        return out
+
+    def panels(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x · Wᵀ (+ bias) for an fp32 weight stored in panels (worker/panelled_linear.py), any number of
+        rows: panels [N/32, K, 32] contiguous."""
+        panel_count, k, width = panels.shape
+        n = panel_count * width
+        x, out, rows = self._operands(x, n, k)
+        if rows:
+            self._check(self._panels(x.data_ptr(), panels.data_ptr(), _pointer(bias), out.data_ptr(), rows, n, k), k)
         return out
 
     @staticmethod

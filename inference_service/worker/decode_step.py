@@ -22,10 +22,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from inference_service.worker import native_linear
+from inference_service.worker import native_linear, panels
 from inference_service.worker.attention import StepMetadata, attend_decode
 from inference_service.worker.cpu_kernels import DecodeGlue
 from inference_service.worker.native_linear import NativeLinear
+from inference_service.worker.panelled_linear import PanelledLinear
 from inference_service.worker.quant.linear import QuantLinear
 from inference_service.worker.quant.packed import PackedWeight
 
@@ -178,6 +179,8 @@ def fuse_projections(modules: list[torch.nn.Module]) -> torch.nn.Module:
             return _fuse_linears(modules)
         if all(isinstance(m, QuantLinear) for m in modules) and _same_packing(modules):
             return _fuse_quant_linears(modules)
+        if all(type(m) is PanelledLinear for m in modules):
+            return _fuse_panelled_linears(modules)
     return _Concatenated(modules)
 
 
@@ -216,6 +219,18 @@ def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
     if bias is not None:
         for module, rows in _row_slices(modules, bias):
             module.bias = torch.nn.Parameter(rows, requires_grad=False)
+    return fused
+
+
+def _fuse_panelled_linears(modules: list[PanelledLinear]) -> PanelledLinear:
+    """Panels concatenate panel after panel: each module's share is a run of whole panels."""
+    first = modules[0]
+    bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
+    fused = PanelledLinear(torch.cat([m.weight_panels for m in modules]), bias, first.kernel)
+    panel_shares = dict(_row_slices(modules, fused.weight_panels, panels.PANEL))
+    bias_shares = dict(_row_slices(modules, fused.bias)) if bias is not None else {}
+    for module in modules:
+        module.repoint(panel_shares[module], bias_shares.get(module))
     return fused
 
 

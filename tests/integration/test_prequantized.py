@@ -13,7 +13,7 @@ from inference_service.engine.builder import build_engine
 from inference_service.errors import ModelLoadError
 from inference_service.worker.quant.linear import QuantLinear
 from inference_service.worker.quant.writers import write_checkpoint
-from tests.conftest import greedy_token_ids
+from tests.conftest import copy_linear_weight, greedy_token_ids
 
 VARIANTS = {
     "gptq-4bit-g32": {"format": "gptq", "bits": 4, "group_size": 32},
@@ -43,7 +43,7 @@ def test_checkpoint_loads_without_a_flag_and_matches_its_twin(tiny_engine_config
                 weight = module.packed.dequantize()  # [N, K] over the permuted inputs with act-order
                 if module.input_perm is not None:
                     weight = torch.empty_like(weight).index_copy_(1, module.input_perm, weight)
-                twin.runner.model.get_submodule(name).weight.copy_(weight)
+                copy_linear_weight(twin.runner.model.get_submodule(name), weight)
                 swapped += 1
     assert swapped == 7 * quantized.runner.model.config.num_hidden_layers  # every decoder projection
     assert greedy_token_ids(quantized) == greedy_token_ids(twin)

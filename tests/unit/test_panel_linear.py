@@ -1,6 +1,6 @@
 """The panel GEMM (many rows of x) computes x·Wᵀ + b as float64 math does, from fp32 weights and from
 packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it. 8-bit codes stored in
-the panel layout (quant/panels.py) compute the same at every row count.
+the panel layout (worker/panels.py) compute the same at every row count.
 
 Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 6 with
 AVX2), output sizes with a partial last panel, K not a multiple of the 8x8 transpose, group sizes
@@ -13,8 +13,7 @@ import pytest
 import torch
 from tiny_models import tiny_config, tiny_model
 
-from inference_service.worker import cpu_kernels, native_linear
-from inference_service.worker.quant import panels
+from inference_service.worker import cpu_kernels, native_linear, panels
 from inference_service.worker.quant.linear import QuantLinear
 from inference_service.worker.quant.packed import PackedWeight, quantize_rtn
 

@@ -155,7 +155,7 @@ void run(const float* x, const float* bias, float* y, int64_t m, int64_t n, int6
     }
 }
 
-// Prepacked 8-bit codes (quant/panels.py): panels of kCodePanel output columns, codes [K][kCodePanel]
+// Prepacked 8-bit codes (worker/panels.py): panels of kCodePanel output columns, codes [K][kCodePanel]
 // and scales/offsets [G][kCodePanel] per panel, so each k reads one contiguous line of codes and
 // nothing is packed per call. Each tile widens 2 vectors of codes, applies the group's scale and
 // offset (the floats dequantize gives) and FMAs them into all its rows, at any row count: a decode
@@ -261,7 +261,7 @@ extern "C" int panel_quant_linear_f32(const float* x, const uint8_t* codes, cons
 }
 
 // x [m, k]; codes uint8 [n / 32, k, 32], scales/offsets fp32 [n / 32, ceil(k / group_size), 32] (the
-// panel layout of 8-bit codes, quant/panels.py); bias [n] or null; y [m, n]. n a multiple of 32.
+// panel layout of 8-bit codes, worker/panels.py); bias [n] or null; y [m, n]. n a multiple of 32.
 // Up to kWidenOnceRows rows of x, tiles widen the codes as they go (decode: the codes are read
 // once); above, each panel is widened once into fp32 and the fp32 tiles run over it (prefill: a
 // tile per 12 rows would widen every code again).
@@ -291,6 +291,24 @@ extern "C" int panel_codes_linear_f32(const float* x, const uint8_t* codes, cons
                     code_tiles_of<kMR>(x, m, k, pc + col, ps + col, po + col, group_size, y + n0, n, b);
                 }
             }
+        }
+    }
+    return 0;
+}
+
+// x [m, k]; panels fp32 [n / 32, k, 32]: a weight [n, k] stored k-major in panels of 32 output rows
+// (worker/panelled_linear.py); bias [n] or null; y [m, n]. n a multiple of 32. Nothing to pack: the
+// tiles read each panel where it lies, one 128-byte line per k, at any row count.
+extern "C" int panel_weights_linear_f32(const float* x, const float* panels, const float* bias, float* y, int64_t m,
+                                        int64_t n, int64_t k) {
+    if (m < 1 || n < 1 || k < 1 || n % kCodePanel) return 1;
+    const int64_t count = n / kCodePanel;
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
+    for (int64_t p = 0; p < count; ++p) {
+        for (int col = 0; col < kCodePanel; col += 2 * kLanes) {  // one tile wide with AVX-512, two with AVX2
+            const int64_t n0 = p * kCodePanel + col;
+            tiles_of<kMR>(x, m, k, panels + p * k * kCodePanel + col, kCodePanel, y + n0, n, 2 * kLanes,
+                          bias ? bias + n0 : nullptr, Ahead{});
         }
     }
     return 0;

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference_service.worker import cpu_kernels
-from inference_service.worker.quant import panels
+from inference_service.worker import cpu_kernels, panels
 from inference_service.worker.quant.packed import PackedWeight
 
 # fp32 weight elements dequantized at once: 4 MiB, a whole projection of the demo model (one GEMM
