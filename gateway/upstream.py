@@ -7,7 +7,8 @@ that is down or draining is taken out, and which requests are retried.
   a ring hash of the `x-prefix-hash` header the Lua filter computes from the start of the prompt,
   so a conversation keeps landing where its prefix cache is.
 - Health: active gRPC health checks (grpc.health.v1: a loading or draining replica answers
-  NOT_SERVING) and outlier detection on gateway failures (a replica that resets or refuses).
+  NOT_SERVING) and outlier detection on the failures Envoy meets itself (a replica that resets or
+  refuses connections), never on a gRPC status.
   With most replicas out, Envoy's panic mode tries them all; a replica that can't serve answers
   UNAVAILABLE (loading, draining) and the request is retried on another, so callers see the
   server's own answers (TGI's in-band stream errors included) rather than Envoy's.
@@ -45,10 +46,16 @@ def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
             "timeout": "1s", "interval": HEALTH_CHECK_INTERVAL, "no_traffic_interval": HEALTH_CHECK_INTERVAL,
             "unhealthy_threshold": 2, "healthy_threshold": 1, "grpc_health_check": {}}],
         "outlier_detection": {
-            # A request's own failure (INTERNAL) says nothing about the replica: only gateway
-            # failures (reset, refused, UNAVAILABLE) eject it, for a few seconds.
-            "enforcing_consecutive_5xx": 0, "consecutive_gateway_failure": 3,
-            "enforcing_consecutive_gateway_failure": 100, "interval": "2s", "base_ejection_time": "5s",
+            # Only failures Envoy meets itself (a refused or reset connection: a replica that
+            # crashed) eject a replica, for a few seconds. No gRPC status does: a request's own
+            # error (INTERNAL) says nothing about the replica, UNAVAILABLE (loading, draining) is
+            # retried and seen by the health checks, and DEADLINE_EXCEEDED, which a replica answers
+            # when a client's own deadline expires, counts as a gateway failure: three of those
+            # ejected a healthy replica.
+            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 3,
+            "enforcing_consecutive_local_origin_failure": 100, "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0, "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0, "interval": "2s", "base_ejection_time": "5s",
             "max_ejection_percent": 100},
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }

@@ -35,7 +35,10 @@ def test_replicas_are_the_cluster_endpoints_with_health_checks_and_outlier_detec
     assert cluster["lb_policy"] == "LEAST_REQUEST" and cluster["type"] == "STATIC"
     (check,) = cluster["health_checks"]
     assert "grpc_health_check" in check and check["no_traffic_interval"] == check["interval"]
-    assert cluster["outlier_detection"]["enforcing_consecutive_5xx"] == 0  # a request's own error: no ejection
+    detection = cluster["outlier_detection"]
+    assert detection["split_external_local_origin_errors"] and detection["enforcing_consecutive_local_origin_failure"]
+    # No gRPC status ejects a replica: a request's own error, a client's expired deadline.
+    assert detection["enforcing_consecutive_5xx"] == detection["enforcing_consecutive_gateway_failure"] == 0
     assert _engine_cluster(GatewayConfig(upstream_host="engine.ns.svc"))["type"] == "STRICT_DNS"  # DNS: all pods
 
 
