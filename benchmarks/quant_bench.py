@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,8 +34,9 @@ FULL = {"decode_tokens": 64, "batch": 16, "batch_tokens": 64, "agreement_tokens"
         "batch_runs": 3}
 QUICK = {"decode_tokens": 8, "batch": 2, "batch_tokens": 4, "agreement_tokens": 8, "ppl_tokens": 64, "batch_runs": 1}
 # The batch is run this many times, each with its own prompts (seeds 1, 2, ...: the prefix cache must
-# not serve a repeat), by us and by CTranslate2 alike; the median run counts. One run on this shared
-# 2-core machine varies by up to ±15%.
+# not serve a repeat), by us and by CTranslate2 alike; the fastest run counts. Interference on this
+# shared 2-core machine only ever slows a run down, by up to half in a bad spell, so the fastest of
+# a few runs is the steadiest figure (the median still moved by ±15% between runs).
 AGREEMENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
                      "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"]
 
@@ -107,13 +107,19 @@ def measure(scheme: str, args: argparse.Namespace, text_ids: list[int], prompts:
     result["greedy"] = greedy
     _, _, _, steps = run_all(engine, [common.validated(text_ids[:32], args.decode_tokens)])
     result["decode_ms"] = common.summarize([1000 * s for s in steps[1:]])
+    result["batch_rates"] = batch_rates(engine, args)
+    result["throughput_tok_s"] = max(result["batch_rates"])
+    return result
+
+
+def batch_rates(engine, args: argparse.Namespace) -> list[float]:
+    """Generated tokens per second of each batch workload."""
     rates = []
     for workload in batch_workloads(args, engine.info.vocab_size):
         _, _, wall, _ = run_all(engine, [common.validated(p, n) for p, n in zip(workload.prompts,
                                                                                workload.max_new_tokens, strict=True)])
         rates.append(workload.num_generated / wall)
-    result["throughput_tok_s"] = statistics.median(rates)
-    return result
+    return rates
 
 
 def batch_workloads(args: argparse.Namespace, vocab_size: int) -> list:
@@ -159,7 +165,7 @@ def ctranslate2_int8(args: argparse.Namespace, text_ids: list[int], tokenizer) -
                                                 asynchronous=True, max_batch_size=args.batch) for h in halves]
             generated = sum(len(r.result().sequences_ids[0]) for results in pending for r in results)
             rates.append(generated / (time.perf_counter() - started))
-        best = max(best, statistics.median(rates))
+        best = max(best, *rates)
     return {"scheme": "CTranslate2 int8", "decode_ms": min(decode_runs, key=lambda run: run["p50"]),
             "throughput_tok_s": best}
 
@@ -193,8 +199,9 @@ def report(results: list[dict], peer: dict | None, args: argparse.Namespace, mac
     return (f"#### Quantization: {args.model_id}, {args.num_threads} threads\n\n"
             f"Decode: one stream, 32-token prompt, {args.decode_tokens} tokens (CTranslate2: its fastest of 3 "
             f"runs). Batch: {args.batch} requests "
-            f"(prompts 16–256 tokens, {args.batch_tokens} new tokens each) at once, the median of "
-            f"{args.batch_runs} runs with different prompts. Perplexity: the first "
+            f"(prompts 16–256 tokens, {args.batch_tokens} new tokens each) at once, the fastest of "
+            f"{args.batch_runs} runs with different prompts (fp32, the baseline: of twice that, its second pass "
+            f"after the other schemes; CTranslate2: of its runs in both thread settings). Perplexity: the first "
             f"{args.ppl_tokens} tokens of `tests/data/alice_chapter1.txt`. Greedy = fp32: share of "
             f"{args.agreement_tokens} greedy tokens equal to fp32's before the first difference, "
             f"{len(AGREEMENT_PROMPTS)} prompts. GPTQ/AWQ/compressed-tensors: the demo model written in each "
@@ -242,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for scheme in tqdm(args.schemes, desc="quantization schemes", file=sys.stderr):
         results.append(measure(scheme, args, text_ids, prompts))
+    # The baseline's batch runs again after the others, and its fastest over both passes counts: one
+    # pass alone can land in a slow spell of this shared machine, and every ratio divides by it.
+    reference = next(r for r in results if r["scheme"] == "fp32")
+    reference["batch_rates"] += batch_rates(build("fp32", args), args)
+    reference["throughput_tok_s"] = max(reference["batch_rates"])
     peer = None if args.no_ctranslate2 else ctranslate2_int8(args, text_ids, tokenizer)
     markdown = report(results, peer, args, machine)
     (out / "quant.md").write_text(markdown)

@@ -227,32 +227,35 @@ def _fuse_panelled_linears(modules: list[PanelledLinear]) -> PanelledLinear:
     first = modules[0]
     bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
     fused = PanelledLinear(torch.cat([m.weight_panels for m in modules]), bias, first.kernel)
-    panel_shares = dict(_row_slices(modules, fused.weight_panels, panels.PANEL))
-    bias_shares = dict(_row_slices(modules, fused.bias)) if bias is not None else {}
-    for module in modules:
-        module.repoint(panel_shares[module], bias_shares.get(module))
+    _repoint_at_shares(modules, fused, ("weight_panels",), panels.PANEL)
     return fused
 
 
 def _fuse_quant_linears(modules: list[QuantLinear]) -> QuantLinear:
-    """The fused module holds the one copy; each module is re-pointed at its share of its buffers (in
-    the panel layout, a run of whole panels: every module's rows fill panels)."""
+    """The fused module holds the one copy, in the modules' layout (panelled: every module's rows
+    fill panels, so each one's share is a run of whole panels)."""
     first = modules[0]
     packed = [m.packed for m in modules]
     parts = {name: torch.cat([getattr(p, name) for p in packed]) for name in ("codes", "scales", "offsets")}
     bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
     fused = QuantLinear(PackedWeight(first.bits, parts["codes"], parts["scales"], parts["offsets"],
                                      first.group_size, first.in_features), bias, panelled=first.panelled)
-    shares: dict[QuantLinear, dict[str, torch.Tensor]] = {m: {} for m in modules}
-    for name in parts:
-        for module, entries in _row_slices(modules, getattr(fused, name), first.rows_per_entry):
+    _repoint_at_shares(modules, fused, tuple(parts), first.rows_per_entry)
+    return fused
+
+
+def _repoint_at_shares(modules: list[torch.nn.Module], fused: torch.nn.Module, names: tuple[str, ...],
+                       rows_per_entry: int) -> None:
+    """Re-point each module at its share of the fused module's buffers `names` and bias."""
+    shares: dict[torch.nn.Module, dict[str, torch.Tensor]] = {m: {} for m in modules}
+    for name in names:
+        for module, entries in _row_slices(modules, getattr(fused, name), rows_per_entry):
             shares[module][name] = entries
-    if bias is not None:
+    if fused.bias is not None:
         for module, rows in _row_slices(modules, fused.bias):
             shares[module]["bias"] = rows
     for module, buffers in shares.items():
         module.repoint(**buffers)
-    return fused
 
 
 class _Concatenated(torch.nn.Module):

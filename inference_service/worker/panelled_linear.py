@@ -44,9 +44,10 @@ class PanelledLinear(torch.nn.Module):
         """Overwrite W [N, K] in place (where fusing shares the panels, the fused module sees it too)."""
         self.weight_panels.copy_(panels.panelled(weight.to(self.weight_panels.dtype)))
 
-    def repoint(self, weight_panels: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Use these tensors (same layout and shapes) instead: fusing shares one copy of weights."""
-        self.weight_panels, self.bias = weight_panels, bias
+    def repoint(self, **buffers: torch.Tensor) -> None:
+        """Use these tensors (same layout and shapes) as buffers: fusing shares one copy of weights."""
+        for name, tensor in buffers.items():
+            setattr(self, name, tensor)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

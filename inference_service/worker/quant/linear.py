@@ -1,12 +1,14 @@
 """`QuantLinear`: a linear layer over a PackedWeight, computed from the packed codes.
 
 The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
-engine's memory accounting see them; `.packed` is a PackedWeight view of them. On CPU in fp32 with
-the native library, up to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the
-packed-weight kernel, which reads the codes directly, and more (prefill, large batches) to the
-panel GEMM, which widens each panel of codes as it packs it. Other dtypes or devices, or no native
-library: the weight is dequantized to x's dtype in slices of output rows and multiplied by torch's
-GEMM, which keeps the temporary fp32 weight small.
+engine's memory accounting see them; `.packed` gives them as a PackedWeight. 8-bit codes whose rows
+fill panels are stored in the panel layout (worker/panels.py) and, on CPU in fp32 with the native
+library, computed by the panel GEMM at every row count. Other codes keep the canonical layout: up
+to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the packed-weight kernel, which reads
+the codes directly, and more (prefill, large batches) to the panel GEMM, which widens each panel of
+codes as it packs it. Other dtypes or devices, or no native library: the weight is dequantized to
+x's dtype in slices of output rows and multiplied by torch's GEMM, which keeps the temporary fp32
+weight small.
 """
 
 from __future__ import annotations
