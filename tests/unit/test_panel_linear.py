@@ -1,6 +1,8 @@
 """The panel GEMM (many rows of x) computes x·Wᵀ + b as float64 math does, from fp32 weights and from
-packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it. 8-bit codes stored in
-the panel layout (worker/panels.py) compute the same at every row count.
+packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it. Weights stored in the
+panel layout (worker/panels.py), 8-bit codes in QuantLinear and fp32 ones in PanelledLinear, compute
+the same at every row count; PanelledLinear replaces exactly the linears it should and leaves a
+model's logits as they were.
 
 Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 6 with
 AVX2), output sizes with a partial last panel, K not a multiple of the 8x8 transpose, group sizes
@@ -13,7 +15,9 @@ import pytest
 import torch
 from tiny_models import tiny_config, tiny_model
 
-from inference_service.worker import cpu_kernels, native_linear, panels
+from inference_service.worker import cpu_kernels, native_linear, panelled_linear, panels
+from inference_service.worker.decode_step import fuse_projections
+from inference_service.worker.panelled_linear import PanelledLinear
 from inference_service.worker.quant.linear import QuantLinear
 from inference_service.worker.quant.packed import PackedWeight, quantize_rtn
 
@@ -168,3 +172,49 @@ def test_panelled_codes_without_the_native_library_take_torchs_path(monkeypatch)
     with torch.no_grad():
         assert_close(module(x), expected(x, packed.dequantize(), module.bias))
     assert module._native_kernels() == (None, False, None)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 16, 40, 100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(32, 8), (64, 96), (96, 17), (320, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panelled_fp32_weights_equal_float64_math(panel, rows, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 100 + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=with_bias)
+    module = PanelledLinear.from_weight(linear.weight, linear.bias, panel)
+    x = torch.randn(3, rows, in_features, generator=generator)
+    expected = x.double() @ linear.weight.double().T + (linear.bias.double() if with_bias else 0)
+    with torch.no_grad():
+        assert_close(module(x), expected)
+        assert_close(PanelledLinear.from_weight(linear.weight, linear.bias, None)(x), expected)  # torch's path
+    assert torch.equal(module.weight, linear.weight)
+
+
+def test_panelled_linear_install_replaces_exactly_the_eligible_linears(panel):
+    model = tiny_model(tiny_config("llama", tie_word_embeddings=True))
+    model.model.layers[0].mlp.extra = torch.nn.Linear(8, 40)  # 40 rows: not whole panels
+    linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    count = panelled_linear.install(model, panel)
+    panelled = {name for name, m in model.named_modules() if type(m) is PanelledLinear}
+    assert count == len(panelled) > 0 and panelled < linears
+    assert "lm_head" not in panelled and "model.layers.0.mlp.extra" not in panelled  # tied; 40 rows
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_model_keeps_its_logits_and_fused_modules_share_writes(panel):
+    model = tiny_model(tiny_config("llama"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 70))
+    with torch.no_grad():
+        expected = model(ids).logits
+        panelled_linear.install(model, panel)
+        native_linear.install(model, cpu_kernels.load_small_batch_linear(), panel)
+        assert (model(ids).logits - expected).abs().max().item() < 1e-4
+        attention = model.model.layers[0].self_attn
+        fused = fuse_projections([attention.q_proj, attention.k_proj, attention.v_proj])
+        assert isinstance(fused, PanelledLinear)
+        x = torch.randn(5, attention.q_proj.in_features)
+        before = fused(x)
+        attention.k_proj.copy_weight_(torch.zeros_like(attention.k_proj.weight))
+        q_rows, k_rows = attention.q_proj.out_features, attention.k_proj.out_features
+        after = fused(x)
+        assert torch.equal(after[:, :q_rows], before[:, :q_rows])
+        assert after[:, q_rows:q_rows + k_rows].abs().max().item() == 0  # the fused module sees the write
