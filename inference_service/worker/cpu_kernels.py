@@ -1,16 +1,16 @@
 """Native CPU kernels: compiled on first use with the machine's C++ compiler, cached on disk.
 
-Three kernels, for the places where torch's CPU path wastes memory bandwidth at decode (each
-source file says why): decode attention over the paged cache (`csrc/paged_decode.cpp`),
-projections of a few rows (`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed
-weights (`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). A GEMM for projections of
-many rows, from fp32 or packed weights (`csrc/panel_linear.cpp`), faster here than torch's and with
-no dequantized copy of a packed weight. And the small ops between a decode step's projections,
-one call each (`csrc/decode_glue.cpp`, used by decode_step.py). The
-shared library is plain C ABI called through ctypes, so building it needs a C++ compiler and
-nothing of torch's build tooling: about two seconds. Where no compiler works, or
-`INFERENCE_SERVICE_CPU_KERNELS=off`, the engine keeps torch's paths, which compute the same thing
-more slowly.
+Kernels for the places where torch's CPU path wastes memory bandwidth or time (each source file says
+why): decode attention over the paged cache (`csrc/paged_decode.cpp`), projections of a few rows
+(`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed weights
+(`csrc/quant_linear.cpp`, used by quant.linear.QuantLinear). A GEMM over panels
+(`csrc/panel_linear.cpp`): for weights stored in panels (worker/panels.py) at every row count, and
+for projections of many rows from weights kept in rows, faster here than torch's and with no
+dequantized copy of a packed weight. And the small ops between a decode step's projections, one call
+each (`csrc/decode_glue.cpp`, used by decode_step.py). The shared library is plain C ABI called
+through ctypes, so building it needs a C++ compiler and nothing of torch's build tooling: about two
+seconds. Where no compiler works, or `INFERENCE_SERVICE_CPU_KERNELS=off`, the engine keeps torch's
+paths, which compute the same thing more slowly.
 """
 
 from __future__ import annotations
