@@ -3,9 +3,10 @@
 For each shape (K → N) and row count M: fp32 torch (`F.linear`), the fp32 native few-row kernel
 (M ≤ 32), the panel GEMM on fp32 weights, and the packed-weight kernel over int8 per-channel
 (gs = K), 4-bit gs 32, 4-bit gs 128 and 8-bit gs 32 codes, plus the many-row path QuantLinear takes
-above MAX_QUANT_ROWS (the panel GEMM over the codes) for int8 gs = K and 4-bit gs 32. All variants
-of one shape and M run in the same rounds, alternating; each number is the median over rounds of
-the mean ms per call. The crossover is the smallest M where the panel GEMM beats the kernel.
+above MAX_QUANT_ROWS (the panel GEMM over the codes) for int8 gs = K and 4-bit gs 32, and what the
+engine runs at every row count: fp32 weights and int8 gs = K codes stored in panels (worker/panels.py).
+All variants of one shape and M run in the same rounds, alternating; each number is the median over
+rounds of the mean ms per call. The crossover is the smallest M where the panel GEMM beats the kernel.
 
 Usage: python benchmarks/quant_kernels.py [--quick] [--rounds N] [--num-threads T] [--out DIR]
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from inference_service.worker import cpu_kernels  # noqa: E402
+from inference_service.worker import cpu_kernels, panels  # noqa: E402
 from inference_service.worker.quant.packed import quantize_rtn  # noqa: E402
 
 # (name, K, N): the demo model's projections (SmolLM2-135M) and its output head.
@@ -59,6 +60,9 @@ def variants_for(x: torch.Tensor, weight: torch.Tensor, packed: dict, kernel, li
         variants[name] = lambda p=p: kernel(x, p, None)
     for name in PANELS:
         variants[f"{name} panel"] = lambda p=packed[name]: panel.quant(x, p, None)
+    weight_panels, code_panels = panels.panelled(weight), panels.to_panels(packed["int8 gs=K"])
+    variants["fp32 in panels"] = lambda: panel.panels(x, weight_panels, None)
+    variants["int8 gs=K in panels"] = lambda: panel.codes(x, *code_panels, None, packed["int8 gs=K"].group_size)
     return variants
 
 
@@ -83,7 +87,8 @@ def crossover(rows: list[dict], codes: str) -> int | None:
 
 
 def report(results: list[dict], crossovers: dict[str, int | None], args: argparse.Namespace) -> str:
-    names = ["fp32 torch", "fp32 native", "fp32 panel", *[q[0] for q in QUANTS], *[f"{c} panel" for c in PANELS]]
+    names = ["fp32 torch", "fp32 native", "fp32 panel", "fp32 in panels", *[q[0] for q in QUANTS],
+             *[f"{c} panel" for c in PANELS], "int8 gs=K in panels"]
     rows = []
     for shape, rows_of_shape in results:
         for r in rows_of_shape:
