@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,6 +59,13 @@ MAX_PANEL_K = 8192
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+def _bind(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
+    """The library's function `name`, declared as taking `argtypes` and returning an int status."""
+    function = getattr(library, name)
+    function.restype, function.argtypes = ctypes.c_int, argtypes
+    return function
+
+
 class PagedDecodeKernel:
     """Decode attention reading the paged cache in place: q [S, H, D] → out [S, H, Dv].
 
@@ -67,9 +75,7 @@ class PagedDecodeKernel:
     """
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.paged_decode_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_POINTER] * 6 + [_I64] * 7 + [_F32, _I64, _F32]
+        self._fn = _bind(library, "paged_decode_f32", [_POINTER] * 6 + [_I64] * 7 + [_F32, _I64, _F32])
 
     def supports(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether the kernel computes this call (q [S, H, D]); otherwise the torch path does."""
@@ -106,9 +112,7 @@ class SmallBatchLinear:
     """x [..., K] · weight [N, K]ᵀ (+ bias) → [..., N], for at most MAX_LINEAR_ROWS rows of x."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.small_batch_linear_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_POINTER] * 4 + [_I64] * 3
+        self._fn = _bind(library, "small_batch_linear_f32", [_POINTER] * 4 + [_I64] * 3)
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
@@ -134,18 +138,10 @@ class PanelLinear:
     """x [..., K] · W[N, K]ᵀ (+ bias) → [..., N] for many rows of x, W fp32 or packed (csrc/panel_linear.cpp)."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.panel_linear_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_POINTER] * 4 + [_I64] * 3
-        self._quant = library.panel_quant_linear_f32
-        self._quant.restype = ctypes.c_int
-        self._quant.argtypes = [_POINTER] * 6 + [_I64] * 5
-        self._codes = library.panel_codes_linear_f32
-        self._codes.restype = ctypes.c_int
-        self._codes.argtypes = [_POINTER] * 6 + [_I64] * 4
-        self._panels = library.panel_weights_linear_f32
-        self._panels.restype = ctypes.c_int
-        self._panels.argtypes = [_POINTER] * 4 + [_I64] * 3
+        self._fn = _bind(library, "panel_linear_f32", [_POINTER] * 4 + [_I64] * 3)
+        self._quant = _bind(library, "panel_quant_linear_f32", [_POINTER] * 6 + [_I64] * 5)
+        self._codes = _bind(library, "panel_codes_linear_f32", [_POINTER] * 6 + [_I64] * 4)
+        self._panels = _bind(library, "panel_weights_linear_f32", [_POINTER] * 4 + [_I64] * 3)
 
     @staticmethod
     def takes(in_features: int) -> bool:
@@ -210,15 +206,9 @@ class QuantLinearKernel:
     """x [..., K] · dequant(packed)ᵀ (+ bias) → [..., N] straight from 4- or 8-bit packed codes."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.quant_linear_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_POINTER] * 6 + [_I64] * 5
-        self._supported = library.quant_linear_supported
-        self._supported.restype = ctypes.c_int
-        self._supported.argtypes = [_I64] * 3
-        self._dequantize = library.quant_dequantize_f32
-        self._dequantize.restype = ctypes.c_int
-        self._dequantize.argtypes = [_POINTER] * 4 + [_I64] * 4
+        self._fn = _bind(library, "quant_linear_f32", [_POINTER] * 6 + [_I64] * 5)
+        self._supported = _bind(library, "quant_linear_supported", [_I64] * 3)
+        self._dequantize = _bind(library, "quant_dequantize_f32", [_POINTER] * 4 + [_I64] * 4)
 
     def supports(self, packed: PackedWeight) -> bool:
         """Whether the kernel reads this weight (group sizes a multiple of 8, or one group over K)."""
@@ -257,15 +247,9 @@ class DecodeGlue:
     """The ops between a decode step's projections (see csrc/decode_glue.cpp); fp32, contiguous."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._norm = library.add_rms_norm_f32
-        self._norm.restype = ctypes.c_int
-        self._norm.argtypes = [_POINTER] * 4 + [_I64] * 2 + [_F32]
-        self._rope = library.rope_kv_write_f32
-        self._rope.restype = ctypes.c_int
-        self._rope.argtypes = [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4
-        self._silu_mul = library.silu_mul_f32
-        self._silu_mul.restype = ctypes.c_int
-        self._silu_mul.argtypes = [_POINTER] * 2 + [_I64] * 2
+        self._norm = _bind(library, "add_rms_norm_f32", [_POINTER] * 4 + [_I64] * 2 + [_F32])
+        self._rope = _bind(library, "rope_kv_write_f32", [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4)
+        self._silu_mul = _bind(library, "silu_mul_f32", [_POINTER] * 2 + [_I64] * 2)
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

@@ -13,11 +13,14 @@ that inspects weights, not for computing or writing (`copy_weight_` writes).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
 from inference_service.worker import panels
 from inference_service.worker.cpu_kernels import PanelLinear
+from inference_service.worker.quant.at_load import replace_module
 
 
 class PanelledLinear(torch.nn.Module):
@@ -61,15 +64,11 @@ class PanelledLinear(torch.nn.Module):
 
 def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     """Replace the model's eligible linears by PanelledLinear; returns how many were replaced."""
-    uses: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and _eligible(module) and uses[id(module.weight)] == 1]
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PanelledLinear.from_weight(module.weight, module.bias, kernel))
+        replace_module(model, name, PanelledLinear.from_weight(module.weight, module.bias, kernel))
     return len(targets)
 
 
