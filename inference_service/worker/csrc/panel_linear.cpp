@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dequant_row.h"
@@ -97,6 +98,28 @@ inline void prefetch_line(const Ahead& ahead, int64_t line) {
     if (offset < ahead.row_bytes) __builtin_prefetch(ahead.base + row * ahead.row_bytes + offset);
 }
 
+// One row of a tile's accumulators (+ bias) into y: its first nr columns.
+inline void store_row(const vf (&acc)[2], float* y, int nr, const float* bias) {
+    float out[2 * kLanes];
+    std::memcpy(out, &acc[0], sizeof(vf));
+    std::memcpy(out + kLanes, &acc[1], sizeof(vf));
+    for (int j = 0; j < nr; ++j) y[j] = out[j] + (bias ? bias[j] : 0.f);
+}
+
+// Calls tile(rows, m0, index) for m rows in blocks of MR, then the rows left over; rows is a
+// std::integral_constant, so each block size is its own instantiation.
+template <int MR, class Tile>
+void over_row_blocks(int64_t m, Tile tile) {
+    int64_t m0 = 0, index = 0;
+    for (; m0 + MR <= m; m0 += MR, ++index) tile(std::integral_constant<int, MR>{}, m0, index);
+    switch (m - m0) {
+#define TAIL(R) case R: if constexpr (R < MR) tile(std::integral_constant<int, R>{}, m0, index); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+#undef TAIL
+        default: break;
+    }
+}
+
 // y[MR, nr] = x[MR, k] · panel (+ bias), x rows ldx apart, y rows ldy apart. Prefetches two lines of
 // the next task per 8 k, from line `first_line` on.
 template <int MR>
@@ -115,29 +138,17 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t 
             acc[m][1] += a * b1;
         }
     }
-    for (int m = 0; m < MR; ++m) {
-        float out[kNR];
-        std::memcpy(out, &acc[m][0], sizeof(vf));
-        std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
-        for (int j = 0; j < nr; ++j) y[m * ldy + j] = out[j] + (bias ? bias[j] : 0.f);
-    }
+    for (int m = 0; m < MR; ++m) store_row(acc[m], y + m * ldy, nr, bias);
 }
 
 template <int MR>
 void tiles_of(const float* x, int64_t m, int64_t k, const float* panel, int64_t ldp, float* y, int64_t n, int nr,
               const float* bias, const Ahead& ahead) {
     const int64_t lines_per_tile = 2 * ((k + 7) / 8);  // what tile() prefetches
-    int64_t m0 = 0, index = 0;
-    for (; m0 + MR <= m; m0 += MR, ++index) {
-        tile<MR>(x + m0 * k, k, panel, ldp, k, y + m0 * n, n, nr, bias, ahead, index * lines_per_tile);
-    }
-    switch (m - m0) {  // the rows left over
-#define TAIL(R) case R: if constexpr (R < MR) tile<R>(x + m0 * k, k, panel, ldp, k, y + m0 * n, n, nr, bias, \
-                                                         ahead, index * lines_per_tile); break;
-        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
-#undef TAIL
-        default: break;
-    }
+    over_row_blocks<MR>(m, [&](auto rows, int64_t m0, int64_t index) {
+        tile<decltype(rows)::value>(x + m0 * k, k, panel, ldp, k, y + m0 * n, n, nr, bias, ahead,
+                                    index * lines_per_tile);
+    });
 }
 
 // Packs task t's panel: `fill(n0, nr, panel, scratch)`.
@@ -196,26 +207,15 @@ void code_tile(const float* x, int64_t ldx, const uint8_t* codes, const float* s
             }
         }
     }
-    for (int m = 0; m < MR; ++m) {
-        float out[2 * kLanes];
-        std::memcpy(out, &acc[m][0], sizeof(vf));
-        std::memcpy(out + kLanes, &acc[m][1], sizeof(vf));
-        for (int j = 0; j < 2 * kLanes; ++j) y[m * ldy + j] = out[j] + (bias ? bias[j] : 0.f);
-    }
+    for (int m = 0; m < MR; ++m) store_row(acc[m], y + m * ldy, 2 * kLanes, bias);
 }
 
 template <int MR>
 void code_tiles_of(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* scales,
                    const float* offsets, int64_t gs, float* y, int64_t n, const float* bias) {
-    int64_t m0 = 0;
-    for (; m0 + MR <= m; m0 += MR) code_tile<MR>(x + m0 * k, k, codes, scales, offsets, k, gs, y + m0 * n, n, bias);
-    switch (m - m0) {  // the rows left over
-#define TAIL(R) case R: if constexpr (R < MR) code_tile<R>(x + m0 * k, k, codes, scales, offsets, k, gs, \
-                                                              y + m0 * n, n, bias); break;
-        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
-#undef TAIL
-        default: break;
-    }
+    over_row_blocks<MR>(m, [&](auto rows, int64_t m0, int64_t) {
+        code_tile<decltype(rows)::value>(x + m0 * k, k, codes, scales, offsets, k, gs, y + m0 * n, n, bias);
+    });
 }
 
 // A code panel [k][kCodePanel] widened to fp32 `out` [k][kCodePanel]: code * scale + offset.
