@@ -53,13 +53,10 @@ def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range
 
 def validated(prompt: list[int], max_new_tokens: int):
     """A greedy request that generates exactly `max_new_tokens` (EOS ignored), as the engine takes it."""
-    from inference_service.engine.validation import ValidatedRequest
-    from inference_service.sampling_params import SamplingParams, StoppingParams
+    from inference_service.sampling_params import EngineRequest, SamplingParams, StoppingParams
 
-    return ValidatedRequest(
-        inputs="", prompt_token_ids=prompt, input_length=len(prompt), sampling_params=SamplingParams(),
-        stopping_params=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True), best_of=1,
-        details=False, decoder_input_details=False, return_full_text=False, top_n_tokens=0)
+    return EngineRequest(prompt_token_ids=list(prompt), sampling=SamplingParams(),
+                         stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
 
 
 # -- the engine and transformers on the same weights -------------------------------------------

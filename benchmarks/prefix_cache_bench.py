@@ -35,8 +35,8 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks import common, tiny_model  # noqa: E402
 from inference_service.config import DEMO_MODEL_ID, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
-from inference_service.engine.chat_template import ChatTemplate  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
+from inference_service.frontend.chat_template import ChatTemplate  # noqa: E402
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache  # noqa: E402
 from inference_service.worker.model_runner import ModelRunner  # noqa: E402
 

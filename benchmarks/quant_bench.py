@@ -92,8 +92,7 @@ def run_all(engine, requests: list) -> tuple[list[list[int]], list, float, list[
 def perplexity(engine, ids: list[int]) -> float:
     from inference_service.sampling_params import SamplingParams
 
-    request = dataclasses.replace(common.validated(ids, 1), decoder_input_details=True,
-                                  sampling_params=SamplingParams(prompt_logprobs=True))
+    request = dataclasses.replace(common.validated(ids, 1), sampling=SamplingParams(prompt_logprobs=True))
     _, (final,), _, _ = run_all(engine, [request])
     logprobs = [t.logprob for t in final.prefill_tokens[1:]]
     return math.exp(-sum(logprobs) / len(logprobs))

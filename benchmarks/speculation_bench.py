@@ -34,12 +34,11 @@ from benchmarks import common, tiny_model  # noqa: E402
 from benchmarks.prefix_cache_bench import CHATML, runners_for  # noqa: E402
 from inference_service.config import DEMO_MODEL_ID, CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
-from inference_service.engine.chat_template import ChatTemplate  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
 from inference_service.engine.speculation import Speculator  # noqa: E402
-from inference_service.engine.validation import ValidatedRequest  # noqa: E402
+from inference_service.frontend.chat_template import ChatTemplate  # noqa: E402
 from inference_service.sample.ngram_proposer import NgramProposer  # noqa: E402
-from inference_service.sampling_params import SamplingParams, StoppingParams  # noqa: E402
+from inference_service.sampling_params import EngineRequest, SamplingParams, StoppingParams  # noqa: E402
 
 TEXT = common.ROOT / "tests" / "data" / "alice_chapter1.txt"
 FULL = {"edits": 6, "questions": 6, "edit_tokens": 320, "free_tokens": 128, "runs": 2}
@@ -78,14 +77,11 @@ def _chat(tokenizer, template: ChatTemplate, message: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _request(prompt: Prompt) -> ValidatedRequest:
+def _request(prompt: Prompt) -> EngineRequest:
     sampling = SamplingParams() if prompt.seed is None else SamplingParams(do_sample=True, seed=prompt.seed,
                                                                            temperature=0.8)
     stopping = StoppingParams(max_new_tokens=prompt.max_new_tokens, ignore_eos=prompt.seed is not None)
-    return ValidatedRequest(
-        inputs="", prompt_token_ids=prompt.token_ids, input_length=len(prompt.token_ids), sampling_params=sampling,
-        stopping_params=stopping, best_of=1, details=False, decoder_input_details=False, return_full_text=False,
-        top_n_tokens=0)
+    return EngineRequest(prompt_token_ids=list(prompt.token_ids), sampling=sampling, stopping=stopping)
 
 
 def engines_for(base: LLMEngine, speculate: int) -> dict[str, LLMEngine]:

@@ -4,6 +4,8 @@ Every error a caller can see is one of these; `api.errors` maps each `error_type
 status code in one place, and the REST gateway maps it on to TGI's HTTP status.
 """
 
+from typing import Any
+
 
 class InferenceError(Exception):
     """Base of the errors a request can end with; `error_type` is machine-readable."""
@@ -11,7 +13,7 @@ class InferenceError(Exception):
     error_type = "internal"
     # The engine's RequestTimings of the failed request, set by the engine when it got that far
     # (traces show where a failed request spent its time). One error object per request.
-    timings = None
+    timings: Any = None
 
     def __init__(self, message: str):
         super().__init__(message)

@@ -1,15 +1,22 @@
-"""The contracts between the engine's parts, and what the engine hands to the API.
+"""The contracts between the engine's parts, and what the engine hands to its callers.
 
-`SchedulerOutput` and `ModelRunnerOutput` hold ints and lists only: the scheduler never sees a
-tensor and the runner never makes policy. `RequestOutput` is what a caller's stream receives.
+- `SchedulerOutput` (scheduler → runner): ints and lists only; the scheduler never sees a tensor.
+- `Runner` (what the engine drives): runs a step's `ScheduledRequest`s and returns `StepLogits`,
+  the only tensors that cross a contract; the sampler (`sample/`) turns them into token ids.
+- `RequestOutput` (engine → callers): a stream's new tokens, text and finish; `GenerateResult` is a
+  whole generation. `StepStats` and `EngineStats` are plain numbers for metrics.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from inference_service.errors import InferenceError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.StrEnum):
@@ -48,7 +55,6 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests running their first chunk: just admitted, or readmitted after preemption.
     admitted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # the runner drops their state
 
     @property
     def num_tokens(self) -> int:
@@ -56,23 +62,33 @@ class SchedulerOutput:
 
 
 @dataclass
-class SampledToken:
-    """One sampled token with its raw logprob (log_softmax of the model's logits)."""
+class StepLogits:
+    """fp32 logits: the rows of each request that samples (in scheduled order: one, or 1 + its
+    draft tokens with speculation), and the rows of prompt chunks whose prompt logprobs were asked for."""
 
-    token_id: int
-    logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    sample_ids: list[str]
+    sample_logits: torch.Tensor  # [S, V]: sum(num_sample_rows) rows, each request's consecutive
+    prompt_logits: dict[str, torch.Tensor]  # request id → [num_new_tokens, V]
+    num_attention_calls: int = 0  # one per layer when the model routes attention through us (the probe)
+    num_sample_rows: list[int] | None = None  # per sample id; None: one row each
 
 
-@dataclass
-class ModelRunnerOutput:
-    """Per request id: the sampled token (if sampled) and prompt logprobs (if asked)."""
+class Runner(Protocol):
+    """Runs the model for one step; the paged runner and the transformers fallback both are one."""
 
-    sampled: dict[str, SampledToken]
-    # logprob of prompt token i+1 given tokens <= i, for the chunk's tokens; aligned to positions
-    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)  # per-request failures in this step
+    device: torch.device
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
+        """One forward pass over the step's chunks; the logits of the rows to sample."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request ended: drop whatever the runner keeps for it."""
+        ...
+
+    def describe(self) -> str:
+        """How steps run, for the startup log line (decode attention, decode steps)."""
+        ...
 
 
 @dataclass

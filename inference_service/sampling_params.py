@@ -1,13 +1,19 @@
-"""Validated per-request parameters, as the engine uses them (never protobuf)."""
+"""What a request asks of the engine: its validated parameters and the one neutral request.
+
+The front end (`inference_service.frontend`) turns every API's request into an `EngineRequest`
+with every default decided there; the engine never sees protobuf or an API's vocabulary.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. Defaults mean "off"; see `is_greedy`."""
+    """How the next token is chosen. Defaults mean "off"; `do_sample` alone says whether the
+    request samples (the front end decides it once, from each API's rules)."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -27,14 +33,9 @@ class SamplingParams:
     forced_token_ids: tuple[tuple[int, int], ...] = ()
 
     @property
-    def has_warpers(self) -> bool:
-        return (self.temperature != 1.0 or self.top_k != 0 or self.top_p != 1.0
-                or self.typical_p != 1.0)
-
-    @property
     def is_greedy(self) -> bool:
-        # As TGI: setting any warper turns sampling on even when do_sample is false.
-        return not (self.do_sample or self.has_warpers)
+        """Greedy requests take the argmax; their warpers (temperature, top-k...) change nothing."""
+        return not self.do_sample
 
     @property
     def has_penalties(self) -> bool:
@@ -54,3 +55,25 @@ class StoppingParams:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
+    strip_stop: bool = False  # end the text before a matched stop sequence (OpenAI's routes); TGI keeps it
+
+
+class Grammar(Protocol):
+    """A compiled grammar (`sample.grammar.CompiledGrammar`): each sequence walks its own state."""
+
+    def new_state(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation as the engine runs it: the front end's output, every default decided."""
+
+    prompt_token_ids: list[int]  # after truncation (an encoder-decoder's encoder input)
+    sampling: SamplingParams
+    stopping: StoppingParams
+    grammar: Grammar | None = None  # the output must match it
+    text_prefix: str = ""  # put before the final generated_text (TGI's return_full_text: the prompt)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

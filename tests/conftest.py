@@ -116,6 +116,10 @@ class GrpcServerThread:
     def engine(self):
         return self.server.engine
 
+    @property
+    def front_end(self):
+        return self.server.front_end
+
     def stats(self):
         from textgen.v1 import generate_pb2
 
@@ -233,13 +237,14 @@ def greedy_token_ids(engine, prompt: str = "the quick brown fox", max_new_tokens
     import asyncio
 
     from inference_service.engine.async_engine import AsyncEngine
-    from inference_service.engine.validation import GenerateParameters, GenerateRequest
+    from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+    from tests.engine_calls import validated
 
     async def run():
         async_engine = AsyncEngine(engine, max_concurrent_requests=4)
         async_engine.start()
         try:
-            request = await async_engine.validate(GenerateRequest(prompt, GenerateParameters(
+            request = await validated(async_engine, GenerateRequest(prompt, GenerateParameters(
                 max_new_tokens=max_new_tokens, details=True)), stream=False)
             return await async_engine.generate(request)
         finally:

@@ -1,7 +1,7 @@
-"""Pure conversions between the public protobuf messages and the engine's domain types.
+"""Pure conversions of the engine's results into TGI's protobuf messages (requests are read by
+`frontend.tgi`).
 
 No I/O and no engine here. Conventions of the wire format:
-- a proto3 `optional` field that is absent becomes None (TGI's default then applies in validation);
 - a prompt token without a logprob (the first one) is NaN, which REST JSON shows as null;
 - `seed` is absent for greedy requests;
 - `details` only when the request asked for them (`details` or `decoder_input_details`).
@@ -11,76 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-from google.protobuf import json_format
 
 from inference_service import __version__, outputs
 from inference_service.config import SchedulerConfig
-from inference_service.engine.validation import GenerateParameters, GenerateRequest, TokenSpan
+from inference_service.frontend.parameters import TokenSpan
 from textgen.v1 import generate_pb2 as pb
 
 ROUTER = "inference-service"
 VALIDATION_WORKERS = 1  # validation runs on the default thread pool, one call per request
 MAX_CLIENT_BATCH_SIZE = 4  # TGI's default for /v1/completions prompt arrays
-
-_OPTIONAL_PARAMETERS = (
-    "best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p",
-    "typical_p", "do_sample", "max_new_tokens", "return_full_text", "truncate", "watermark",
-    "details", "decoder_input_details", "seed", "top_n_tokens", "adapter_id", "forced_bos_token",
-)
-
-
-# -- requests -----------------------------------------------------------------------------------
-def is_compat_route(request: pb.GenerateRequest) -> bool:
-    """TGI's root route `/` is the only one whose body may carry `stream` (the gateway maps it to
-    CompatGenerate or GenerateStream)."""
-    return request.HasField("stream")
-
-
-def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = False,
-                       pipeline_tag: str | None = None) -> GenerateParameters:
-    """On the compat route `return_full_text` defaults to true for a `text-generation` model or one
-    whose pipeline tag is unknown (TGI's rule); an encoder-decoder's `text2text-generation` says false."""
-    values: dict[str, Any] = {name: getattr(message, name) for name in _OPTIONAL_PARAMETERS
-                              if message.HasField(name)}
-    if compat_route:
-        values.setdefault("return_full_text", pipeline_tag in (None, "text-generation"))
-    values["stop"] = list(message.stop)
-    if message.HasField("grammar"):
-        values["grammar"] = {"type": message.grammar.type,
-                             "value": plain_json(json_format.MessageToDict(message.grammar.value))}
-    return GenerateParameters(**values)
-
-
-def plain_json(value: Any) -> Any:
-    """A protobuf Value/Struct's content as the JSON a caller wrote, as far as it can be known.
-
-    A Value holds every number as a double, so a schema's `"maxLength": 8` arrives as 8.0, which
-    JSON-schema compilers refuse where an integer is required: whole numbers come back as ints. A
-    Struct is a map, whose key order the protobuf runtime varies per process (on the client and
-    here), so keys are sorted: the same request renders the same prompt and grammar on every server.
-    """
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    if isinstance(value, dict):
-        return {key: plain_json(value[key]) for key in sorted(value)}
-    if isinstance(value, list):
-        return [plain_json(item) for item in value]
-    return value
-
-
-def request_from_pb(request: pb.GenerateRequest, *, compat_route: bool = False,
-                    pipeline_tag: str | None = None) -> GenerateRequest:
-    """An absent `parameters` is all defaults (validation documents why it doesn't sample then)."""
-    compat_route = compat_route or is_compat_route(request)
-    return GenerateRequest(inputs=request.inputs, parameters=parameters_from_pb(
-        request.parameters, compat_route=compat_route, pipeline_tag=pipeline_tag))
-
-
-def wants_details(request: pb.GenerateRequest) -> bool:
-    return request.parameters.details or request.parameters.decoder_input_details
-
 
 # -- tokens -------------------------------------------------------------------------------------
 def token_to_pb(token: outputs.Token) -> pb.Token:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from inference_service import __version__
-from inference_service.api.openai_convert import ChatPlan, CompletionPlan
-from inference_service.api.openai_tools import ToolCallStream, parse_tool_calls
+from inference_service.frontend.openai import ChatPlan, CompletionPlan
+from inference_service.frontend.openai_tools import ToolCallStream, parse_tool_calls
 from inference_service.outputs import FinishReason, GenerateResult, RequestOutput, Token
 from textgen.v1 import generate_pb2 as pb
 
@@ -202,17 +202,18 @@ class CompletionChoiceStream:
     plan: CompletionPlan
     _sent: str = ""
     _echoed: bool = False
-    counts: list[int] = field(default_factory=lambda: [0, 0])  # prompt and generated tokens, once finished
+    num_prompt_tokens: int = 0  # once finished
+    num_generated_tokens: int = 0
 
-    def choice(self, output: RequestOutput) -> pb.CompletionChoice | None:
+    def choices(self, output: RequestOutput) -> list[pb.CompletionChoice]:
         text = _visible_text(output)
         if output.finished and output.generated_text is not None:
             text = output.generated_text[len(self._sent):] if output.generated_text.startswith(self._sent) else ""
         echoed = self.prompt if self.plan.echo and not self._echoed else ""
         if not text and not echoed and output.finish_reason is None:
-            return None
+            return []
         choice = completion_choice(self.index, text, output, self.plan, echoed, len(self._sent))
         self._sent, self._echoed = self._sent + text, True
         if output.finish_reason is not None:
-            self.counts = [output.num_prompt_tokens, output.num_generated_tokens]
-        return choice
+            self.num_prompt_tokens, self.num_generated_tokens = output.num_prompt_tokens, output.num_generated_tokens
+        return [choice]

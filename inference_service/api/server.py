@@ -27,6 +27,7 @@ from inference_service.api.config import ServerConfig, read_pem
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.config import EngineConfig
 from inference_service.engine.async_engine import AsyncEngine
+from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.hub import Observability
 from textgen.v1 import generate_pb2, generate_pb2_grpc
 
@@ -56,6 +57,7 @@ class ApiServer:
         self._engine_config = engine_config
         self._load_engine = load_engine
         self.engine: AsyncEngine | None = None
+        self.front_end: FrontEnd | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.observability = Observability(server_config)
@@ -106,10 +108,11 @@ class ApiServer:
         """Load, warm up and start the engine (off the event loop), then report SERVING."""
         logger.info("loading model %s", self._engine_config.model.model_id)
         engine = await run_in_daemon_thread(self._load_engine, self._engine_config)
+        front_end = FrontEnd.for_engine(engine, self._engine_config.model.chat_template)
         self.observability.attach(engine)
         engine.start()
-        self.engine = engine
-        self.servicer.attach(engine)
+        self.engine, self.front_end = engine, front_end
+        self.servicer.attach(engine, front_end)
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s", engine.info.model_id)

@@ -1,26 +1,29 @@
-"""The TextGeneration servicer: convert, validate, call the engine, convert back.
+"""The TextGeneration servicer: one gRPC service composed of its API surfaces.
 
-Each method stays a few lines; conversions live in `convert`, status codes in `errors`, and the
-engine owns validation, batching and cancellation (closing a stream aborts its request).
+TGI's routes (`tgi.TgiRoutes`) and OpenAI's (`openai.OpenAIRoutes`) share one `Backend` (the engine
+and its front end once loaded, and the request observer); the servicer hands each RPC to its
+surface and answers the service's own calls here (info, health, metrics, the OpenAPI document, docs,
+the model list).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import grpc
 import prometheus_client
 from google.api import httpbody_pb2
 
 from inference_service.api import convert, docs
-from inference_service.api.errors import stream_errors, unary_errors
-from inference_service.api.keepalive import requested_interval, with_keepalives
-from inference_service.api.openai_servicer import OpenAIRoutes
+from inference_service.api.backend import Backend
+from inference_service.api.errors import unary_errors
+from inference_service.api.openai import OpenAIRoutes
+from inference_service.api.tgi import TgiRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.errors import NotFoundError, UnavailableError
+from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.requests import RequestObserver
 from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
@@ -35,83 +38,38 @@ def render_prometheus_registry() -> tuple[str, bytes]:
     return prometheus_client.CONTENT_TYPE_LATEST, body
 
 
-class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServicer):
-    """textgen.v1.TextGeneration over one `AsyncEngine` (attached once the model is loaded); OpenAI's
-    routes come from `OpenAIRoutes`."""
+class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
+    """textgen.v1.TextGeneration over one engine (attached once the model is loaded)."""
 
     def __init__(self, scheduler: SchedulerConfig, metrics: MetricsRenderer = render_prometheus_registry,
                  observer: RequestObserver | None = None):
         self._scheduler = scheduler
         self._metrics = metrics
-        self._observer = observer or RequestObserver()  # counts, traces and logs each generation call
-        self._engine: AsyncEngine | None = None
+        self._backend = Backend(observer)
         self._draining = False
+        tgi, openai = TgiRoutes(self._backend), OpenAIRoutes(self._backend)
+        # Each RPC is its surface's method; grpc looks them up on this object.
+        self.Generate, self.CompatGenerate = tgi.Generate, tgi.CompatGenerate
+        self.GenerateStream, self.Tokenize = tgi.GenerateStream, tgi.Tokenize
+        self.ChatCompletion, self.ChatCompletionStream = openai.ChatCompletion, openai.ChatCompletionStream
+        self.Completion, self.CompletionStream = openai.Completion, openai.CompletionStream
+        self.GetModel = openai.GetModel
 
-    def attach(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+    def attach(self, engine: AsyncEngine, front_end: FrontEnd) -> None:
+        self._backend.attach(engine, front_end)
 
     def drain(self) -> None:
         """Shutting down: Health answers UNAVAILABLE (the engine refuses new requests itself)."""
         self._draining = True
 
-    def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            raise UnavailableError("the model is still loading")
-        return self._engine
-
-    @unary_errors
-    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
-        with self._observer.track("Generate", context) as call:
-            engine = self.engine()
-            domain_request = convert.request_from_pb(request, pipeline_tag=engine.info.pipeline_tag)
-            validated = call.validated(await engine.validate(domain_request, stream=False))
-            result = call.finished(await engine.generate(validated))
-            return convert.generate_response_to_pb(result, details=convert.wants_details(request))
-
-    @unary_errors
-    async def CompatGenerate(self, request: pb.GenerateRequest,
-                             context: Context) -> pb.CompatGenerateResponse:
-        with self._observer.track("CompatGenerate", context) as call:
-            engine = self.engine()
-            domain_request = convert.request_from_pb(request, compat_route=True,
-                                                    pipeline_tag=engine.info.pipeline_tag)
-            validated = call.validated(await engine.validate(domain_request, stream=False))
-            result = call.finished(await engine.generate(validated))
-            response = convert.generate_response_to_pb(result, details=convert.wants_details(request))
-            return pb.CompatGenerateResponse(responses=[response])
-
-    @stream_errors
-    async def GenerateStream(self, request: pb.GenerateRequest,
-                             context: Context) -> AsyncIterator[pb.StreamResponse]:
-        with self._observer.track("GenerateStream", context) as call:
-            engine = self.engine()
-            domain_request = convert.request_from_pb(request, pipeline_tag=engine.info.pipeline_tag)
-            validated = call.validated(await engine.validate(domain_request, stream=True))
-            details, num_sent = convert.wants_details(request), 0
-            async with (contextlib.aclosing(engine.generate_stream(validated)) as outputs,
-                        contextlib.aclosing(with_keepalives(outputs, requested_interval(context))) as events):
-                async for output in events:
-                    if output is None:
-                        yield pb.StreamResponse(keep_alive=True)
-                        continue
-                    call.streamed(output)
-                    responses = convert.stream_responses_to_pb(output, first_index=num_sent + 1, details=details)
-                    for response in responses:
-                        yield response
-                    num_sent += len(responses)
-
-    @unary_errors
-    async def Tokenize(self, request: pb.GenerateRequest, context: Context) -> pb.TokenizeResponse:
-        return convert.tokenize_response_to_pb(await self.engine().tokenize(request.inputs))
-
     @unary_errors
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
-        engine = self.engine()
+        engine = self._backend.engine()
         return convert.info_to_pb(engine.info, self._scheduler, engine.stats())
 
     @unary_errors
     async def Health(self, request: pb.HealthRequest, context: Context) -> httpbody_pb2.HttpBody:
-        self.engine()
+        self._backend.engine()
         if self._draining:
             raise UnavailableError("the server is shutting down")
         return httpbody_pb2.HttpBody()
@@ -134,4 +92,4 @@ class TextGenerationServicer(OpenAIRoutes, generate_pb2_grpc.TextGenerationServi
 
     @unary_errors
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
-        return convert.models_to_pb(self.engine().info.model_id)
+        return convert.models_to_pb(self._backend.engine().info.model_id)

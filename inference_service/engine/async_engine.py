@@ -1,7 +1,7 @@
 """The asyncio front of the engine: one engine thread, one async stream per request.
 
-Model code never runs on the event loop. Callers put commands (add, abort) on a thread-safe
-queue; the engine thread applies them between steps and hands each step's outputs back to the
+Model code never runs on the event loop. Callers put typed commands (`AddRequest`, `AbortRequest`,
+`Wake`) on a thread-safe queue; the engine thread applies them between steps and hands each step's outputs back to the
 callers' event loops in one batch. Closing a stream early (client gone, deadline, `break`)
 aborts its request, which frees its KV blocks at the next step boundary.
 """
@@ -13,24 +13,17 @@ import contextlib
 import dataclasses
 import logging
 import queue
-import random
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
-from inference_service.engine.chat_template import ChatTemplate, load_template_file
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.engine.validation import (
-    GenerateRequest,
-    TokenSpan,
-    ValidatedRequest,
-    Validator,
-    tokenize,
-)
-from inference_service.errors import GenerationError, ModelLoadError, OverloadedError, UnavailableError
+from inference_service.errors import GenerationError, OverloadedError, UnavailableError
 from inference_service.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
+from inference_service.sample.grammar import GrammarCompiler
+from inference_service.sampling_params import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +36,37 @@ class _Stream:
     queue: asyncio.Queue
 
 
+@dataclasses.dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    request: EngineRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    """Nothing to do: wakes an idle engine thread so it sees the shutdown."""
+
+
+Command = AddRequest | AbortRequest | Wake
+
+
 class AsyncEngine:
     """Thread-safe, asyncio-facing wrapper around `LLMEngine`."""
 
-    def __init__(self, engine: LLMEngine, max_concurrent_requests: int, chat_template: ChatTemplate | None = None):
+    def __init__(self, engine: LLMEngine, max_concurrent_requests: int):
         self._engine = engine
         self.info: EngineInfo = engine.info
         self.tokenizer = engine.tokenizer
-        self.chat_template = chat_template or ChatTemplate(engine.tokenizer)
-        self._validator = Validator(engine.tokenizer, engine.info, grammar_compiler=engine.grammar_compiler)
+        self.grammar_compiler: GrammarCompiler | None = engine.grammar_compiler  # the front end's
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._draining = False
@@ -65,15 +77,9 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model, size the cache and warm up (blocking; raises ModelLoadError)."""
-        template = None
-        if config.model.chat_template:
-            try:
-                template = load_template_file(config.model.chat_template)
-            except (OSError, ValueError) as error:
-                raise ModelLoadError(f"--chat-template: {error}") from error
         engine = build_engine(config)
         warm_up(engine)
-        return cls(engine, config.limits.max_concurrent_requests, ChatTemplate(engine.tokenizer, template))
+        return cls(engine, config.limits.max_concurrent_requests)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -88,11 +94,11 @@ class AsyncEngine:
         while self._num_in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
-            self._commands.put(("abort", request_id, "server shutting down"))
+            self._commands.put(AbortRequest(request_id, "server shutting down"))
         while self._streams and asyncio.get_running_loop().time() < deadline + 5:
             await asyncio.sleep(0.02)
         self._stopping.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
 
@@ -108,14 +114,7 @@ class AsyncEngine:
         self._engine.step_observer = observer
 
     # -- requests -------------------------------------------------------------------------
-    async def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
-        """TGI's validation, tokenization included, on a worker thread."""
-        return await asyncio.to_thread(self._validator.validate, request, stream=stream)
-
-    async def tokenize(self, inputs: str) -> list[TokenSpan]:
-        return await asyncio.to_thread(tokenize, self.tokenizer, inputs)
-
-    async def generate_stream(self, request: ValidatedRequest,
+    async def generate_stream(self, request: EngineRequest,
                               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; raises the request's error instead of yielding it."""
         self._admit(1)
@@ -125,27 +124,18 @@ class AsyncEngine:
         finally:
             self._release(1)
 
-    async def generate(self, request: ValidatedRequest, request_id: str | None = None) -> GenerateResult:
-        """The whole generation; with best_of > 1 the best mean logprob wins (TGI)."""
-        count = max(1, request.best_of)
-        self._admit(count)
+    async def generate(self, request: EngineRequest, request_id: str | None = None) -> GenerateResult:
+        """The whole generation."""
+        self._admit(1)
         try:
-            base_id = request_id or uuid.uuid4().hex
-            if count == 1:
-                return await self._collect(request, base_id)
-            variants = [_with_seed(request, random.getrandbits(64)) for _ in range(count)]
-            results = await asyncio.gather(*(self._collect(v, f"{base_id}-{i}") for i, v in enumerate(variants)))
+            return await self._collect(request, request_id or uuid.uuid4().hex)
         finally:
-            self._release(count)
-        ranked = sorted(results, key=_mean_logprob, reverse=True)
-        best = ranked[0]
-        best.best_of_sequences = ranked[1:]
-        return best
+            self._release(1)
 
-    async def generate_all(self, requests: Sequence[ValidatedRequest],
+    async def generate_all(self, requests: Sequence[EngineRequest],
                            request_id: str | None = None) -> list[GenerateResult]:
         """Several whole generations admitted together, so they decode in the same batches (OpenAI's
-        `n`, a list of prompts); each counts against --max-concurrent-requests."""
+        `n`, a list of prompts, TGI's `best_of`); each counts against --max-concurrent-requests."""
         self._admit(len(requests))
         try:
             base_id = request_id or uuid.uuid4().hex
@@ -153,7 +143,7 @@ class AsyncEngine:
         finally:
             self._release(len(requests))
 
-    async def stream_all(self, requests: Sequence[ValidatedRequest],
+    async def stream_all(self, requests: Sequence[EngineRequest],
                          request_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of several generations as they come, each with its request's index. The first
         error ends the whole call (closing it aborts the requests still running)."""
@@ -167,28 +157,28 @@ class AsyncEngine:
         finally:
             self._release(len(requests))
 
-    async def _collect(self, request: ValidatedRequest, request_id: str) -> GenerateResult:
+    async def _collect(self, request: EngineRequest, request_id: str) -> GenerateResult:
         tokens, top_tokens, prefill = [], [], []
         async for output in self._stream(request, request_id):
             tokens.extend(output.tokens)
             top_tokens.extend(output.top_tokens)
             if output.prefill_tokens:
                 prefill = output.prefill_tokens
-            if output.finished:
+            if output.finish_reason is not None:  # an error was raised by `_stream`
                 return GenerateResult(
-                    generated_text=output.generated_text, finish_reason=output.finish_reason,
+                    generated_text=output.generated_text or "", finish_reason=output.finish_reason,
                     num_generated_tokens=output.num_generated_tokens,
                     num_prompt_tokens=output.num_prompt_tokens, seed=output.seed, tokens=tokens,
                     top_tokens=top_tokens, prefill_tokens=prefill, timings=output.timings)
         raise RuntimeError("request stream ended without a final output")
 
-    async def _stream(self, request: ValidatedRequest, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request: EngineRequest, request_id: str) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, request))
+        self._commands.put(AddRequest(request_id, request))
         finished = False
         try:
             while True:
@@ -202,7 +192,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", request_id, "request cancelled"))
+                self._commands.put(AbortRequest(request_id, "request cancelled"))
             with self._lock:
                 self._streams.pop(request_id, None)
 
@@ -248,23 +238,20 @@ class AsyncEngine:
         if outputs:
             self._deliver(outputs)
 
-    def _apply(self, command: tuple) -> list[RequestOutput]:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, request = command
-            if request_id not in self._streams:  # its caller is already gone
+    def _apply(self, command: Command) -> list[RequestOutput]:
+        if isinstance(command, AddRequest):
+            if command.request_id not in self._streams:  # its caller is already gone
                 return []
             try:
-                self._engine.add_request(request_id, request)
+                self._engine.add_request(command.request_id, command.request)
             except Exception as error:  # noqa: BLE001
-                logger.exception("could not add request %s", request_id)
-                return [RequestOutput(request_id, error=GenerationError(f"{type(error).__name__}: {error}"))]
+                logger.exception("could not add request %s", command.request_id)
+                return [RequestOutput(command.request_id, error=GenerationError(f"{type(error).__name__}: {error}"))]
             return []
-        if kind == "abort":
-            _, request_id, reason = command
-            output = self._engine.abort_request(request_id, reason)
+        if isinstance(command, AbortRequest):
+            output = self._engine.abort_request(command.request_id, command.reason)
             return [output] if output is not None else []
-        return []
+        return []  # Wake
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand one step's outputs to their callers, one wake-up per event loop."""
@@ -284,7 +271,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         stream_queue.put_nowait(output)
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[tuple[int, RequestOutput]]:
     """Items of several streams as they come, tagged with the stream's index; each stream is drained
     by its own task, and all of them are cancelled (their requests aborted) when this closes."""
     arrivals: asyncio.Queue = asyncio.Queue()
@@ -313,13 +300,3 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _with_seed(request: ValidatedRequest, seed: int) -> ValidatedRequest:
-    return dataclasses.replace(request, sampling_params=dataclasses.replace(request.sampling_params, seed=seed))
-
-
-def _mean_logprob(result: GenerateResult) -> float:
-    if not result.tokens:
-        return float("-inf")
-    return sum(token.logprob for token in result.tokens) / len(result.tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -20,7 +21,7 @@ from inference_service.errors import ModelLoadError
 from inference_service.models import demo, loader
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
-from inference_service.outputs import EngineInfo, ScheduledRequest
+from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
@@ -47,7 +48,7 @@ DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: Any  # a transformers PreTrainedModel (torch.nn.Module types its attributes as tensors)
     tokenizer: object
     device: torch.device
     model_id: str
@@ -67,6 +68,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
     if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
         native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+    runner: Runner
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
         num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
@@ -87,12 +89,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
                        config.scheduler.max_batch_size, grammar_compiler, speculator)
     logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
-                "tokens, max_total_tokens=%d, attention: %s, decode attention: %s, native linears: %d, "
-                "decode steps: %s, prefix caching: %s, speculate: %d", info.model_id,
-                info.architecture, info.dtype, info.quantize or "unquantized", info.weights_nbytes / 2**20,
-                loaded.num_quantized, num_blocks, info.block_size, info.max_total_tokens, info.attention_impl,
-                "native" if runner.decode_kernel else "torch", native_linears,
-                getattr(runner, "decode_step", None) or "transformers' layers",
+                "tokens, max_total_tokens=%d, attention: %s, %s, native linears: %d, prefix caching: %s, "
+                "speculate: %d", info.model_id, info.architecture, info.dtype, info.quantize or "unquantized",
+                info.weights_nbytes / 2**20, loaded.num_quantized, num_blocks, info.block_size,
+                info.max_total_tokens, info.attention_impl, runner.describe(), native_linears,
                 "on" if info.prefix_caching else "off", info.speculate)
     return engine
 
@@ -121,7 +121,7 @@ def load(config: EngineConfig) -> LoadedModel:
                                     schemes.checkpoint_scheme(getattr(hf_config, "quantization_config", None)),
                                     is_gguf=resolved.source in ("gguf", "demo"))
     attention.register()
-    options = {"dtype": dtype, "device": device, "trust_remote_code": config.model.trust_remote_code}
+    options: dict[str, Any] = {"dtype": dtype, "device": device, "trust_remote_code": config.model.trust_remote_code}
 
     def load_weights(attn_implementation: str) -> tuple[torch.nn.Module, int]:
         options["attn_implementation"] = attn_implementation
@@ -278,6 +278,8 @@ def warm_up(engine: LLMEngine, num_tokens: int = 16) -> None:
     runner, kv = engine.runner, engine.kv
     num_tokens = min(num_tokens, engine.info.max_input_tokens)
     table = kv.allocate_slots(_WARMUP_ID, num_tokens + 1)
+    if table is None:
+        raise ModelLoadError(f"the KV cache holds fewer than the {num_tokens + 1} tokens of the warm-up")
     try:
         runner.execute([ScheduledRequest(_WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True,
                                          encoder_token_ids=[0] * num_tokens)])

@@ -123,12 +123,14 @@ class KVCacheManager:
 
     # -- blocks ---------------------------------------------------------------------------
     def _hold(self, block: int) -> None:
-        if self._ref_counts[block] == 0:
+        if self._ref_counts[block] == 0 and self.index is not None:
             self.index.unpark(block)
         self._ref_counts[block] += 1
 
     def _take_fresh(self) -> int:
         """A block for new K/V: a free one, else the least recently released cached one."""
-        block = self._free.popleft() if self._free else self.index.evict()
+        if not self._free and self.index is None:
+            raise RuntimeError("no free KV block")  # callers check num_free_blocks first
+        block = self._free.popleft() if self._free or self.index is None else self.index.evict()
         self._ref_counts[block] = 1
         return block

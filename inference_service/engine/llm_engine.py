@@ -22,7 +22,6 @@ from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
-from inference_service.engine.validation import ValidatedRequest
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
 from inference_service.outputs import (
     EngineInfo,
@@ -30,24 +29,27 @@ from inference_service.outputs import (
     FinishReason,
     PrefillToken,
     RequestOutput,
+    Runner,
     ScheduledRequest,
     SchedulerOutput,
+    StepLogits,
     StepStats,
     Token,
 )
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
-from inference_service.worker.model_runner import ModelRunner, StepLogits
+from inference_service.sampling_params import EngineRequest
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Live:
-    """Engine-side state of one request besides the scheduler's `Request`."""
+class LiveRequest:
+    """The one record of a request the engine runs: the scheduler's `Request` (counters, status),
+    what the caller asked (`spec`), its sampling state, its text and the tokens held back."""
 
     request: Request
-    validated: ValidatedRequest
+    spec: EngineRequest
     sampling: SamplingState
     text: TextState
     pending: list[Token] = field(default_factory=list)  # held back: may be the start of a stop sequence
@@ -66,12 +68,12 @@ def prefix_cache_salt(info: EngineInfo) -> bytes:
 class LLMEngine:
     """Owns the scheduler, the KV block manager, the model runner and the sampler."""
 
-    def __init__(self, info: EngineInfo, tokenizer, runner: ModelRunner, sampler: Sampler,
+    def __init__(self, info: EngineInfo, tokenizer, runner: Runner, sampler: Sampler,
                  max_batch_prefill_tokens: int, max_batch_size: int | None,
                  grammar_compiler: GrammarCompiler | None = None, speculator: Speculator | None = None):
         self.info = info
         self.tokenizer = tokenizer
-        # Compiles requests' grammars during validation (off this thread); None: grammars are refused.
+        # The front end compiles requests' grammars with it (off this thread); None: grammars are refused.
         self.grammar_compiler = grammar_compiler
         self.runner = runner
         self.sampler = sampler
@@ -80,8 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache)
         self.speculator = speculator  # None: one token per request and step
         self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.live: dict[str, _Live] = {}
-        self.requests: dict[str, Request] = {}
+        self.live: dict[str, LiveRequest] = {}
         self.num_steps = 0
         # Called on the engine thread after every step with its `StepStats` (metrics hook it here).
         self.step_observer: Callable[[StepStats], None] | None = None
@@ -90,24 +91,22 @@ class LLMEngine:
         self._special_ids = special_token_ids(tokenizer) | self._eos_ids
 
     # -- requests in and out --------------------------------------------------------------
-    def add_request(self, request_id: str, validated: ValidatedRequest) -> None:
+    def add_request(self, request_id: str, spec: EngineRequest) -> None:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(validated.prompt_token_ids), validated.sampling_params,
-                          validated.stopping_params)
-        if self.info.is_encoder_decoder:  # the prompt feeds the encoder; the decoder starts from one token
+        request = Request(request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping)
+        start = self.info.decoder_start_token_id
+        if start is not None:  # an encoder-decoder: the prompt feeds the encoder, the decoder starts from one token
             request.encoder_token_ids = request.prompt_token_ids
-            request.prompt_token_ids = [self.info.decoder_start_token_id]
+            request.prompt_token_ids = [start]
         # Each sequence walks its own copy of the grammar (best_of variants share the compiled one).
-        grammar = validated.grammar.new_state() if validated.grammar is not None else None
-        self.live[request_id] = _Live(
+        grammar = spec.grammar.new_state() if spec.grammar is not None else None
+        self.live[request_id] = LiveRequest(
             request=request,
-            validated=validated,
-            sampling=SamplingState(validated.sampling_params, request.prompt_token_ids, self.info.vocab_size,
-                                   grammar=grammar),
-            text=TextState(self.tokenizer, request.prompt_token_ids, validated.stopping_params.stop_sequences),
+            spec=spec,
+            sampling=SamplingState(spec.sampling, request.prompt_token_ids, self.info.vocab_size, grammar=grammar),
+            text=TextState(self.tokenizer, request.prompt_token_ids, spec.stopping.stop_sequences),
         )
-        self.requests[request_id] = request
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str, reason: str = "request cancelled") -> RequestOutput | None:
@@ -158,7 +157,7 @@ class LLMEngine:
                           batch_max_tokens=sum(min(r.num_prompt_tokens + r.stopping.max_new_tokens,
                                                    self.info.max_total_tokens) for r in self.scheduler.running))
         for item in plan.scheduled:
-            num_prompt_tokens = self.requests[item.request_id].num_prompt_tokens
+            num_prompt_tokens = self.live[item.request_id].request.num_prompt_tokens
             stats.num_draft_tokens += item.num_draft_tokens
             if item.num_known_tokens == 1 and item.num_computed_tokens >= num_prompt_tokens:
                 stats.num_decode_tokens += 1
@@ -184,7 +183,7 @@ class LLMEngine:
         return outputs
 
     def _sample_step(self, plan: SchedulerOutput, step_logits: StepLogits, stats: StepStats) -> list[RequestOutput]:
-        self.scheduler.update(plan, self.requests)
+        self.scheduler.update(plan, {item.request_id: self.live[item.request_id].request for item in plan.scheduled})
 
         outputs: list[RequestOutput] = []
         for item in plan.scheduled:
@@ -275,7 +274,7 @@ class LLMEngine:
             return self._fail(request_id, GenerationError(f"{type(error).__name__}: {error}"),
                               RequestStatus.FINISHED_ERROR), False
 
-    def _take_token(self, live: _Live, sampled: SamplerOutput, row: int) -> FinishReason | None:
+    def _take_token(self, live: LiveRequest, sampled: SamplerOutput, row: int) -> FinishReason | None:
         """Append the token to the request, its text and its pending output; whether it ends it."""
         request = live.request
         token_id = sampled.token_ids[row]
@@ -310,7 +309,7 @@ class LLMEngine:
             return FinishReason.STOP_SEQUENCE
         return None
 
-    def _release(self, live: _Live, count: int) -> RequestOutput | None:
+    def _release(self, live: LiveRequest, count: int) -> RequestOutput | None:
         if count <= 0 and live.sent_prefill:
             return None
         output = RequestOutput(
@@ -323,7 +322,7 @@ class LLMEngine:
         del live.pending[:count], live.pending_top[:count]
         if not live.sent_prefill:
             live.sent_prefill = True
-            if live.validated.sampling_params.prompt_logprobs:
+            if live.spec.sampling.prompt_logprobs:
                 output.prefill_tokens = self._prefill_tokens(live)
         return output
 
@@ -331,9 +330,7 @@ class LLMEngine:
         live = self.live[request_id]
         request = live.request
         output = self._release(live, len(live.pending)) or RequestOutput(request_id=request_id)
-        text = live.text.final_text(strip_stop=live.validated.strip_stop)
-        if live.validated.return_full_text:
-            text = live.validated.inputs + text
+        text = live.spec.text_prefix + live.text.final_text(strip_stop=live.spec.stopping.strip_stop)
         output.finish_reason = reason
         output.generated_text = text
         output.num_generated_tokens = request.num_output_tokens
@@ -364,11 +361,10 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.live.pop(request_id, None)
-        self.requests.pop(request_id, None)
         self.runner.release(request_id)
 
     # -- text helpers ---------------------------------------------------------------------
-    def _prefill_tokens(self, live: _Live) -> list[PrefillToken]:
+    def _prefill_tokens(self, live: LiveRequest) -> list[PrefillToken]:
         ids = live.request.prompt_token_ids
         logprobs = [None, *live.prompt_logprobs]
         return [PrefillToken(i, self._token_text(i), lp) for i, lp in zip(ids, logprobs, strict=False)]

@@ -74,7 +74,7 @@ class PrefixCache:
             return  # it still computes (and indexes) them, but claims would stall others needlessly
         num_full = request.num_tokens // self.block_size
         hashes = self._block_hashes(request, num_full)
-        claims = deque()
+        claims: deque = deque()
         for position in range(len(hit.block_ids), num_full):
             if hashes[position] not in self._claims:
                 self._claims[hashes[position]] = request.request_id

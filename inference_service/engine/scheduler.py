@@ -31,13 +31,13 @@ from inference_service.outputs import ScheduledRequest, SchedulerOutput
 class Scheduler:
     """Decides which requests run in each step; the only writer of request status."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
-                 max_num_seqs: int | None = None, prefix_cache: PrefixCache | None = None):
+    def __init__(self, kv_cache_manager: KVCacheManager, max_batch_prefill_tokens: int,
+                 max_batch_size: int | None = None, prefix_cache: PrefixCache | None = None):
         self.kv = kv_cache_manager
         # Inert unless the KV cache manager was made with prefix caching.
         self.prefix = prefix_cache or PrefixCache(kv_cache_manager, cache_salt())
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -67,7 +67,7 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = self.max_batch_prefill_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
@@ -116,7 +116,7 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
 
     def _has_seat(self) -> bool:
-        return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
+        return self.max_batch_size is None or len(self.running) < self.max_batch_size
 
     def _allocate_with_drafts(self, request: Request, num_new: int, budget: int) -> list[int] | None:
         """Room for the known tokens and the guesses, if the step's budget has it and the pool keeps

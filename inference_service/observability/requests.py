@@ -12,15 +12,13 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from inference_service.errors import InferenceError, ValidationError
 from inference_service.observability.metrics import FAILURE_KINDS, ServerMetrics
 from inference_service.observability.tracing import RequestTrace, Tracing
 from inference_service.outputs import GenerateResult, RequestOutput
-
-if TYPE_CHECKING:  # the engine sits above observability: its types only, for annotations
-    from inference_service.engine.validation import ValidatedRequest
+from inference_service.sampling_params import EngineRequest
 
 logger = logging.getLogger("inference_service.requests")
 
@@ -66,10 +64,10 @@ class TrackedCall:
             self._observer.metrics.request_count.inc()
         return self
 
-    def validated(self, request: ValidatedRequest) -> ValidatedRequest:
+    def validated(self, request: EngineRequest) -> EngineRequest:
         self.trace.validated = time.perf_counter()
-        self.trace.num_prompt_tokens = len(request.prompt_token_ids)
-        self.trace.max_new_tokens = request.stopping_params.max_new_tokens
+        self.trace.num_prompt_tokens = request.num_prompt_tokens
+        self.trace.max_new_tokens = request.stopping.max_new_tokens
         metrics = self._observer.metrics
         if metrics is not None and metrics.input_length is not None:
             metrics.input_length.observe(self.trace.num_prompt_tokens)

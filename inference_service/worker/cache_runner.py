@@ -22,10 +22,10 @@ from collections import defaultdict
 
 import torch
 
-from inference_service.outputs import ScheduledRequest
+from inference_service.outputs import ScheduledRequest, StepLogits
 from inference_service.worker import cache_rows
 from inference_service.worker.cache_forward import Batch, Sequence, forward_for
-from inference_service.worker.model_runner import RowsToKeep, StepLogits
+from inference_service.worker.model_runner import RowsToKeep
 
 ATTENTION_IMPL = "transformers"  # what /info and the startup log call this path
 
@@ -157,6 +157,9 @@ class CacheRunner:
     def release(self, request_id: str) -> None:
         """The request ended: its cache goes (a batch it was in stays with the others in it)."""
         self._sequences.pop(request_id, None)
+
+    def describe(self) -> str:
+        return "decode steps: transformers' layers, one cache per request"
 
     @property
     def num_caches(self) -> int:

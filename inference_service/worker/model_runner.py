@@ -10,23 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_service.outputs import ScheduledRequest
+from inference_service.outputs import ScheduledRequest, StepLogits
 from inference_service.worker.attention import PrefillChunk, StepMetadata, step_context
 from inference_service.worker.cpu_kernels import PagedDecodeKernel
 from inference_service.worker.decode_step import DecodeStep
 from inference_service.worker.kv_cache import LayerShape, PagedKVCache
-
-
-@dataclass
-class StepLogits:
-    """fp32 logits: the rows of each request that samples (in scheduled order: one, or 1 + its
-    draft tokens with speculation), and the rows of prompt chunks whose prompt logprobs were asked for."""
-
-    sample_ids: list[str]
-    sample_logits: torch.Tensor  # [S, V]: sum(num_sample_rows) rows, each request's consecutive
-    prompt_logits: dict[str, torch.Tensor]  # request id → [num_new_tokens, V]
-    num_attention_calls: int = 0  # one per layer when the model routes attention through us (the probe)
-    num_sample_rows: list[int] | None = None  # per sample id; None: one row each
 
 
 class ModelRunner:
@@ -49,7 +37,12 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         """The request ended; the paged runner keeps nothing per request (its blocks are the
-        scheduler's), the fallback runner drops the request's cache."""
+        scheduler's)."""
+
+    def describe(self) -> str:
+        attention = "native" if self.decode_kernel else "torch"
+        steps = self.decode_step or "transformers' layers"
+        return f"decode attention: {attention}, decode steps: {steps}"
 
     def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 keep_rows: list[int]) -> torch.Tensor:

@@ -38,19 +38,17 @@ def client(chat_gateway) -> openai.OpenAI:
 
 
 def rendered_prompt(server, messages) -> str:
-    engine = server.server.engine
-    return engine.chat_template.render(messages)
+    return server.server.front_end.chat_template.render(messages)
 
 
 def engine_greedy(server, prompt: str, max_new_tokens: int):
     """The engine's greedy result for a prompt the template already rendered (no special tokens added)."""
-    from inference_service.engine.validation import GenerateParameters, GenerateRequest
+    from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 
-    engine = server.server.engine
     request = GenerateRequest(inputs=prompt, parameters=GenerateParameters(max_new_tokens=max_new_tokens),
                               add_special_tokens=False)
-    validated = server.call(engine.validate(request, stream=False))
-    return server.call(engine.generate(validated))
+    validated = server.call(server.server.front_end.validate(request, stream=False))
+    return server.call(server.server.engine.generate(validated.engine_request))
 
 
 def test_chat_greedy_equals_the_engine_on_the_templated_prompt(client, chat_gateway):

@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from inference_service.config import EngineConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 from inference_service.models.demo import ensure_demo_model
+from tests.engine_calls import validated
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ async def test_demo_model_greedy_matches_transformers_with_staggered_arrivals(de
 
     async def one(index: int):
         await asyncio.sleep(0.15 * index)  # arrive while the earlier ones decode
-        request = await engine.validate(
+        request = await validated(engine,
             GenerateRequest(PROMPTS[index], GenerateParameters(max_new_tokens=lengths[index], details=True)),
             stream=False)
         return request, await engine.generate(request)
@@ -55,7 +56,7 @@ async def test_demo_model_greedy_matches_transformers_with_staggered_arrivals(de
     for request, result in results:
         with torch.inference_mode():
             out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False,
-                                     max_new_tokens=request.stopping_params.max_new_tokens)
+                                     max_new_tokens=request.stopping.max_new_tokens)
         expected = out[0, len(request.prompt_token_ids):].tolist()
         assert [t.id for t in result.tokens] == expected, request.inputs
     paris = next(r for q, r in results if q.inputs == PROMPTS[0])

@@ -8,7 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from tests.engine_calls import validated
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ def test_demo_model_writes_a_person_that_validates(demo_grpc_server):
     async def run():
         request = GenerateRequest(PROMPT, GenerateParameters(
             max_new_tokens=60, grammar={"type": "json", "value": json.dumps(PERSON)}), add_special_tokens=False)
-        return await engine.generate(await engine.validate(request, stream=False))
+        return await engine.generate(await validated(engine, request, stream=False))
 
     result = demo_grpc_server.call(run())
     person = json.loads(result.generated_text)

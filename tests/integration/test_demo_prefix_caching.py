@@ -10,8 +10,9 @@ import pytest
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 from inference_service.models.demo import ensure_demo_model
+from tests.engine_calls import validated
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ async def _run(demo_dir, prefix_caching: bool):
 
     async def one(index: int):
         await asyncio.sleep(0.3 * (index % 3))  # some arrive while others prefill or decode
-        request = await engine.validate(GenerateRequest(_prompt(QUESTIONS[index]), GenerateParameters(
+        request = await validated(engine, GenerateRequest(_prompt(QUESTIONS[index]), GenerateParameters(
             max_new_tokens=LENGTHS[index], details=True)), stream=False)
         result = await engine.generate(request)
         return [t.id for t in result.tokens]

@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import GenerationError, OverloadedError, RequestCancelled, UnavailableError
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from tests.engine_calls import generate_tgi, validated
 
 PROMPTS = [
     "the quick brown fox",
@@ -51,7 +52,7 @@ def _reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list
 
 
 async def _run(engine: AsyncEngine, inputs: str, **parameters):
-    request = await engine.validate(GenerateRequest(inputs=inputs, parameters=GenerateParameters(**parameters)),
+    request = await validated(engine, GenerateRequest(inputs=inputs, parameters=GenerateParameters(**parameters)),
                                     stream=False)
     return request, await engine.generate(request)
 
@@ -130,7 +131,7 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(make_engine
 
 async def test_cancelling_a_stream_frees_its_blocks_and_others_go_on(make_engine):
     engine = make_engine()
-    request = await engine.validate(GenerateRequest(PROMPTS[4], GenerateParameters(max_new_tokens=200)),
+    request = await validated(engine, GenerateRequest(PROMPTS[4], GenerateParameters(max_new_tokens=200)),
                                     stream=True)
     other = asyncio.create_task(_run(engine, PROMPTS[0], max_new_tokens=30))
     stream = engine.generate_stream(request)
@@ -151,7 +152,7 @@ async def test_error_inside_one_request_ends_only_that_request(make_engine, monk
     engine = make_engine()
     from inference_service.engine import detokenizer
 
-    bad = await engine.validate(GenerateRequest(PROMPTS[2], GenerateParameters(max_new_tokens=20)), stream=False)
+    bad = await validated(engine, GenerateRequest(PROMPTS[2], GenerateParameters(max_new_tokens=20)), stream=False)
     original_init, original_add = detokenizer.TextState.__init__, detokenizer.TextState.add
 
     def marking_init(self, tokenizer, prompt_token_ids, *args, **kwargs):
@@ -176,7 +177,8 @@ async def test_error_inside_one_request_ends_only_that_request(make_engine, monk
 
 async def test_best_of_returns_the_best_mean_logprob(make_engine):
     engine = make_engine()
-    _, result = await _run(engine, PROMPTS[0], max_new_tokens=8, best_of=2, do_sample=True, details=True)
+    result = await generate_tgi(engine, GenerateRequest(PROMPTS[0], GenerateParameters(
+        max_new_tokens=8, best_of=2, do_sample=True, details=True)))
     assert len(result.best_of_sequences) == 1
     mean = sum(t.logprob for t in result.tokens) / len(result.tokens)
     loser = result.best_of_sequences[0]
@@ -200,7 +202,7 @@ async def test_overload_beyond_max_concurrent_requests(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir, max_concurrent=1))
     engine.start()
     try:
-        request = await engine.validate(GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=50)),
+        request = await validated(engine, GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=50)),
                                         stream=True)
         first = engine.generate_stream(request)
         await first.__anext__()
@@ -214,9 +216,9 @@ async def test_overload_beyond_max_concurrent_requests(tiny_model_dir):
 async def test_shutdown_cancels_what_does_not_finish_in_time(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir))
     engine.start()
-    request = await engine.validate(GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=400)),
+    request = await validated(engine, GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=400)),
                                     stream=True)
-    request = dataclasses.replace(request, stopping_params=dataclasses.replace(request.stopping_params,
+    request = dataclasses.replace(request, stopping=dataclasses.replace(request.stopping,
                                                                                ignore_eos=True))
     stream = engine.generate_stream(request)
     await stream.__anext__()

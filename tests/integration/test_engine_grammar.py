@@ -12,10 +12,11 @@ import pytest
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import GenerationError
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 from inference_service.outputs import FinishReason
 from inference_service.sample.grammar import GrammarSpec
+from tests.engine_calls import generate_tgi, validated
 
 PROMPTS = ["the quick brown fox", "café naïve résumé", "1234 3.14 , . ! ?", "東京 こんにちは", "birds sing café",
            "over a lazy dog", "a", "Привет мир"]
@@ -52,7 +53,7 @@ def make_engine(tiny_model_dir):
 
 
 async def _run(engine: AsyncEngine, inputs: str, **parameters):
-    request = await engine.validate(GenerateRequest(inputs, GenerateParameters(**parameters)), stream=False)
+    request = await validated(engine, GenerateRequest(inputs, GenerateParameters(**parameters)), stream=False)
     return await engine.generate(request)
 
 
@@ -124,8 +125,8 @@ async def test_preempted_constrained_requests_resume_in_their_grammar(make_engin
 
 async def test_best_of_gives_each_sequence_its_own_grammar_state(make_engine):
     engine = make_engine()
-    result = await _run(engine, PROMPTS[0], max_new_tokens=MAX_NEW, grammar=JSON_GRAMMAR, best_of=2,
-                        do_sample=True, temperature=1.5, details=True)
+    result = await generate_tgi(engine, GenerateRequest(PROMPTS[0], GenerateParameters(
+        max_new_tokens=MAX_NEW, grammar=JSON_GRAMMAR, best_of=2, do_sample=True, temperature=1.5, details=True)))
     assert len(result.best_of_sequences) == 1
     _assert_json_ok(result)
     loser = result.best_of_sequences[0]

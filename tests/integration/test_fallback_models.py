@@ -63,7 +63,7 @@ async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
         for request, result in results:
             with torch.inference_mode():
                 out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False,
-                                         max_new_tokens=request.stopping_params.max_new_tokens,
+                                         max_new_tokens=request.stopping.max_new_tokens,
                                          eos_token_id=reference.config.eos_token_id,
                                          pad_token_id=reference.config.eos_token_id)
             assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids):].tolist(), request.inputs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from inference_service.config import DEMO_MODEL_ID, ModelConfig
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from tests.engine_calls import validated
 from textgen.v1 import generate_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def test_greedy_unary_and_stream_equal_the_engine(demo_grpc_server):
 
     async def run():
         request = GenerateRequest(inputs=PROMPT, parameters=GenerateParameters(max_new_tokens=16))
-        return await engine.generate(await engine.validate(request, stream=False))
+        return await engine.generate(await validated(engine, request, stream=False))
 
     expected = demo_grpc_server.call(run())
     request = pb.GenerateRequest(inputs=PROMPT, parameters=pb.GenerateParameters(max_new_tokens=16, details=True))

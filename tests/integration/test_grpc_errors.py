@@ -119,7 +119,7 @@ def test_a_bug_is_unknown_not_internal(tiny_grpc_server, monkeypatch):
     async def broken_validate(request, *, stream):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(tiny_grpc_server.engine, "validate", broken_validate)
+    monkeypatch.setattr(tiny_grpc_server.front_end, "validate", broken_validate)
     with pytest.raises(grpc.RpcError) as raised:
         tiny_grpc_server.stub.Generate(LONG, timeout=TIMEOUT)
     assert raised.value.code() == grpc.StatusCode.UNKNOWN

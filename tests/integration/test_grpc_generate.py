@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from tests.engine_calls import validated
 from textgen.v1 import generate_pb2 as pb
 
 TIMEOUT = 60
@@ -19,7 +20,7 @@ def engine_result(server, inputs: str, **parameters):
 
     async def run():
         request = GenerateRequest(inputs=inputs, parameters=GenerateParameters(**parameters))
-        return await engine.generate(await engine.validate(request, stream=False))
+        return await engine.generate(await validated(engine, request, stream=False))
 
     return server.call(run())
 
@@ -103,7 +104,7 @@ def test_best_of_returns_the_other_sequences(tiny_grpc_server):
 def test_tokenize_info_models_metrics_health(tiny_grpc_server):
     stub = tiny_grpc_server.stub
     tokens = stub.Tokenize(pb.GenerateRequest(inputs=PROMPT), timeout=TIMEOUT).tokens
-    expected = tiny_grpc_server.call(tiny_grpc_server.engine.tokenize(PROMPT))
+    expected = tiny_grpc_server.call(tiny_grpc_server.front_end.tokenize(PROMPT))
     assert [(t.id, t.text, t.start, t.stop) for t in tokens] == [(s.id, s.text, s.start, s.stop) for s in expected]
 
     info = stub.Info(pb.InfoRequest(), timeout=TIMEOUT)

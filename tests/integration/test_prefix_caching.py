@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from tests.engine_calls import validated
 
 SYSTEM = "the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
 # (prompt, max_new_tokens, extra parameters); several share SYSTEM, some repeat or extend others.
@@ -40,13 +41,13 @@ def _config(model_dir, prefix_caching: bool, kv_tokens: int, budget: int) -> Eng
 
 
 async def _validate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
-    return await engine.validate(GenerateRequest(inputs, GenerateParameters(
+    return await validated(engine, GenerateRequest(inputs, GenerateParameters(
         max_new_tokens=max_new_tokens, details=True, **parameters)), stream=False)
 
 
 async def _cancelled_stream(engine: AsyncEngine) -> None:
     """A request sharing the system prompt, cancelled after its first token."""
-    request = await engine.validate(GenerateRequest(SYSTEM + "the the", GenerateParameters(max_new_tokens=60)),
+    request = await validated(engine, GenerateRequest(SYSTEM + "the the", GenerateParameters(max_new_tokens=60)),
                                     stream=True)
     stream = engine.generate_stream(request)
     async for _output in stream:
@@ -111,7 +112,7 @@ async def test_caching_on_gives_the_tokens_of_caching_off(tiny_model_dir, refere
     assert outputs_on == outputs_off
     for request, tokens in zip(requests, outputs_on, strict=True):
         assert tokens == _reference_greedy(reference, request.prompt_token_ids,
-                                           request.stopping_params.max_new_tokens), request.inputs
+                                           request.stopping.max_new_tokens), request.inputs
     assert prefill_on.keys() == prefill_off.keys() == {5}
     assert prefill_on[5][0] is None and prefill_on[5][1:] == pytest.approx(prefill_off[5][1:], abs=1e-5)
     prompt_ids = requests[5].prompt_token_ids

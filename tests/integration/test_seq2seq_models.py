@@ -57,7 +57,7 @@ def check_against_transformers(reference, request, result, **generate_options):
     computed for that position."""
     with torch.inference_mode():
         out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False, num_beams=1,
-                                 max_new_tokens=request.stopping_params.max_new_tokens, output_logits=True,
+                                 max_new_tokens=request.stopping.max_new_tokens, output_logits=True,
                                  return_dict_in_generate=True, **generate_options)
     tokens = [t.id for t in result.tokens]
     assert tokens == out.sequences[0, 1:].tolist(), request.inputs

@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
+from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 from inference_service.sample.ngram_proposer import NgramProposer
+from tests.engine_calls import validated
 
 ECHO = "the quick brown fox jumps over a lazy dog "
 LOOP = "1234 3.14 , . ! ? " * 3  # the tiny model answers with one token over and over: guesses hit
@@ -49,7 +50,7 @@ def _config(model_dir, speculate: int, kv_tokens: int = 4096, budget: int = 64,
 
 
 async def _cancelled_stream(engine: AsyncEngine) -> None:
-    request = await engine.validate(GenerateRequest(ECHO * 3, GenerateParameters(max_new_tokens=60)), stream=True)
+    request = await validated(engine, GenerateRequest(ECHO * 3, GenerateParameters(max_new_tokens=60)), stream=True)
     stream = engine.generate_stream(request)
     async for _output in stream:
         break
@@ -72,7 +73,7 @@ async def _run_workload(model_dir, speculate: int, kv_tokens: int, budget: int, 
     async def one(index: int):
         await asyncio.sleep(stagger_s * index)  # later requests join a running batch
         inputs, max_new, parameters = WORKLOAD[index]
-        request = await engine.validate(GenerateRequest(inputs, GenerateParameters(
+        request = await validated(engine, GenerateRequest(inputs, GenerateParameters(
             max_new_tokens=max_new, details=True, **parameters)), stream=False)
         return await engine.generate(request)
 
@@ -112,7 +113,7 @@ async def test_accepted_guesses_save_steps(tiny_model_dir):
         engine = AsyncEngine.from_config(_config(tiny_model_dir, speculate))
         engine.start()
         try:
-            request = await engine.validate(GenerateRequest(LOOP, GenerateParameters(max_new_tokens=60)),
+            request = await validated(engine, GenerateRequest(LOOP, GenerateParameters(max_new_tokens=60)),
                                             stream=False)
             before = engine.stats().num_steps
             result = await engine.generate(request)
@@ -138,7 +139,7 @@ async def test_speculative_sampling_keeps_the_distribution(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir, 4, kv_tokens=65536, budget=8192, max_batch_size=16))
     engine.start()
     try:
-        requests = [await engine.validate(GenerateRequest(STATS_PROMPT, GenerateParameters(
+        requests = [await validated(engine, GenerateRequest(STATS_PROMPT, GenerateParameters(
             max_new_tokens=3, do_sample=True, seed=seed, temperature=temperature)), stream=False)
             for seed in range(samples)]
         results = await engine.generate_all(requests)

@@ -10,7 +10,8 @@ from google.protobuf import json_format, struct_pb2
 
 from inference_service.api import convert
 from inference_service.config import SchedulerConfig
-from inference_service.engine.validation import GenerateParameters
+from inference_service.frontend import tgi
+from inference_service.frontend.parameters import GenerateParameters
 from inference_service.outputs import (
     EngineInfo,
     EngineStats,
@@ -37,7 +38,7 @@ def test_every_proto_parameter_is_a_domain_parameter():
 def test_absent_optionals_are_none_and_zeros_stay_zeros():
     request = pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(
         temperature=0.0, top_k=0, max_new_tokens=0, seed=0, do_sample=False))
-    params = convert.request_from_pb(request).parameters
+    params = tgi.request_from_pb(request).parameters
     assert (params.temperature, params.top_k, params.max_new_tokens, params.seed) == (0.0, 0, 0, 0)
     assert params.top_p is None and params.best_of is None and params.truncate is None
     assert params.return_full_text is None and params.top_n_tokens is None and params.grammar is None
@@ -50,7 +51,7 @@ def test_values_are_carried_over():
         truncate=9, watermark=True, details=True, decoder_input_details=True, seed=2**64 - 1,
         top_n_tokens=3, adapter_id="x",
         grammar=pb.Grammar(type="regex", value=struct_pb2.Value(string_value="[a-z]+"))))
-    domain = convert.request_from_pb(request)
+    domain = tgi.request_from_pb(request)
     assert domain.inputs == "héllo"
     assert domain.parameters == GenerateParameters(
         best_of=2, temperature=0.5, repetition_penalty=pytest.approx(1.2), frequency_penalty=-0.5, top_k=7,
@@ -63,7 +64,7 @@ def test_whole_numbers_of_a_grammar_schema_come_back_as_ints():
     schema = {"type": "string", "maxLength": 8, "minimum": 0.5, "enum": [1, 2.5, True, None, "3"]}
     grammar = pb.Grammar(type="json")
     json_format.ParseDict(schema, grammar.value)  # a Value: every number is a double
-    value = convert.parameters_from_pb(pb.GenerateParameters(grammar=grammar)).grammar["value"]
+    value = tgi.parameters_from_pb(pb.GenerateParameters(grammar=grammar)).grammar["value"]
     assert value == schema and type(value["maxLength"]) is int and type(value["enum"][0]) is int
     assert value["enum"][2] is True
 
@@ -73,11 +74,11 @@ def test_a_grammar_schema_object_reaches_validation_as_a_dict():
     grammar = pb.Grammar(type="json")
     json_format.ParseDict(schema, grammar.value)
     request = pb.GenerateRequest(inputs="x", parameters=pb.GenerateParameters(grammar=grammar))
-    assert convert.request_from_pb(request).parameters.grammar == {"type": "json", "value": schema}
+    assert tgi.request_from_pb(request).parameters.grammar == {"type": "json", "value": schema}
 
 
 def test_absent_parameters_are_all_defaults():
-    assert convert.request_from_pb(pb.GenerateRequest(inputs="hi")).parameters == GenerateParameters()
+    assert tgi.request_from_pb(pb.GenerateRequest(inputs="hi")).parameters == GenerateParameters()
 
 
 @pytest.mark.parametrize(("request_pb", "compat", "expected"), [
@@ -88,14 +89,14 @@ def test_absent_parameters_are_all_defaults():
     (pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(return_full_text=False)), True, False),
 ])
 def test_root_route_returns_full_text_by_default(request_pb, compat, expected):
-    assert convert.request_from_pb(request_pb, compat_route=compat).parameters.return_full_text is expected
+    assert tgi.request_from_pb(request_pb, compat_route=compat).parameters.return_full_text is expected
 
 
 def test_details_are_wanted_when_asked():
-    assert not convert.wants_details(pb.GenerateRequest(inputs="a"))
-    assert convert.wants_details(pb.GenerateRequest(parameters=pb.GenerateParameters(details=True)))
+    assert not tgi.wants_details(pb.GenerateRequest(inputs="a"))
+    assert tgi.wants_details(pb.GenerateRequest(parameters=pb.GenerateParameters(details=True)))
     prefill_only = pb.GenerateParameters(decoder_input_details=True)
-    assert convert.wants_details(pb.GenerateRequest(parameters=prefill_only))
+    assert tgi.wants_details(pb.GenerateRequest(parameters=prefill_only))
 
 
 # -- streams ------------------------------------------------------------------------------------
@@ -207,14 +208,14 @@ def test_model_list_is_openai_shaped():
 
 
 def test_tokenize_spans():
-    from inference_service.engine.validation import TokenSpan
+    from inference_service.frontend.parameters import TokenSpan
 
     response = convert.tokenize_response_to_pb([TokenSpan(1, "", 0, 0), TokenSpan(5, "hé", 0, 2)])
     assert [(t.id, t.text, t.start, t.stop) for t in response.tokens] == [(1, "", 0, 0), (5, "hé", 0, 2)]
 
 
 def test_plain_json_gives_whole_numbers_and_one_key_order():
-    from inference_service.api.convert import plain_json
+    from inference_service.frontend.plain_json import plain_json
 
     first = plain_json({"b": 8.0, "a": [{"y": 1.5, "x": 2.0}]})
     assert first == {"a": [{"x": 2, "y": 1.5}], "b": 8} and list(first) == ["a", "b"]

@@ -19,9 +19,8 @@ from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_h
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
 from inference_service.engine.builder import build_engine
-from inference_service.engine.validation import ValidatedRequest
 from inference_service.models.loader import load_model, resolve_model
-from inference_service.sampling_params import SamplingParams, StoppingParams
+from inference_service.sampling_params import EngineRequest, SamplingParams, StoppingParams
 from tests.unit.test_gguf import add_tokenizer, digit_splitting_tokenizer
 
 # HF model type → (the GGUF architecture llama.cpp writes, config overrides). Mistral files are
@@ -116,13 +115,10 @@ def written(request, tmp_path, tokenizer, monkeypatch):
     return model, write_gguf(tmp_path / f"tiny-{request.param}.gguf", model, tokenizer, arch)
 
 
-def greedy(prompt: list[int], max_new_tokens: int) -> ValidatedRequest:
+def greedy(prompt: list[int], max_new_tokens: int) -> EngineRequest:
     """A greedy request for exactly `max_new_tokens` tokens (EOS ignored)."""
-    return ValidatedRequest(inputs="", prompt_token_ids=prompt, input_length=len(prompt),
-                            sampling_params=SamplingParams(),
-                            stopping_params=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
-                            best_of=1, details=False, decoder_input_details=False, return_full_text=False,
-                            top_n_tokens=0)
+    return EngineRequest(prompt_token_ids=list(prompt), sampling=SamplingParams(),
+                         stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
 
 
 def served_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:

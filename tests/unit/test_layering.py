@@ -1,4 +1,4 @@
-"""Arrows run one way: api → engine → worker / sample / models → the ground floor (outputs,
+"""Arrows run one way: api → frontend → engine → worker / sample / models → the ground floor (outputs,
 sampling_params, config, errors); the commands (cli, gateway.launch) → flags. Checked on the
 import statements of every module (imports only for type checkers excepted)."""
 
@@ -13,20 +13,24 @@ ROOT = Path(__file__).resolve().parents[2]
 GROUND_FLOOR = ("inference_service.outputs", "inference_service.sampling_params", "inference_service.config",
                 "inference_service.errors")
 ABOVE_GROUND = tuple(f"inference_service.{name}" for name in (
-    "engine", "api", "worker", "sample", "models", "observability", "cli", "flags")) + ("gateway",)
+    "frontend", "engine", "api", "worker", "sample", "models", "observability", "cli", "flags")) + ("gateway",)
 # A package (or module) → what it must never import.
 FORBIDDEN = {
     **dict.fromkeys(GROUND_FLOOR, ABOVE_GROUND),
-    "inference_service.models": ("inference_service.engine", "inference_service.api", "inference_service.cli",
-                                 "inference_service.flags", "gateway"),
-    "inference_service.worker": ("inference_service.engine", "inference_service.api", "inference_service.cli",
-                                 "inference_service.flags", "gateway"),
-    "inference_service.sample": ("inference_service.engine", "inference_service.api", "inference_service.cli",
-                                 "inference_service.flags", "inference_service.models",
+    "inference_service.models": ("inference_service.frontend", "inference_service.engine", "inference_service.api",
+                                 "inference_service.cli", "inference_service.flags", "gateway"),
+    "inference_service.worker": ("inference_service.frontend", "inference_service.engine", "inference_service.api",
+                                 "inference_service.cli", "inference_service.flags", "gateway"),
+    "inference_service.sample": ("inference_service.frontend", "inference_service.engine", "inference_service.api",
+                                 "inference_service.cli", "inference_service.flags", "inference_service.models",
                                  "inference_service.worker", "gateway"),
-    "inference_service.engine": ("inference_service.api", "inference_service.cli", "inference_service.flags",
-                                 "inference_service.observability", "gateway"),
-    "inference_service.observability": ("inference_service.engine", "inference_service.cli", "gateway"),
+    "inference_service.engine": ("inference_service.frontend", "inference_service.api", "inference_service.cli",
+                                 "inference_service.flags", "inference_service.observability", "gateway"),
+    # The front end reads the API's messages, never its servicers; it hands the engine its requests.
+    "inference_service.frontend": ("inference_service.api", "inference_service.cli", "inference_service.flags",
+                                   "inference_service.observability", "gateway"),
+    "inference_service.observability": ("inference_service.frontend", "inference_service.engine",
+                                        "inference_service.cli", "gateway"),
     "inference_service.flags": ("inference_service.cli", "gateway"),
     "gateway": ("inference_service.cli",),
     # The command's entry sits on top of both launch paths; they never reach up to it.

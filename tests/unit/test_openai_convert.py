@@ -7,9 +7,10 @@ import json
 import pytest
 from google.protobuf import json_format
 
-from inference_service.api import openai_convert, openai_tools
-from inference_service.engine.chat_template import ChatTemplate, tool_calls_text
 from inference_service.errors import TemplateError, ToolError, ValidationError
+from inference_service.frontend import openai as openai_convert
+from inference_service.frontend import openai_tools
+from inference_service.frontend.chat_template import ChatTemplate, tool_calls_text
 from inference_service.sample import grammar as grammar_module
 from textgen.v1 import generate_pb2 as pb
 
@@ -26,11 +27,13 @@ def chat_request(**fields) -> pb.ChatCompletionRequest:
 
 # -- parameters ------------------------------------------------------------------------------------
 def test_openai_defaults_sample_at_temperature_one_and_zero_is_greedy():
-    assert openai_convert.chat_plan(chat_request()).parameters.do_sample
-    greedy = openai_convert.chat_plan(chat_request(temperature=0)).parameters
-    assert not greedy.do_sample and greedy.temperature is None
-    warm = openai_convert.chat_plan(chat_request(temperature=0.7, top_p=1.0)).parameters
-    assert warm.do_sample and warm.temperature == pytest.approx(0.7) and warm.top_p is None  # top_p 1 is off
+    default = openai_convert.chat_plan(chat_request())
+    assert default.do_sample and default.parameters.temperature == 1.0
+    greedy = openai_convert.chat_plan(chat_request(temperature=0, top_p=0.5))
+    assert not greedy.do_sample and greedy.parameters.temperature is None  # 0 is greedy, whatever else is set
+    warm = openai_convert.chat_plan(chat_request(temperature=0.7, top_p=1.0))
+    assert warm.do_sample and warm.parameters.temperature == pytest.approx(0.7)
+    assert warm.parameters.top_p is None  # top_p 1 is off
 
 
 def test_stop_max_tokens_penalties_and_bias_map_to_engine_parameters():

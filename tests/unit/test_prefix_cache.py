@@ -255,7 +255,7 @@ class ShadowModel:
 
 def _run_stream(arrivals, aborts, num_blocks, budget, block_size, max_seqs=None, prefix_caching=True):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=budget, max_batch_size=max_seqs,
                           prefix_cache=PrefixCache(kv, SALT))
     requests: dict[str, Request] = {}
     bases = [[(seed * 7 + i * i) % 5 for i in range(60)] for seed in range(3)]
@@ -324,7 +324,7 @@ def test_outputs_and_work_with_and_without_prefix_caching():
 def test_requests_with_one_prompt_wait_for_it_to_be_computed_once():
     """best_of / n: variants of one prompt arriving together compute it once, not once each."""
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
-    scheduler = Scheduler(kv, max_num_batched_tokens=16, prefix_cache=PrefixCache(kv, SALT))
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=16, prefix_cache=PrefixCache(kv, SALT))
     prompt = list(range(30))
     requests = {f"v{i}": _request(f"v{i}", prompt, max_new=3) for i in range(3)}
     other = _request("other", [99] * 5, max_new=3)

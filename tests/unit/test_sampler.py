@@ -28,11 +28,11 @@ MIXED_PARAMS = [
     SamplingParams(do_sample=True, watermark=True, temperature=1.4, top_k=20, top_p=0.95,
                    typical_p=0.95, frequency_penalty=-0.4, seed=5),
     SamplingParams(do_sample=True, seed=1),
-    SamplingParams(temperature=0.7, top_k=50, seed=2, top_n_tokens=5),
-    SamplingParams(top_p=0.9, temperature=0.6, repetition_penalty=1.2, frequency_penalty=0.5, seed=3),
-    SamplingParams(typical_p=0.9, temperature=1.3, seed=4),
+    SamplingParams(do_sample=True, temperature=0.7, top_k=50, seed=2, top_n_tokens=5),
+    SamplingParams(do_sample=True, top_p=0.9, temperature=0.6, repetition_penalty=1.2, frequency_penalty=0.5, seed=3),
+    SamplingParams(do_sample=True, typical_p=0.9, temperature=1.3, seed=4),
     SamplingParams(watermark=True, repetition_penalty=0.9, top_n_tokens=1),
-    SamplingParams(top_p=0.999, temperature=0.9, seed=6),
+    SamplingParams(do_sample=True, top_p=0.999, temperature=0.9, seed=6),
     SamplingParams(logit_bias=((3, 5.0), (17, -100.0)), presence_penalty=1.5, repetition_penalty=1.1,
                    temperature=0.8, seed=7),
     SamplingParams(presence_penalty=-0.5, frequency_penalty=0.3, top_n_tokens=2),
@@ -171,16 +171,16 @@ def _decode(sampler: Sampler, states: list[SamplingState], step_logits: list[tor
 def test_seeded_request_ignores_its_batch(vocab_size: int) -> None:
     num_steps = 8
     sampler = Sampler(vocab_size, GAMMA, DELTA)
-    params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.2, frequency_penalty=0.3,
+    params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.95, repetition_penalty=1.2, frequency_penalty=0.3,
                             watermark=True, seed=42)
     step_logits = list(_logits(num_steps, vocab_size, seed=7, scale=1.0))
     prompt = [3, 1, 4, 1, 5]
     alone = _decode(sampler, [], step_logits, SamplingState(params, prompt, vocab_size), seed=0)
     random_seeds = torch.randint(0, 2**62, (2,), generator=torch.Generator().manual_seed(8)).tolist()
     neighbours = [SamplingParams(do_sample=True, seed=42), SamplingParams(),
-                  SamplingParams(top_k=5, seed=random_seeds[0]),
-                  SamplingParams(typical_p=0.5, seed=random_seeds[1], top_n_tokens=2),
-                  SamplingParams(top_p=0.95, temperature=0.8, seed=43)]
+                  SamplingParams(do_sample=True, top_k=5, seed=random_seeds[0]),
+                  SamplingParams(do_sample=True, typical_p=0.5, seed=random_seeds[1], top_n_tokens=2),
+                  SamplingParams(do_sample=True, top_p=0.95, temperature=0.8, seed=43)]
     others = _states(neighbours, _prompts(len(neighbours), vocab_size, seed=8), vocab_size)
     batched = _decode(sampler, others, step_logits, SamplingState(params, prompt, vocab_size), seed=1)
     assert batched == alone
@@ -219,7 +219,7 @@ def test_sampling_state_tracks_tokens() -> None:
     assert state.token_counts.tolist() == [0, 2, 0, 0, 2, 0, 0, 1, 0, 0]
     assert state.seen_token_ids().tolist() == [1, 4, 7]
     assert (state.last_token_id, state.num_tokens) == (7, 6)
-    plain = SamplingState(SamplingParams(top_k=3), [2], vocab_size)
+    plain = SamplingState(SamplingParams(do_sample=True, top_k=3), [2], vocab_size)
     assert plain.generator is not None and plain.token_counts is None
     empty = SamplingState(SamplingParams(repetition_penalty=2.0), [], vocab_size)  # nothing seen yet
     logits = torch.arange(20.0).reshape(2, vocab_size)  # [2, V]

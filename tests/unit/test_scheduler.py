@@ -31,7 +31,7 @@ def _finish_done(scheduler: Scheduler, requests: dict[str, Request]) -> None:
 
 def test_running_decodes_go_first_and_waiting_are_admitted_fifo():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=10)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=10)
     requests = {r.request_id: r for r in (_request("a", 6), _request("b", 3), _request("c", 5))}
     for request in requests.values():
         scheduler.add(request)
@@ -47,7 +47,7 @@ def test_running_decodes_go_first_and_waiting_are_admitted_fifo():
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=8)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=8)
     requests = {"short": _request("short", 2, max_new=10), "long": _request("long", 20)}
     scheduler.add(requests["short"])
     _run_step(scheduler, requests)
@@ -63,7 +63,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode():
 
 def test_max_batch_size_bounds_running_requests():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=2)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=100, max_batch_size=2)
     requests = {f"r{i}": _request(f"r{i}", 3) for i in range(4)}
     for request in requests.values():
         scheduler.add(request)
@@ -74,7 +74,7 @@ def test_max_batch_size_bounds_running_requests():
 
 def test_newest_request_is_preempted_and_recomputed_with_its_output():
     kv = KVCacheManager(num_blocks=3, block_size=4)  # 12 slots
-    scheduler = Scheduler(kv, max_num_batched_tokens=100)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=100)
     requests = {"old": _request("old", 4, max_new=6), "new": _request("new", 4, max_new=6)}
     scheduler.add(requests["old"])
     scheduler.add(requests["new"])
@@ -95,7 +95,7 @@ def test_newest_request_is_preempted_and_recomputed_with_its_output():
 
 def test_finish_and_abort_free_blocks_at_once():
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=100)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=100)
     requests = {"a": _request("a", 9), "b": _request("b", 2)}
     for request in requests.values():
         scheduler.add(request)
@@ -119,7 +119,7 @@ def test_finish_and_abort_free_blocks_at_once():
 def test_random_workloads_finish_every_request_without_leaks(arrivals, aborts, num_blocks, budget, max_seqs):
     block_size = 4
     kv = KVCacheManager(num_blocks, block_size)
-    scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=budget, max_batch_size=max_seqs)
     capacity = num_blocks * block_size
     requests: dict[str, Request] = {}
     for index, (num_prompt, max_new) in enumerate(arrivals):
@@ -164,7 +164,7 @@ def _decoding(scheduler: Scheduler, requests: dict[str, Request]) -> None:
 
 def test_guesses_run_after_the_known_token_and_count_once_accepted():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=32)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=32)
     requests = {"a": _request("a", 5, max_new=10)}
     _decoding(scheduler, requests)
     request = requests["a"]
@@ -184,7 +184,7 @@ def test_guesses_run_after_the_known_token_and_count_once_accepted():
 
 def test_guesses_are_dropped_when_the_budget_is_short():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=6)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=6)
     requests = {name: _request(name, 3, max_new=10) for name in "ab"}
     _decoding(scheduler, requests)
     requests["a"].draft_token_ids = [1, 2, 3]
@@ -197,7 +197,7 @@ def test_guesses_are_dropped_when_the_budget_is_short():
 
 def test_guesses_never_cost_a_preemption():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=64)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=64)
     requests = {name: _request(name, 4, max_new=10) for name in "ab"}  # one full block each
     _decoding(scheduler, requests)  # each now holds 2 blocks (5 tokens): the pool is empty
     requests["a"].draft_token_ids = [1, 2, 3, 4]  # would need a third block for a
@@ -208,7 +208,7 @@ def test_guesses_never_cost_a_preemption():
 
 def test_a_preempted_request_forgets_its_guesses():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    scheduler = Scheduler(kv, max_num_batched_tokens=64)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=64)
     requests = {name: _request(name, 8, max_new=10) for name in "ab"}  # two full blocks each
     _decoding(scheduler, requests)
     requests["b"].draft_token_ids = [1, 2]

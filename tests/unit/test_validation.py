@@ -7,14 +7,9 @@ import random
 
 import pytest
 
-from inference_service.engine.validation import (
-    MAX_SEED,
-    GenerateParameters,
-    GenerateRequest,
-    Validator,
-    tokenize,
-)
 from inference_service.errors import ValidationError
+from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest
+from inference_service.frontend.validation import Validator, tokenize
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import GrammarSpec
 
@@ -96,10 +91,11 @@ def test_grammar_is_refused_when_support_is_disabled(byte_tokenizer, grammar):
 
 def test_grammar_compiles_into_the_validated_request(validator):
     validated = validator.validate(request(grammar={"type": "regex", "value": "[0-9]{3}"}), stream=False)
-    assert validated.grammar is not None and validated.grammar.spec == GrammarSpec("regex", "[0-9]{3}")
+    grammar = validated.engine_request.grammar
+    assert grammar is not None and grammar.spec == GrammarSpec("regex", "[0-9]{3}")
     validated = validator.validate(request(grammar=GrammarSpec("json", '{"type": "object"}')), stream=False)
-    assert validated.grammar.spec.kind == "json"
-    assert validator.validate(request(), stream=False).grammar is None
+    assert validated.engine_request.grammar.spec.kind == "json"
+    assert validator.validate(request(), stream=False).engine_request.grammar is None
 
 
 @pytest.mark.parametrize(("grammar", "message"), [
@@ -203,18 +199,18 @@ def test_checks_run_in_tgi_order(validator, byte_tokenizer):
 def test_defaults(validator, byte_tokenizer):
     validated = validator.validate(request(), stream=True)
     prompt_ids = byte_tokenizer.encode(PROMPT)
-    assert validated.inputs == PROMPT and validated.prompt_token_ids == prompt_ids
+    assert validated.engine_request.text_prefix == "" and validated.engine_request.prompt_token_ids == prompt_ids
     assert validated.input_length == len(prompt_ids)
-    sampling = validated.sampling_params
+    sampling = validated.engine_request.sampling
     assert (sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.typical_p) == (
         False, 1.0, 0, 1.0, 1.0)
     assert (sampling.repetition_penalty, sampling.frequency_penalty, sampling.watermark) == (1.0, 0.0, False)
     assert (sampling.top_n_tokens, sampling.prompt_logprobs) == (0, False)
     assert sampling.is_greedy and 0 <= sampling.seed <= MAX_SEED
-    assert validated.stopping_params.max_new_tokens == MAX_TOTAL - len(prompt_ids)  # "auto"
-    assert validated.stopping_params.stop_sequences == () and not validated.stopping_params.ignore_eos
+    assert validated.engine_request.stopping.max_new_tokens == MAX_TOTAL - len(prompt_ids)  # "auto"
+    assert validated.engine_request.stopping.stop_sequences == () and not validated.engine_request.stopping.ignore_eos
     assert (validated.best_of, validated.details, validated.decoder_input_details) == (1, False, False)
-    assert (validated.return_full_text, validated.top_n_tokens) == (False, 0)
+    assert validated.engine_request.sampling.top_n_tokens == 0
 
 
 def test_parameters_are_carried_over(validator):
@@ -222,64 +218,63 @@ def test_parameters_are_carried_over(validator):
         temperature=0.7, top_k=20, top_p=0.9, typical_p=0.95, repetition_penalty=1.3, frequency_penalty=-2.0,
         watermark=True, seed=MAX_SEED, top_n_tokens=5, max_new_tokens=3, stop=["a", "b", "c", "d"],
         details=True, decoder_input_details=True, return_full_text=True), stream=False)
-    sampling = validated.sampling_params
+    sampling = validated.engine_request.sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.typical_p) == (0.7, 20, 0.9, 0.95)
     assert (sampling.repetition_penalty, sampling.frequency_penalty) == (1.3, -2.0)
     assert sampling.watermark and sampling.seed == MAX_SEED and sampling.top_n_tokens == 5
     assert sampling.prompt_logprobs and validated.decoder_input_details and validated.details
-    assert validated.stopping_params.max_new_tokens == 3
-    assert validated.stopping_params.stop_sequences == ("a", "b", "c", "d")
-    assert validated.return_full_text and validated.top_n_tokens == 5
+    assert validated.engine_request.stopping.max_new_tokens == 3
+    assert validated.engine_request.stopping.stop_sequences == ("a", "b", "c", "d")
+    assert validated.engine_request.text_prefix == PROMPT and sampling.top_n_tokens == 5  # return_full_text
 
 
 @pytest.mark.parametrize("warper", [dict(temperature=1.0), dict(top_k=5), dict(top_p=0.9),
                                     dict(typical_p=0.5)])
 def test_giving_any_warper_turns_sampling_on(validator, warper):
-    assert validator.validate(request(**warper), stream=False).sampling_params.do_sample
+    assert validator.validate(request(**warper), stream=False).engine_request.sampling.do_sample
 
 
 def test_penalties_alone_do_not_turn_sampling_on(validator):
     sampling = validator.validate(request(repetition_penalty=1.5, frequency_penalty=0.5), stream=False)
-    assert sampling.sampling_params.is_greedy
+    assert sampling.engine_request.sampling.is_greedy
 
 
 def test_a_seed_is_drawn_when_absent(byte_tokenizer):
     validator = Validator(byte_tokenizer, engine_info(), rng=random.Random(3))
     expected = random.Random(3)
-    seeds = [validator.validate(request(), stream=False).sampling_params.seed for _ in range(3)]
+    seeds = [validator.validate(request(), stream=False).engine_request.sampling.seed for _ in range(3)]
     assert seeds == [expected.getrandbits(64) for _ in range(3)]
     unseeded = Validator(byte_tokenizer, engine_info())
-    drawn = {unseeded.validate(request(), stream=False).sampling_params.seed for _ in range(8)}
+    drawn = {unseeded.validate(request(), stream=False).engine_request.sampling.seed for _ in range(8)}
     assert len(drawn) == 8 and all(0 <= seed <= MAX_SEED for seed in drawn)
-    assert validator.validate(request(seed=42), stream=False).sampling_params.seed == 42
+    assert validator.validate(request(seed=42), stream=False).engine_request.sampling.seed == 42
 
 
 def test_truncate_keeps_the_last_tokens(validator, byte_tokenizer):
     prompt_ids = byte_tokenizer.encode(PROMPT)
     validated = validator.validate(request(truncate=5), stream=False)
-    assert validated.prompt_token_ids == prompt_ids[-5:] and validated.input_length == 5
-    assert validated.inputs == PROMPT
-    assert validated.stopping_params.max_new_tokens == MAX_TOTAL - 5
-    assert validator.validate(request(truncate=MAX_INPUT), stream=False).prompt_token_ids == prompt_ids
+    assert validated.engine_request.prompt_token_ids == prompt_ids[-5:] and validated.input_length == 5
+    assert validated.engine_request.stopping.max_new_tokens == MAX_TOTAL - 5
+    assert validator.validate(request(truncate=MAX_INPUT), stream=False).engine_request.prompt_token_ids == prompt_ids
 
 
 def test_truncate_lets_a_long_prompt_in(validator, byte_tokenizer):
     long_prompt = text_with_num_tokens_over(byte_tokenizer, MAX_INPUT)
     validated = validator.validate(request(long_prompt, truncate=MAX_INPUT), stream=False)
-    assert validated.prompt_token_ids == byte_tokenizer.encode(long_prompt)[-MAX_INPUT:]
+    assert list(validated.engine_request.prompt_token_ids) == byte_tokenizer.encode(long_prompt)[-MAX_INPUT:]
 
 
 def test_limits_are_inclusive(validator, byte_tokenizer):
     input_length = len(byte_tokenizer.encode(PROMPT))
     exact = validator.validate(request(max_new_tokens=MAX_TOTAL - input_length), stream=False)
-    assert exact.stopping_params.max_new_tokens == MAX_TOTAL - input_length
+    assert exact.engine_request.stopping.max_new_tokens == MAX_TOTAL - input_length
     wide = Validator(byte_tokenizer, engine_info(max_input_tokens=input_length))
-    assert wide.validate(request(), stream=False).stopping_params.max_new_tokens == MAX_TOTAL - input_length
+    assert wide.validate(request(), stream=False).engine_request.stopping.max_new_tokens == MAX_TOTAL - input_length
 
 
 def test_special_tokens_can_be_left_out(validator, byte_tokenizer):
     req = dataclasses.replace(request(), add_special_tokens=False)
-    assert validator.validate(req, stream=False).prompt_token_ids == byte_tokenizer.encode(
+    assert list(validator.validate(req, stream=False).engine_request.prompt_token_ids) == byte_tokenizer.encode(
         PROMPT, add_special_tokens=False)
     assert byte_tokenizer.encode(PROMPT)[0] == byte_tokenizer.bos_token_id
 

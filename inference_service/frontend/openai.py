@@ -1,10 +1,12 @@
-"""OpenAI requests → the engine's requests: pure conversions, no I/O.
+"""OpenAI requests → the front end's requests: pure conversions, no I/O.
 
 The engine never sees OpenAI types: a chat or completion request becomes a `GenerateRequest` (the
-prompt text, TGI's parameters) plus what only the API needs (how many choices, logprobs, tools).
-Mapping, with OpenAI's meaning where it differs from TGI's:
-- `temperature` absent is 1.0 and samples (OpenAI's default); 0 is greedy; `top_p` 1 is off.
-- `max_completion_tokens` (or the older `max_tokens`) is `max_new_tokens`; absent, up to the context.
+prompt text, parameters in TGI's terms) with its sampling decided here, plus what only the API needs
+(how many choices, logprobs, tools). OpenAI's ranges are checked here, in OpenAI's terms; the
+validator's `prepare` then checks the engine's limits. Mapping, explicitly (`defaults` has the table):
+- `temperature` absent is 1.0 and samples (OpenAI's default); 0 is greedy (`do_sample` false); `top_p`
+  1 is off (no filter).
+- `max_completion_tokens` (or the older `max_tokens`) is `max_new_tokens`; absent, `defaults` decides.
 - `n` choices decode in one batch; with a `seed`, choice i is seeded `seed + i`.
 - `stop` is a string or a list; the stop text is not part of the returned text.
 - `presence_penalty` subtracts once from every token already seen, `logit_bias` adds to the
@@ -20,25 +22,20 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from inference_service.api import openai_tools
-from inference_service.api.convert import plain_json
-from inference_service.engine.validation import GenerateParameters, GenerateRequest
 from inference_service.errors import ValidationError
+from inference_service.frontend import defaults, openai_tools
+from inference_service.frontend.parameters import MAX_SEED, GenerateParameters
+from inference_service.frontend.plain_json import plain_json, value_to_python
 from textgen.v1 import generate_pb2 as pb
 
 MAX_CHOICES = 16  # n x prompts in one call
 MAX_PROMPTS = 4  # TGI's --max-client-batch-size default for /v1/completions
-MAX_SEED = 2**64 - 1
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValidationError(message)
-
-
-def value_to_python(value: Any) -> Any:
-    """A google.protobuf.Value/Struct as plain Python (None when unset)."""
-    return plain_json(json_format.MessageToDict(value)) if value.ByteSize() else None
 
 
 @dataclass
@@ -47,6 +44,7 @@ class ChatPlan:
 
     messages: list[dict[str, Any]]
     parameters: GenerateParameters
+    do_sample: bool
     num_choices: int
     logprobs: bool
     include_usage: bool
@@ -61,10 +59,12 @@ class ChatPlan:
 class CompletionPlan:
     prompts: list[str]
     parameters: GenerateParameters
+    do_sample: bool
     num_choices: int  # per prompt
     logprobs: int | None  # alternatives per token, None: no logprobs
     echo: bool
     include_usage: bool
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
 
 
 # -- shared parameters ---------------------------------------------------------------------------
@@ -95,25 +95,40 @@ def _num_choices(request: Any, num_prompts: int = 1) -> int:
     return n
 
 
-def _sampling_parameters(request: Any, max_tokens: int | None, top_n_tokens: int | None) -> GenerateParameters:
-    """The parameters both routes share, in TGI's terms (its validation checks ranges)."""
-    values: dict[str, Any] = {"max_new_tokens": max_tokens, "stop": _stop_sequences(request),
-                              "top_n_tokens": top_n_tokens, "details": True}
-    if not request.HasField("temperature"):
-        values["do_sample"] = True  # OpenAI's default temperature is 1: it samples
-    else:
-        _check(request.temperature >= 0.0, "`temperature` must be >= 0")
-        if request.temperature > 0.0:
-            values.update(do_sample=True, temperature=request.temperature)
-    if request.HasField("top_p") and request.top_p < 1.0:
-        values["top_p"] = request.top_p
-    for name in ("frequency_penalty", "repetition_penalty", "top_k", "presence_penalty"):
-        if request.HasField(name):
-            values[name] = getattr(request, name)
-    if request.HasField("seed"):
-        values["seed"] = request.seed
-    values["logit_bias"] = _logit_bias(request.logit_bias)
-    return GenerateParameters(**values)
+def _in_range(request: Any, name: str, low: float, high: float) -> None:
+    if request.HasField(name):
+        value = getattr(request, name)
+        _check(low <= value <= high, f"`{name}` must be >= {low} and <= {high}. Given: {value}")
+
+
+def _sampling_parameters(request: Any, max_tokens: int | None,
+                         top_n_tokens: int | None) -> tuple[GenerateParameters, bool]:
+    """The parameters both routes share, and whether the request samples: OpenAI's ranges and
+    meanings, each field mapped explicitly."""
+    _check(not request.HasField("temperature") or request.temperature >= 0.0, "`temperature` must be >= 0")
+    _check(not request.HasField("top_p") or 0.0 < request.top_p <= 1.0, "`top_p` must be > 0.0 and <= 1.0")
+    _in_range(request, "frequency_penalty", -2.0, 2.0)
+    _in_range(request, "presence_penalty", -2.0, 2.0)
+    _check(not request.HasField("repetition_penalty") or request.repetition_penalty > 0.0,
+           "`repetition_penalty` must be strictly positive")
+    _check(not request.HasField("top_k") or request.top_k > 0, "`top_k` must be strictly positive")
+    temperature = request.temperature if request.HasField("temperature") else defaults.OPENAI_TEMPERATURE
+    do_sample = temperature > 0.0  # OpenAI: temperature 0 is greedy
+    parameters = GenerateParameters(
+        max_new_tokens=max_tokens,
+        stop=_stop_sequences(request),
+        top_n_tokens=top_n_tokens,
+        details=True,
+        temperature=temperature if do_sample else None,
+        top_p=request.top_p if request.HasField("top_p") and request.top_p < 1.0 else None,  # 1: no filter
+        frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
+        top_k=request.top_k if request.HasField("top_k") else None,
+        presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
+        seed=request.seed if request.HasField("seed") else None,
+        logit_bias=_logit_bias(request.logit_bias),
+    )
+    return parameters, do_sample
 
 
 def choice_seeds(seed: int, num_choices: int, requested: bool, draw: Any) -> list[int]:
@@ -142,8 +157,10 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
            "`top_logprobs` needs `logprobs` set to true")
     max_tokens = request.max_completion_tokens if request.HasField("max_completion_tokens") else (
         request.max_tokens if request.HasField("max_tokens") else None)
+    if max_tokens is None:
+        max_tokens = defaults.CHAT_MAX_NEW_TOKENS
     top_n = request.top_logprobs if request.HasField("top_logprobs") else None
-    parameters = _sampling_parameters(request, max_tokens, top_n)
+    parameters, do_sample = _sampling_parameters(request, max_tokens, top_n)
     tools = [plain_json(json_format.MessageToDict(t, preserving_proto_field_name=True)) for t in request.tools]
     tool_choice = value_to_python(request.tool_choice) if request.HasField("tool_choice") else None
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
@@ -152,17 +169,12 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
                         if request.HasField("response_format") else None)
     parameters.grammar = openai_tools.combined_grammar(tool_calls, response_grammar)
     return ChatPlan(
-        messages=[_message(m) for m in request.messages], parameters=parameters,
+        messages=[_message(m) for m in request.messages], parameters=parameters, do_sample=do_sample,
         num_choices=_num_choices(request), logprobs=request.logprobs,
         include_usage=request.stream_options.include_usage, tools=tools if tool_choice != "none" else [],
         tool_calls=tool_calls, documents=[plain_json(json_format.MessageToDict(d)) for d in request.documents],
         tool_prompt=request.tool_prompt if request.HasField("tool_prompt") else None,
         template_variables=value_to_python(request.chat_template_kwargs) or {})
-
-
-def chat_generate_request(plan: ChatPlan, prompt: str) -> GenerateRequest:
-    """The rendered prompt already holds the template's special tokens: none are added."""
-    return GenerateRequest(inputs=prompt, parameters=plan.parameters, add_special_tokens=False, strip_stop=True)
 
 
 def response_format_grammar(response_format: pb.ResponseFormat) -> dict[str, Any] | None:
@@ -185,8 +197,8 @@ def response_format_grammar(response_format: pb.ResponseFormat) -> dict[str, Any
 def completion_plan(request: pb.CompletionRequest, *, has_fill_in_middle: bool) -> CompletionPlan:
     prompt = value_to_python(request.prompt) if request.HasField("prompt") else None
     prompts = [prompt] if isinstance(prompt, str) else prompt
-    _check(isinstance(prompts, list) and len(prompts) > 0 and all(isinstance(p, str) for p in prompts),
-           "`prompt` must be a string or a non-empty list of strings")
+    if not (isinstance(prompts, list) and len(prompts) > 0 and all(isinstance(p, str) for p in prompts)):
+        raise ValidationError("`prompt` must be a string or a non-empty list of strings")
     _check(len(prompts) <= MAX_PROMPTS, f"at most {MAX_PROMPTS} prompts per request. Given: {len(prompts)}")
     _check(not request.HasField("suffix") or has_fill_in_middle,
            "`suffix` is not supported: this model has no fill-in-the-middle tokens")
@@ -194,10 +206,24 @@ def completion_plan(request: pb.CompletionRequest, *, has_fill_in_middle: bool) 
     _check(not request.HasField("best_of") or request.best_of in (1, num_choices),
            "`best_of` must equal `n` (every generated choice is returned)")
     logprobs = request.logprobs if request.HasField("logprobs") else None
-    parameters = _sampling_parameters(request, request.max_tokens if request.HasField("max_tokens") else 16,
-                                      logprobs or None)
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else defaults.COMPLETION_MAX_NEW_TOKENS
+    parameters, do_sample = _sampling_parameters(request, max_tokens, logprobs or None)
     parameters.decoder_input_details = bool(request.echo and logprobs is not None)
     if request.HasField("response_format"):
         parameters.grammar = response_format_grammar(request.response_format)
-    return CompletionPlan(prompts=prompts, parameters=parameters, num_choices=num_choices, logprobs=logprobs,
-                          echo=request.echo, include_usage=request.stream_options.include_usage)
+    return CompletionPlan(prompts=prompts, parameters=parameters, do_sample=do_sample, num_choices=num_choices,
+                          logprobs=logprobs, echo=request.echo, include_usage=request.stream_options.include_usage,
+                          suffix=request.suffix if request.HasField("suffix") else None)
+
+
+def has_fill_in_middle(tokenizer: Any) -> bool:
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in FIM_TOKENS]
+    return all(isinstance(i, int) and i != unknown for i in ids)
+
+
+def with_suffix(prompt: str, suffix: str | None) -> str:
+    """The fill-in-the-middle prompt (StarCoder's tokens) when a suffix is given."""
+    if suffix is None:
+        return prompt
+    return f"{FIM_TOKENS[0]}{prompt}{FIM_TOKENS[1]}{suffix}{FIM_TOKENS[2]}"

@@ -1,8 +1,13 @@
-"""Request validation with TGI's rules, order and messages; prompt tokenization.
+"""Validation: a `GenerateRequest` becomes the engine's `EngineRequest`, with TGI's rules,
+order and messages; prompt tokenization.
 
-`Validator.validate` is synchronous and pure apart from drawing a seed: tokenizing a long prompt
-takes a while, so the async layer runs it in a worker thread. Messages are TGI's without the
-"Input validation error: " prefix, which `ValidationError` adds.
+`Validator.validate` applies TGI's parameter rules (its sampling ranges, `do_sample` turned on by any
+warper), then `Validator.prepare`, which every API shares: limits, tokenization, seed, grammar.
+Other APIs check their own parameter ranges in their converters and call `prepare` with the
+sampling decision made explicitly (`openai`: temperature 0 is greedy). Both are synchronous and pure
+apart from drawing a seed: tokenizing a long prompt takes a while, so the front end runs them in a
+worker thread. Messages are TGI's without the "Input validation error: " prefix, which
+`ValidationError` adds.
 
 Deliberate differences from TGI:
 - `do_sample` defaults to false also when the whole `parameters` object is absent (TGI then
@@ -26,85 +31,28 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from inference_service.errors import ValidationError
+from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest, TokenSpan
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, grammar_spec_from_tgi
-from inference_service.sampling_params import SamplingParams, StoppingParams
-
-MAX_SEED = 2**64 - 1
-
-
-@dataclass
-class GenerateParameters:
-    """TGI's `parameters`; None (or the falsy default) means "not given"."""
-
-    best_of: int | None = None
-    temperature: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    typical_p: float | None = None
-    do_sample: bool = False
-    max_new_tokens: int | None = None
-    return_full_text: bool | None = None
-    stop: list[str] = field(default_factory=list)
-    truncate: int | None = None
-    watermark: bool = False
-    details: bool = False
-    decoder_input_details: bool = False
-    seed: int | None = None
-    top_n_tokens: int | None = None
-    # TGI's dict ({"type": ..., "value": ...}) or a GrammarSpec (the OpenAI layer builds its own).
-    grammar: dict | GrammarSpec | None = None
-    adapter_id: str | None = None  # ignored: the base model serves the request
-    # OpenAI's: subtracted once from the logit of every token already seen; added to given ids' logits.
-    presence_penalty: float | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    # Ours: the first generated token, as a token of the vocabulary (transformers' forced_bos_token_id:
-    # M2M100's or mBART's target language, e.g. "__fr__"); default: the model's generation config.
-    forced_bos_token: str | None = None
-
-
-@dataclass
-class GenerateRequest:
-    inputs: str
-    parameters: GenerateParameters = field(default_factory=GenerateParameters)
-    # False when a chat template already wrote the special tokens into `inputs`.
-    add_special_tokens: bool = True
-    # OpenAI's routes end the text before a matched stop sequence; TGI's keep it.
-    strip_stop: bool = False
+from inference_service.sampling_params import EngineRequest, SamplingParams, StoppingParams
 
 
 @dataclass
 class ValidatedRequest:
-    """A request the engine can run: limits checked, prompt tokenized, defaults filled in."""
+    """What a route runs: the engine's request, and how the route answers it."""
 
-    inputs: str  # as sent, also when truncated (`return_full_text` prepends it, as TGI does)
-    prompt_token_ids: list[int]  # after truncation
-    input_length: int
-    sampling_params: SamplingParams
-    stopping_params: StoppingParams
+    engine_request: EngineRequest
     best_of: int
     details: bool
     decoder_input_details: bool
-    return_full_text: bool  # None became False: `/generate`'s default; the compat route decides its own
-    top_n_tokens: int
-    strip_stop: bool = False  # end the text before a matched stop sequence (OpenAI's routes)
-    grammar: CompiledGrammar | None = None  # the output must match it
 
-
-@dataclass(frozen=True)
-class TokenSpan:
-    """One prompt token with its text and character offsets into the input, as TGI's `/tokenize`."""
-
-    id: int
-    text: str
-    start: int
-    stop: int
+    @property
+    def input_length(self) -> int:
+        return self.engine_request.num_prompt_tokens
 
 
 def wants_sampling(params: GenerateParameters) -> bool:
@@ -138,13 +86,23 @@ class Validator:
         self._vocab: dict[str, int] | None = None
 
     def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
-        """Raise `ValidationError` with the first failing check, in TGI's order."""
+        """TGI's routes: raise `ValidationError` with the first failing check, in TGI's order."""
         params = request.parameters
         if stream:
             _check_stream_only(params)
         best_of = self._check_best_of(params.best_of)
-        _check(best_of == 1 or wants_sampling(params), "you must use sampling when `best_of` is > 1")
+        do_sample = wants_sampling(params)
+        _check(best_of == 1 or do_sample, "you must use sampling when `best_of` is > 1")
         _check_sampling_ranges(params)
+        return self.prepare(request, do_sample=do_sample, best_of=best_of, stream=stream)
+
+    def prepare(self, request: GenerateRequest, *, do_sample: bool, best_of: int = 1,
+                stream: bool = False) -> ValidatedRequest:
+        """Every API: the engine's limits, the prompt's tokens, the seed and the grammar. The
+        sampling ranges were checked by the caller's API, which also decided `do_sample`."""
+        params = request.parameters
+        if stream:
+            _check_stream_only(params)
         vocab_size = self._info.vocab_size
         _check(all(0 <= token_id < vocab_size for token_id in params.logit_bias),
                f"`logit_bias` keys must be token ids in [0, {vocab_size})")
@@ -158,29 +116,26 @@ class Validator:
         prompt_token_ids = self._tokenize(request, params.truncate)
         max_new_tokens = self._check_lengths(len(prompt_token_ids), params.max_new_tokens)
         forced = self._forced_tokens(params.forced_bos_token, max_new_tokens)
-        grammar = self._compile_grammar(params.grammar)
-        return ValidatedRequest(
-            inputs=request.inputs,
+        engine_request = EngineRequest(
             prompt_token_ids=prompt_token_ids,
-            input_length=len(prompt_token_ids),
-            sampling_params=_sampling_params(params, seed, top_n_tokens, forced),
-            stopping_params=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop)),
-            best_of=best_of,
-            details=bool(params.details),
-            decoder_input_details=bool(params.decoder_input_details),
-            return_full_text=bool(params.return_full_text),
-            top_n_tokens=top_n_tokens,
-            strip_stop=request.strip_stop,
-            grammar=grammar,
+            sampling=_sampling_params(params, do_sample, seed, top_n_tokens, forced),
+            stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop),
+                                    strip_stop=request.strip_stop),
+            grammar=self._compile_grammar(params.grammar),
+            text_prefix=request.inputs if params.return_full_text else "",
         )
+        return ValidatedRequest(engine_request, best_of=best_of, details=bool(params.details),
+                                decoder_input_details=bool(params.decoder_input_details))
 
     def _compile_grammar(self, grammar: dict | GrammarSpec | None) -> CompiledGrammar | None:
         """Compiled here, on the validation thread: a slow schema never stalls the engine's steps."""
         if grammar is None:
             return None
-        _check(self._grammar_compiler is not None, "grammar is not supported")
+        compiler = self._grammar_compiler
+        if compiler is None:
+            raise ValidationError("grammar is not supported")
         spec = grammar if isinstance(grammar, GrammarSpec) else grammar_spec_from_tgi(grammar)
-        return self._grammar_compiler.compile(spec)
+        return compiler.compile(spec)
 
     def _check_best_of(self, best_of: int | None) -> int:
         best_of = 1 if best_of is None else best_of
@@ -281,11 +236,12 @@ def _check_sampling_ranges(params: GenerateParameters) -> None:
            "`presence_penalty` must be >= -2.0 and <= 2.0")
 
 
-def _sampling_params(params: GenerateParameters, seed: int, top_n_tokens: int,
+def _sampling_params(params: GenerateParameters, do_sample: bool, seed: int, top_n_tokens: int,
                      forced_token_ids: tuple[tuple[int, int], ...] = ()) -> SamplingParams:
+    """A greedy request keeps temperature 1 (its argmax is the same at any temperature)."""
     return SamplingParams(
-        do_sample=wants_sampling(params),
-        temperature=1.0 if params.temperature is None else params.temperature,
+        do_sample=do_sample,
+        temperature=params.temperature if do_sample and params.temperature is not None else 1.0,
         top_k=params.top_k or 0,
         top_p=1.0 if params.top_p is None else params.top_p,
         typical_p=1.0 if params.typical_p is None else params.typical_p,

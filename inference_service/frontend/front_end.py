@@ -1,0 +1,106 @@
+"""The front end's door: each API's request in, the engine's `EngineRequest`s out.
+
+Chat templates, tokenization, grammar compilation and validation run here, on a worker thread
+(never on the event loop, never on the engine thread). The servicers in `api/` call one method per
+route and hand what comes back to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from typing import Any
+
+from inference_service.errors import ModelLoadError
+from inference_service.frontend import openai, tgi
+from inference_service.frontend.chat_template import ChatTemplate, load_template_file
+from inference_service.frontend.openai import ChatPlan, CompletionPlan
+from inference_service.frontend.parameters import GenerateRequest, TokenSpan
+from inference_service.frontend.validation import ValidatedRequest, Validator, tokenize
+from inference_service.outputs import EngineInfo
+from inference_service.sample.grammar import GrammarCompiler
+from inference_service.sampling_params import EngineRequest
+from textgen.v1 import generate_pb2 as pb
+
+
+class FrontEnd:
+    """Validates and converts requests for one loaded model (its tokenizer, limits and template)."""
+
+    def __init__(self, info: EngineInfo, tokenizer: Any, grammar_compiler: GrammarCompiler | None = None,
+                 chat_template: str | None = None, rng: random.Random | None = None):
+        self.info = info
+        self.tokenizer = tokenizer
+        self.chat_template = ChatTemplate(tokenizer, chat_template)
+        self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler)
+        self.has_fill_in_middle = openai.has_fill_in_middle(tokenizer)
+        self._rng = rng or random.SystemRandom()
+
+    @classmethod
+    def for_engine(cls, engine: Any, chat_template_file: str | None = None) -> FrontEnd:
+        """The front end of a loaded `AsyncEngine` (`--chat-template FILE` replaces the tokenizer's)."""
+        template = None
+        if chat_template_file:
+            try:
+                template = load_template_file(chat_template_file)
+            except (OSError, ValueError) as error:
+                raise ModelLoadError(f"--chat-template: {error}") from error
+        return cls(engine.info, engine.tokenizer, engine.grammar_compiler, template)
+
+    # -- TGI ------------------------------------------------------------------------------
+    async def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
+        """TGI's validation, tokenization included."""
+        return await asyncio.to_thread(self.validator.validate, request, stream=stream)
+
+    async def generate(self, request: pb.GenerateRequest, *, stream: bool,
+                       compat_route: bool = False) -> ValidatedRequest:
+        converted = tgi.request_from_pb(request, compat_route=compat_route, pipeline_tag=self.info.pipeline_tag)
+        return await self.validate(converted, stream=stream)
+
+    def best_of_variants(self, validated: ValidatedRequest) -> list[EngineRequest]:
+        """TGI's `best_of`: that many sequences, each freshly seeded (one request when 1)."""
+        if validated.best_of <= 1:
+            return [validated.engine_request]
+        return [_reseeded(validated.engine_request, self._rng.getrandbits(64)) for _ in range(validated.best_of)]
+
+    async def tokenize(self, inputs: str) -> list[TokenSpan]:
+        return await asyncio.to_thread(tokenize, self.tokenizer, inputs)
+
+    # -- OpenAI ---------------------------------------------------------------------------
+    async def chat(self, request: pb.ChatCompletionRequest, *, stream: bool) -> tuple[ChatPlan, list[EngineRequest]]:
+        """The conversation rendered by the chat template, validated; one request per choice."""
+        plan = openai.chat_plan(request)
+        return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
+
+    def _chat_choices(self, plan: ChatPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
+        prompt = self.chat_template.render(plan.messages, tools=plan.tools, documents=plan.documents,
+                                           tool_prompt=plan.tool_prompt, variables=plan.template_variables)
+        generate = GenerateRequest(inputs=prompt, parameters=plan.parameters, add_special_tokens=False,
+                                   strip_stop=True)  # the template already wrote the special tokens
+        validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
+        return self._choices(validated.engine_request, plan.num_choices, seed_requested)
+
+    async def completion(self, request: pb.CompletionRequest, *,
+                         stream: bool) -> tuple[CompletionPlan, list[EngineRequest]]:
+        """Each prompt validated; `n` requests per prompt, prompt by prompt."""
+        plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
+        return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"), stream)
+
+    def _completion_choices(self, plan: CompletionPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
+        choices = []
+        for prompt in plan.prompts:
+            generate = GenerateRequest(inputs=openai.with_suffix(prompt, plan.suffix), parameters=plan.parameters,
+                                       strip_stop=True)
+            validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
+            choices += self._choices(validated.engine_request, plan.num_choices, seed_requested)
+        return choices
+
+    def _choices(self, request: EngineRequest, num_choices: int, seed_requested: bool) -> list[EngineRequest]:
+        """`n` copies of a request, choice i seeded `seed + i` (or freshly when unseeded)."""
+        seeds = openai.choice_seeds(request.sampling.seed, num_choices, seed_requested,
+                                     lambda: self._rng.getrandbits(64))
+        return [request if i == 0 else _reseeded(request, seed) for i, seed in enumerate(seeds)]
+
+
+def _reseeded(request: EngineRequest, seed: int) -> EngineRequest:
+    return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
