@@ -1,4 +1,5 @@
 # The README's two commands are `make run` and `make test`; the other targets are their parts.
+# CI (.ci/run) runs `make lint typecheck test`: ruff's lint and format check, mypy, then the suite.
 #
 # Setup is idempotent: the venv is installed once per content of the pyproject files (a stamp
 # keyed on their hash), so a second `make test` goes straight to pytest.
@@ -17,8 +18,10 @@ STAMP := $(VENV)/.installed-$(INSTALL_KEY)
 ARGS ?=
 # `make test PYTEST_ARGS="-m 'not slow'"` passes options to pytest.
 PYTEST_ARGS ?=
+# What `make typecheck` checks (those of them that exist).
+TYPECHECKED := $(wildcard inference_service/engine inference_service/sample inference_service/worker inference_service/frontend)
 
-.PHONY: run test setup browser fuzz protos protos-check demo-model lint clean
+.PHONY: run test setup browser fuzz protos protos-check demo-model lint typecheck clean
 
 run: setup protos demo-model
 	$(VENV)/bin/inference-service launch $(ARGS)
@@ -69,9 +72,13 @@ demo-model: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: setup
+	$(PY) -m mypy $(TYPECHECKED)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
 # The engine, serving, prefix-cache and speculation benchmarks in quick mode (a tiny random model, about a minute): a CI
 # smoke run, no thresholds.

@@ -1,4 +1,7 @@
-"""The observability of one server (traces, metrics, request logs), built from its `ServerConfig`.
+"""The observability of one server (traces, metrics, request logs), built from its settings.
+
+It reads two of them, named by `TracingSettings`, which the server's `ServerConfig` has: the
+arrow runs from the server to here, never back.
 
 `ApiServer` owns one `Observability`: its interceptors go into the gRPC server, its request
 observer and metrics renderer into the servicer, its step observer into the engine, and the
@@ -8,23 +11,33 @@ metrics port opens next to the gRPC port.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from inference_service.observability.metrics import ServerMetrics
 from inference_service.observability.metrics_server import MetricsServer
 from inference_service.observability.requests import RequestObserver
 
 if TYPE_CHECKING:
-    from inference_service.api.config import ServerConfig
     from inference_service.engine.async_engine import AsyncEngine
     from inference_service.observability.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
+
+class TracingSettings(Protocol):
+    """What the hub reads of the server's settings (`api.config.ServerConfig` has both)."""
+
+    @property
+    def otlp_endpoint(self) -> str | None: ...
+
+    @property
+    def otlp_service_name(self) -> str: ...
+
+
 class Observability:
     """Metrics always; tracing when `otlp_endpoint` is set."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: TracingSettings):
         self.metrics = ServerMetrics()
         self.tracing: Tracing | None = None
         if config.otlp_endpoint:

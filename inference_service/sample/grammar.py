@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -30,10 +30,13 @@ from torch import Tensor
 
 from inference_service.errors import GenerationError, ValidationError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stub only
+
 KINDS = ("json", "regex", "lark")
 # One whitespace style: flexible whitespace lets a weak model loop on blanks until max_new_tokens.
 # The separators are the usual `json.dumps` ones, the spacing models most often write.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
 
 
@@ -217,7 +220,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.max_cache_size = max_cache_size
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids)
-        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # compilations run (cache misses), for tests and metrics
 
@@ -227,17 +230,17 @@ class GrammarCompiler:
         Concurrent callers of one new spec wait for a single compilation; other specs don't wait.
         """
         with self._lock:
-            future = self._cache.get(spec)
-            owner = future is None
-            if owner:
-                future = self._cache[spec] = Future()
+            cached = self._cache.get(spec)
+            if cached is None:
+                future: Future[CompiledGrammar] = Future()
+                self._cache[spec] = future
                 self.num_compiled += 1
                 while len(self._cache) > self.max_cache_size:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(spec)
-        if not owner:
-            return future.result()
+        if cached is not None:
+            return cached.result()
         try:
             compiled = self._compile(spec)
         except BaseException as error:

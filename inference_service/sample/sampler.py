@@ -80,6 +80,12 @@ class SamplingState:
         return self._forced.get(self.num_generated) if self._forced else None
 
     @property
+    def previous_token_id(self) -> int:
+        """The last token, prompt or output: the watermark's seed (a watermark request has a prompt)."""
+        assert self.last_token_id is not None, "no token yet: SamplingState refuses a watermark without a prompt"
+        return self.last_token_id
+
+    @property
     def num_seen(self) -> int:
         return len(self._seen)
 
@@ -93,6 +99,11 @@ class SamplingState:
             new_ids = list(self._seen)[len(self._seen_ids):]
             self._seen_ids = torch.cat([self._seen_ids, torch.tensor(new_ids, device=self._seen_ids.device)])
         return self._seen_ids
+
+    def seen_token_counts(self, token_ids: Tensor) -> Tensor:
+        """How often each of `token_ids` was seen, in prompt + output (penalties only)."""
+        assert self.token_counts is not None, "the counts are kept for requests with penalties only"
+        return self.token_counts.gather(0, token_ids)
 
 
 @dataclass
@@ -139,12 +150,12 @@ class Sampler:
     def apply_grammars(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         """The logits with -inf where a row's grammar disallows (a new tensor; `logits` itself when
         no row has a grammar)."""
-        rows = [i for i, s in enumerate(states) if s.grammar is not None]
-        if not rows:
+        grammars = {i: s.grammar for i, s in enumerate(states) if s.grammar is not None}
+        if not grammars:
             return logits
-        bitmask = fill_bitmasks([states[i].grammar for i in rows], self.vocab_size)  # [R, W] on CPU
+        bitmask = fill_bitmasks(list(grammars.values()), self.vocab_size)  # [R, W] on CPU
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        return _update_rows(logits.clone(), rows, lambda sub: ops.apply_token_bitmask(sub, bitmask))
+        return _update_rows(logits.clone(), list(grammars), lambda sub: ops.apply_token_bitmask(sub, bitmask))
 
     def prefetch_grammars(self, states: Sequence[SamplingState]) -> None:
         """After a step's tokens are appended: start the next masks of the rows with a grammar, to be
@@ -159,19 +170,19 @@ class Sampler:
         x = logits.clone()  # [B, V]
         rows = _rows(params, lambda p: bool(p.logit_bias))
         if rows:
-            ids, bias = _padded([[t for t, _ in params[i].logit_bias] for i in rows],
-                                [[b for _, b in params[i].logit_bias] for i in rows], x.device)
+            ids = _padded([[t for t, _ in params[i].logit_bias] for i in rows], x.device)
+            bias = _padded([[b for _, b in params[i].logit_bias] for i in rows], x.device, torch.float32)
             x = _update_rows(x, rows, lambda sub: ops.apply_logit_bias(sub, ids, bias))
         rows = _rows(params, lambda p: p.watermark)
         if rows:
-            previous = [states[i].last_token_id for i in rows]
+            previous = [states[i].previous_token_id for i in rows]
             x = _update_rows(x, rows, lambda sub: self.watermark.apply(sub, previous))
         x = _apply_penalties(x, states)
-        rows = [i for i, s in enumerate(states) if s.generated_ids]
-        if rows:
-            ids, _ = _padded([list(states[i].generated_ids) for i in rows], None, x.device)
-            penalty = _param(x, [params[i].presence_penalty for i in rows], torch.float32)
-            x = _update_rows(x, rows, lambda sub: ops.apply_presence_penalty(sub, ids, penalty))
+        generated = {i: s.generated_ids for i, s in enumerate(states) if s.generated_ids}
+        if generated:
+            ids = _padded([list(g) for g in generated.values()], x.device)
+            penalty = _param(x, [params[i].presence_penalty for i in generated], torch.float32)
+            x = _update_rows(x, list(generated), lambda sub: ops.apply_presence_penalty(sub, ids, penalty))
         rows = _rows(params, lambda p: p.temperature != 1.0)
         if rows:
             temperature = _param(x, [params[i].temperature for i in rows], torch.float32)
@@ -239,21 +250,16 @@ def _seen_tokens(states: Sequence[SamplingState]) -> tuple[Tensor, Tensor]:
     width = max(len(ids) for ids in seen)
     token_ids = torch.stack([torch.nn.functional.pad(ids, (0, width - len(ids)), value=s.first_seen_id)
                              for s, ids in zip(states, seen, strict=True)])  # [R, T]
-    token_counts = torch.stack([s.token_counts.gather(0, ids)
+    token_counts = torch.stack([s.seen_token_counts(ids)
                                 for s, ids in zip(states, token_ids, strict=True)])  # [R, T]
     return token_ids, token_counts
 
 
-def _padded(ids: list[list[int]], values: list[list[float]] | None,
-            device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """Ragged rows of ids (and their values) as `[R, T]` tensors, each row padded by repeating its
+def _padded(rows: Sequence[Sequence[float]], device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """Ragged rows (of ids, or of their values) as one `[R, T]` tensor, each row padded by repeating its
     first entry, which scatters the same result twice."""
-    width = max(len(row) for row in ids)
-    token_ids = torch.tensor([row + row[:1] * (width - len(row)) for row in ids], device=device)
-    if values is None:
-        return token_ids, None
-    return token_ids, torch.tensor([row + row[:1] * (width - len(row)) for row in values],
-                                   dtype=torch.float32, device=device)
+    width = max(len(row) for row in rows)
+    return torch.tensor([list(row) + list(row[:1]) * (width - len(row)) for row in rows], dtype=dtype, device=device)
 
 
 def _take(t: Tensor, rows: list[int]) -> Tensor:

@@ -1,10 +1,14 @@
 """Arrows run one way: api → frontend → engine → worker / sample / models → the ground floor (outputs,
 sampling_params, config, errors); the commands (cli, gateway.launch) → flags. Checked on the
-import statements of every module (imports only for type checkers excepted)."""
+import statements of every module (imports only for type checkers excepted).
+
+And no loops anywhere: the module import graph of the server, the gateway and the client, every
+import counted (type checkers' and functions' too), has no cycle."""
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -84,3 +88,92 @@ def test_the_ground_floor_exists_and_is_used():
              if any(m.startswith(("inference_service.outputs", "inference_service.sampling_params"))
                     for _, m in _runtime_imports(p))}
     assert {"inference_service.worker.model_runner", "inference_service.sample.sampler"} <= users
+
+
+# The folders the loop check walks: (where module names start, top-level package).
+PACKAGES = ((ROOT, "inference_service"), (ROOT, "gateway"), (ROOT / "clients" / "python", "textgen_client"))
+
+
+def _import_graph() -> dict[str, dict[str, int]]:
+    """module → {module it imports: line}, over every .py file of PACKAGES and every import statement
+    (under `if TYPE_CHECKING:` and inside functions too), relative ones resolved. `from pkg import name`
+    is an import of the module `pkg.name` when there is one, else of `pkg`; `import a.b.c` is one of
+    `a.b.c`, and also of the packages `a` and `a.b` it runs, except the importer's own enclosing
+    packages (Python has started them before the importer runs: counting them would make a loop of
+    every `__init__` that imports its submodules). Importing one's own package by name (`from pkg
+    import __version__`) needs what that `__init__` defines, so it counts."""
+    files = {}
+    for base, package in PACKAGES:
+        for path in sorted((base / package).rglob("*.py")):
+            parts = path.relative_to(base).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:  # the innermost of our modules that `name` is, or is in
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [known(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    source = f"{base}.{source}" if source else base
+                targets = [known(f"{source}.{alias.name}") for alias in node.names]
+            else:
+                continue
+            for target in filter(None, targets):
+                enclosing = [target.rsplit(".", n)[0] for n in range(1, target.count(".") + 1)]
+                for name in [target] + [p for p in enclosing if p in files and not module.startswith(p + ".")]:
+                    if name != module:
+                        edges.setdefault(name, node.lineno)
+        graph[module] = edges
+    return graph
+
+
+def _loops(graph: dict[str, dict[str, int]]) -> list[str]:
+    """A shortest cycle through each strongly connected component of more than one module, as
+    `module:line → module:line → … → first module` (the line is the import that leads on)."""
+    reach = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for name in graph[todo.pop()]:
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+        reach[start] = seen
+    components = {frozenset(m for m in reach[start] if start in reach[m]) for start in graph if start in reach[start]}
+    loops = []
+    for component in sorted(components, key=min):
+        start = min(component)
+        came_from: dict[str, str] = {}
+        todo = deque([start])
+        while start not in came_from:  # breadth first inside the component, back to start
+            here = todo.popleft()
+            for name in graph[here]:
+                if name in component and name not in came_from:
+                    came_from[name] = here
+                    todo.append(name)
+        path = [came_from[start]]
+        while path[-1] != start:
+            path.append(came_from[path[-1]])
+        path.reverse()  # start, …, the module that imports start
+        steps = [f"{module}:{graph[module][after]}" for module, after in zip(path, path[1:] + [start], strict=True)]
+        modules = ", ".join(sorted(component))
+        loops.append(" → ".join(steps + [start]) + f"  (all {len(component)} of its modules: {modules})")
+    return loops
+
+
+def test_no_import_loops():
+    """No module reaches itself through imports, whichever kind (see `_import_graph`)."""
+    graph = _import_graph()
+    assert {package for _, package in PACKAGES} <= graph.keys() and len(graph) > len(PACKAGES)
+    loops = _loops(graph)
+    assert not loops, "import loops:\n" + "\n".join(loops)

@@ -14,6 +14,7 @@ from textgen_client._openai_methods import OpenAIMethods
 from textgen_client._proto.textgen.v1 import generate_pb2 as pb
 from textgen_client._retry import NO_RETRY, RetryPolicy, is_retryable
 from textgen_client._tracing import trace_metadata
+from textgen_client._types import Metadata
 from textgen_client._version import __version__
 from textgen_client.errors import (
     DeadlineExceededError,
@@ -27,8 +28,6 @@ from textgen_client.types import Grammar, InfoResponse, Response, SimpleToken, S
 
 DEFAULT_TARGET = "localhost:50051"
 _SERVICE = "/textgen.v1.TextGeneration/"
-
-Metadata = Mapping[str, str] | Sequence[tuple[str, str]]
 
 
 def _pairs(metadata: Metadata | None) -> list[tuple[str, str]]:

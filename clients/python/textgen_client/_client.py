@@ -20,8 +20,9 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import grpc
 
-from textgen_client._async_client import DEFAULT_TARGET, AsyncClient, Metadata
+from textgen_client._async_client import DEFAULT_TARGET, AsyncClient
 from textgen_client._retry import RetryPolicy
+from textgen_client._types import Metadata
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -8,15 +8,13 @@ them; results are the frozen dataclasses of `textgen_client.openai_types`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from textgen_client import _openai_convert
 from textgen_client._proto.textgen.v1 import generate_pb2 as pb
+from textgen_client._types import Metadata
 from textgen_client.errors import NotFoundError, from_kind
 from textgen_client.openai_types import ChatCompletion, ChatCompletionChunk, ChatMessage, Completion, ModelCard
-
-if TYPE_CHECKING:
-    from textgen_client._async_client import Metadata
 
 Message = dict[str, Any] | ChatMessage
 # The arguments of a method that are not fields of the request body.
