@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inference_service.errors import InferenceError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.StrEnum):
@@ -245,3 +249,15 @@ class GenerateResult:
     prefill_tokens: list[PrefillToken]  # empty unless decoder_input_details
     best_of_sequences: list[GenerateResult] = field(default_factory=list)  # the losers
     timings: RequestTimings | None = None
+
+
+@dataclass
+class StepLogits:
+    """fp32 logits: the rows of each request that samples (in scheduled order: one, or 1 + its
+    draft tokens with speculation), and the rows of prompt chunks whose prompt logprobs were asked for."""
+
+    sample_ids: list[str]
+    sample_logits: torch.Tensor  # [S, V]: sum(num_sample_rows) rows, each request's consecutive
+    prompt_logits: dict[str, torch.Tensor]  # request id → [num_new_tokens, V]
+    num_attention_calls: int = 0  # one per layer when the model routes attention through us (the probe)
+    num_sample_rows: list[int] | None = None  # per sample id; None: one row each

@@ -32,12 +32,13 @@ from inference_service.outputs import (
     RequestOutput,
     ScheduledRequest,
     SchedulerOutput,
+    StepLogits,
     StepStats,
     Token,
 )
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
-from inference_service.worker.model_runner import ModelRunner, StepLogits
+from inference_service.worker.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
