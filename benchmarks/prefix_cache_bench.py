@@ -37,8 +37,8 @@ from inference_service.config import DEMO_MODEL_ID, CacheConfig, EngineConfig, M
 from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
 from inference_service.frontend.chat_template import ChatTemplate  # noqa: E402
-from inference_service.worker.kv_cache import LayerShape, PagedKVCache  # noqa: E402
-from inference_service.worker.model_runner import ModelRunner  # noqa: E402
+from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache  # noqa: E402
+from inference_service.worker.runner.model_runner import ModelRunner  # noqa: E402
 
 FULL = {"conversations": 16, "turns": 6, "system_tokens": 1000, "tokens_per_turn": 16, "runs": 1}
 QUICK = {"conversations": 3, "turns": 3, "system_tokens": 120, "tokens_per_turn": 4, "runs": 1}

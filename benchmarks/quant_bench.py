@@ -47,7 +47,7 @@ def model_id_for(scheme: str, args: argparse.Namespace) -> str:
         return args.model_id
     from inference_service.config import ModelConfig, default_cache_dir
     from inference_service.models.loader import resolve_model
-    from inference_service.worker.quant.writers import write_checkpoint
+    from tools.checkpoint_writers import write_checkpoint
 
     source = resolve_model(ModelConfig(model_id=args.model_id)).path
     target = Path(default_cache_dir()) / "quant-checkpoints" / f"{source.name}-{scheme}"

@@ -4,7 +4,7 @@ For each shape (K → N) and row count M: fp32 torch (`F.linear`), the fp32 nati
 (M ≤ 32), the panel GEMM on fp32 weights, and the packed-weight kernel over int8 per-channel
 (gs = K), 4-bit gs 32, 4-bit gs 128 and 8-bit gs 32 codes, plus the many-row path QuantLinear takes
 above MAX_QUANT_ROWS (the panel GEMM over the codes) for int8 gs = K and 4-bit gs 32, and what the
-engine runs at every row count: fp32 weights and int8 gs = K codes stored in panels (worker/panels.py).
+engine runs at every row count: fp32 weights and int8 gs = K codes stored in panels (worker/kernels/panels.py).
 All variants of one shape and M run in the same rounds, alternating; each number is the median over
 rounds of the mean ms per call. The crossover is the smallest M where the panel GEMM beats the kernel.
 
@@ -26,8 +26,9 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from inference_service.worker import cpu_kernels, panels  # noqa: E402
-from inference_service.worker.quant.packed import quantize_rtn  # noqa: E402
+from inference_service.worker.kernels import bindings as cpu_kernels  # noqa: E402
+from inference_service.worker.kernels import panels  # noqa: E402
+from inference_service.worker.kernels.packed import quantize_rtn  # noqa: E402
 
 # (name, K, N): the demo model's projections (SmolLM2-135M) and its output head.
 SHAPES = [("q/o proj", 576, 576), ("k/v proj", 576, 192), ("gate/up proj", 576, 1536), ("down proj", 1536, 576),

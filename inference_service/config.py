@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# TGI's --quantize values and ours (gguf); worker/quant/schemes.py says what each one does.
+# TGI's --quantize values and ours (gguf); worker/weights/schemes.py says what each one does.
 QUANTIZE_SCHEMES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "fp8", "gptq", "awq",
                     "compressed-tensors", "gguf")
 
@@ -33,7 +33,7 @@ class ModelConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     huggingface_hub_cache: str | None = None
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
-    quantize: str | None = None  # a scheme of worker/quant/schemes.py; None: as the checkpoint is stored
+    quantize: str | None = None  # a scheme of worker/weights/schemes.py; None: as the checkpoint is stored
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),

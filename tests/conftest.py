@@ -224,7 +224,7 @@ def demo_grpc_server():
 
 def copy_linear_weight(module, weight) -> None:
     """Overwrite a served linear's weight [N, K] in place, whichever layout the engine keeps it in."""
-    from inference_service.worker.panelled_linear import PanelledLinear
+    from inference_service.worker.linears.panelled import PanelledLinear
 
     if isinstance(module, PanelledLinear):
         module.copy_weight_(weight)

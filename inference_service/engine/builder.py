@@ -25,15 +25,22 @@ from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
-from inference_service.worker import attention, native_linear, panelled_linear
-from inference_service.worker.cache_runner import ATTENTION_IMPL, CacheRunner
-from inference_service.worker.cpu_kernels import decode_glue_for, decode_kernel_for, linear_kernel_for, panel_kernel_for
-from inference_service.worker.decode_step import decode_step_for
-from inference_service.worker.kv_cache import LayerShape, PagedKVCache
-from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
-from inference_service.worker.quant import schemes
-from inference_service.worker.quant.at_load import quantize_at_load, weights_nbytes
-from inference_service.worker.quant.install import install_gguf
+from inference_service.worker.attention import paged as attention
+from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.kernels.bindings import (
+    decode_glue_for,
+    decode_kernel_for,
+    linear_kernel_for,
+    panel_kernel_for,
+)
+from inference_service.worker.linears import native as native_linear
+from inference_service.worker.linears import panelled as panelled_linear
+from inference_service.worker.runner.decode_step import decode_step_for
+from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.transformers_runner.runner import ATTENTION_IMPL, TransformersRunner
+from inference_service.worker.weights import schemes
+from inference_service.worker.weights.at_load import quantize_at_load, weights_nbytes
+from inference_service.worker.weights.gguf.install import install_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
                              decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)))
     else:  # blocks stay the memory budget of the per-request caches
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
-        runner = CacheRunner(loaded.model, loaded.device)
+        runner = TransformersRunner(loaded.model, loaded.device)
         logger.warning("serving %s through transformers' attention, one cache per request (no prefix caching): %s",
                        config.model.model_id, loaded.fallback_reason)
     info = make_info(config, loaded, num_blocks)

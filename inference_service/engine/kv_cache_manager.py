@@ -2,7 +2,7 @@
 caching) blocks shared between requests by reference count.
 
 Pure Python over block ids; it never touches tensors or request objects, so it can be tested
-exhaustively. The tensors themselves live in `worker.kv_cache`.
+exhaustively. The tensors themselves live in `worker.attention.kv_cache`.
 
 Every block is in exactly one of three states:
 - held: in the tables of `ref_count(block) > 0` requests. Only full, computed blocks found through

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from inference_service.config import default_cache_dir
 from inference_service.errors import ModelLoadError
-from inference_service.models.gguf import convert_gguf, file_sha256, is_converted, remove_stale_dirs
+from inference_service.worker.weights.gguf.convert import convert_gguf, file_sha256, is_converted, remove_stale_dirs
 
 logger = logging.getLogger(__name__)
 

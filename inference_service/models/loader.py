@@ -24,7 +24,7 @@ from huggingface_hub import snapshot_download
 from inference_service.config import DEMO_MODEL_ID, ModelConfig, default_cache_dir
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo
-from inference_service.models.gguf import conversion_name, convert_gguf, file_sha256, is_converted
+from inference_service.worker.weights.gguf.convert import conversion_name, convert_gguf, file_sha256, is_converted
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 
 from inference_service.errors import ModelLoadError
-from inference_service.worker.quant.at_load import replace_module
-from inference_service.worker.quant.linear import QuantLinear
-from inference_service.worker.quant.packed import PackedWeight
+from inference_service.worker.kernels.packed import PackedWeight
+from inference_service.worker.linears.quant import QuantLinear
+from inference_service.worker.linears.replace import replace_module
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch
 def converter(scheme: str, quantization_config: dict[str, Any]) -> Converter:
     """A function from one linear's checkpoint tensors to its packed weight and input permutation."""
     if scheme in ("gptq", "awq"):
-        from inference_service.worker.quant.gptq import packed_from_awq, packed_from_gptq
+        from inference_service.worker.weights.gptq import packed_from_awq, packed_from_gptq
 
         bits, group_size = int(quantization_config.get("bits", 4)), int(quantization_config.get("group_size", 128))
         if scheme == "awq":
@@ -77,7 +77,7 @@ def converter(scheme: str, quantization_config: dict[str, Any]) -> Converter:
         return lambda _name, t: packed_from_gptq(t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"),
                                                  bits=bits, group_size=group_size, sym=sym,
                                                  checkpoint_format=checkpoint_format)
-    from inference_service.worker.quant.compressed_tensors import (
+    from inference_service.worker.weights.compressed_tensors import (
         packed_from_compressed_tensors,
         scheme_for_module,
         validate_compressed_tensors_config,

@@ -4,7 +4,7 @@ Our attention reaches a model only through transformers' attention interface. So
 bypass it (falcon, gptj), ignore it silently (bloom), or need masks we don't build (mpt,
 alibi models). The probe runs a packed batch through the loaded model, one sequence continuing a
 cached prefix, and requires one attention call per layer and logits equal to a plain forward.
-A model that fails (or is known to) is served by the fallback runner (worker/cache_runner.py)
+A model that fails (or is known to) is served by the fallback runner (worker/transformers_runner/)
 through transformers' own attention, never served wrong. So are encoder-decoders: T5's decoder
 attention bypasses the interface, and cross-attention reads a per-request encoder output.
 """
@@ -15,9 +15,9 @@ import torch
 
 from inference_service.errors import ModelLoadError
 from inference_service.outputs import ScheduledRequest
-from inference_service.worker.attention import ATTENTION_NAME
-from inference_service.worker.kv_cache import PagedKVCache
-from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.attention.kv_cache import PagedKVCache
+from inference_service.worker.attention.paged import ATTENTION_NAME
+from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
 
 # Passed the probe with tiny random configs (tests/unit/test_architectures.py keeps this honest).
 TESTED_ARCHITECTURES = (

@@ -1,1 +1,1 @@
-"""The model side of a step: KV cache tensors, the paged attention function, the model runner."""
+"""The model side of a step: both runners, paged attention, native kernels, runtime linears, weight formats."""

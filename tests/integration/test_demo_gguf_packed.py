@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from inference_service.models import demo
-from inference_service.models.gguf import file_sha256
-from inference_service.worker.quant.gguf_weights import gguf_linear_weights
+from inference_service.worker.weights.gguf.convert import file_sha256
+from inference_service.worker.weights.gguf.weights import gguf_linear_weights
 
 pytestmark = pytest.mark.slow
 

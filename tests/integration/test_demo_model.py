@@ -16,8 +16,8 @@ import torch
 from inference_service.config import ModelConfig
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo
-from inference_service.models.gguf import CONVERSION_MARKER
 from inference_service.models.loader import load_model, load_tokenizer, resolve_model
+from inference_service.worker.weights.gguf.convert import CONVERSION_MARKER
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import torch
 from inference_service.config import ModelConfig
 from inference_service.engine.builder import build_engine
 from inference_service.errors import ModelLoadError
-from inference_service.worker.quant.linear import QuantLinear
-from inference_service.worker.quant.writers import write_checkpoint
+from inference_service.worker.linears.quant import QuantLinear
 from tests.conftest import copy_linear_weight, greedy_token_ids
+from tools.checkpoint_writers import write_checkpoint
 
 VARIANTS = {
     "gptq-4bit-g32": {"format": "gptq", "bits": 4, "group_size": 32},

@@ -11,7 +11,7 @@ import torch
 from inference_service.config import QUANTIZE_SCHEMES, ModelConfig
 from inference_service.engine.builder import build_engine
 from inference_service.errors import ModelLoadError
-from inference_service.worker.quant import schemes
+from inference_service.worker.weights import schemes
 from tests.conftest import copy_linear_weight, greedy_token_ids
 
 PROMPT = "the quick brown fox"

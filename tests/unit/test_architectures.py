@@ -23,9 +23,12 @@ from transformers import AutoConfig
 from inference_service.errors import ModelLoadError
 from inference_service.models import registry
 from inference_service.outputs import ScheduledRequest
-from inference_service.worker import attention, cpu_kernels, decode_step, model_runner, native_linear
-from inference_service.worker.kv_cache import PagedKVCache
-from inference_service.worker.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.attention import paged as attention
+from inference_service.worker.attention.kv_cache import PagedKVCache
+from inference_service.worker.kernels import bindings as cpu_kernels
+from inference_service.worker.linears import native as native_linear
+from inference_service.worker.runner import decode_step, model_runner
+from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4

@@ -14,8 +14,9 @@ import logging
 import pytest
 import torch
 
-from inference_service.worker import attention, cpu_kernels
-from inference_service.worker.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.attention import paged as attention
+from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.kernels import bindings as cpu_kernels
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.worker import cpu_kernels
+from inference_service.worker.kernels import bindings as cpu_kernels
 
 
 @pytest.fixture(scope="module")

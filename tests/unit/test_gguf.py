@@ -18,8 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference_service.config import ModelConfig
 from inference_service.errors import ModelLoadError
-from inference_service.models.gguf import CONVERSION_MARKER, conversion_name, convert_gguf, is_converted
 from inference_service.models.loader import load_model, load_tokenizer, resolve_model
+from inference_service.worker.weights.gguf.convert import CONVERSION_MARKER, conversion_name, convert_gguf, is_converted
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "In 2018 there were 12345 cats.",

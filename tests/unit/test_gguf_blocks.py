@@ -22,14 +22,14 @@ from test_gguf import add_tokenizer, digit_splitting_tokenizer, gguf_tensors
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, GGUFTensor, LlamaTensorProcessor
 
-from inference_service.models.gguf import convert_gguf
-from inference_service.worker.quant.gguf_blocks import (
+from inference_service.worker.weights.gguf.blocks import (
     SUPPORTED_TYPES,
     is_quantized_type,
     is_supported_type,
     packed_from_gguf,
 )
-from inference_service.worker.quant.gguf_weights import gguf_linear_weights
+from inference_service.worker.weights.gguf.convert import convert_gguf
+from inference_service.worker.weights.gguf.weights import gguf_linear_weights
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Byte offsets of each type's fp16 fields (d, and m or dmin), the bytes random data could make inf/NaN.
@@ -217,7 +217,7 @@ def quantized_gguf(tmp_path_factory) -> tuple[Path, Path]:
 def test_every_packed_linear_is_the_weight_transformers_loads(quantized_gguf, caplog):
     path, folder = quantized_gguf
     model = meta_model(folder)
-    with caplog.at_level(logging.INFO, logger="inference_service.worker.quant.gguf_weights"):
+    with caplog.at_level(logging.INFO, logger="inference_service.worker.weights.gguf.weights"):
         packed = gguf_linear_weights(path, model)
 
     linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
@@ -265,7 +265,7 @@ class UnusualProcessor(LlamaTensorProcessor):
 def test_only_row_permutations_are_replayed(quantized_gguf, monkeypatch, caplog):
     path, folder = quantized_gguf
     monkeypatch.setitem(TENSOR_PROCESSORS, "llama", UnusualProcessor)
-    with caplog.at_level(logging.INFO, logger="inference_service.worker.quant.gguf_weights"):
+    with caplog.at_level(logging.INFO, logger="inference_service.worker.weights.gguf.weights"):
         packed = gguf_linear_weights(path, meta_model(folder))
 
     dropped = {"model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
@@ -283,7 +283,7 @@ def test_tied_lm_head_stays_with_the_dense_embedding(tmp_path, caplog):
     types = {name: Q.Q8_0 for name in TENSOR_TYPES}
     path = write_quantized_gguf(tmp_path / "tied.gguf", tiny_llama(vocab_size, tied=True), types)
     folder = convert_gguf(path, tmp_path / "converted")
-    with caplog.at_level(logging.INFO, logger="inference_service.worker.quant.gguf_weights"):
+    with caplog.at_level(logging.INFO, logger="inference_service.worker.weights.gguf.weights"):
         packed = gguf_linear_weights(path, meta_model(folder))
     assert len(packed) == 14 and "lm_head" not in packed
     assert "lm_head tied to the embedding" in caplog.text

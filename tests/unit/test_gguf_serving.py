@@ -11,7 +11,7 @@ from test_gguf_blocks import TENSOR_TYPES, tiny_llama, write_quantized_gguf
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
 from inference_service.engine.builder import build_engine
-from inference_service.worker.quant.linear import QuantLinear
+from inference_service.worker.linears.quant import QuantLinear
 from tests.conftest import greedy_token_ids
 
 

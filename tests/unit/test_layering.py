@@ -1,6 +1,8 @@
-"""Arrows run one way: api → frontend → engine → worker / sample / models → the ground floor (outputs,
-sampling_params, config, errors); the commands (cli, gateway.launch) → flags. Checked on the
-import statements of every module (imports only for type checkers excepted).
+"""Arrows run one way: api → frontend → engine → models → worker / sample → the ground floor
+(outputs, sampling_params, config, errors); the commands (cli, gateway.launch) → flags. Inside
+worker/: the runners → attention, linears → kernels, and weights (load time) → linears; the two
+runners share only step_rows. Checked on the import statements of every module (imports only for
+type checkers excepted).
 
 And no loops anywhere: the module import graph of the server, the gateway and the client, every
 import counted (type checkers' and functions' too), has no cycle."""
@@ -16,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GROUND_FLOOR = ("inference_service.outputs", "inference_service.sampling_params", "inference_service.config",
                 "inference_service.errors")
+WORKER = "inference_service.worker"
 ABOVE_GROUND = tuple(f"inference_service.{name}" for name in (
     "frontend", "engine", "api", "worker", "sample", "models", "observability", "cli", "flags")) + ("gateway",)
 # A package (or module) → what it must never import.
@@ -24,7 +27,19 @@ FORBIDDEN = {
     "inference_service.models": ("inference_service.frontend", "inference_service.engine", "inference_service.api",
                                  "inference_service.cli", "inference_service.flags", "gateway"),
     "inference_service.worker": ("inference_service.frontend", "inference_service.engine", "inference_service.api",
-                                 "inference_service.cli", "inference_service.flags", "gateway"),
+                                 "inference_service.cli", "inference_service.flags", "inference_service.models",
+                                 "gateway"),
+    # Inside worker/: kernels at the bottom, linears and attention over them, weights (load time) over
+    # linears, the two runners on top; the runners meet only in step_rows.
+    **{f"{WORKER}.{part}": tuple(f"{WORKER}.{other}" for other in others) for part, others in {
+        "kernels": ("step_rows", "attention", "linears", "weights", "runner", "transformers_runner"),
+        "linears": ("step_rows", "attention", "weights", "runner", "transformers_runner"),
+        "attention": ("step_rows", "linears", "weights", "runner", "transformers_runner"),
+        "weights": ("step_rows", "attention", "runner", "transformers_runner"),
+        "step_rows": ("kernels", "attention", "linears", "weights", "runner", "transformers_runner"),
+        "runner": ("weights", "transformers_runner"),
+        "transformers_runner": ("weights", "runner"),
+    }.items()},
     "inference_service.sample": ("inference_service.frontend", "inference_service.engine", "inference_service.api",
                                  "inference_service.cli", "inference_service.flags", "inference_service.models",
                                  "inference_service.worker", "gateway"),
@@ -87,7 +102,7 @@ def test_the_ground_floor_exists_and_is_used():
     users = {_module_name(p) for p in _modules()
              if any(m.startswith(("inference_service.outputs", "inference_service.sampling_params"))
                     for _, m in _runtime_imports(p))}
-    assert {"inference_service.worker.model_runner", "inference_service.sample.sampler"} <= users
+    assert {"inference_service.worker.runner.model_runner", "inference_service.sample.sampler"} <= users
 
 
 # The folders the loop check walks: (where module names start, top-level package).

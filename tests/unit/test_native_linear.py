@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_config, tiny_model
 
-from inference_service.worker import cpu_kernels, native_linear
+from inference_service.worker.kernels import bindings as cpu_kernels
+from inference_service.worker.linears import native as native_linear
 
 TOLERANCE = 1e-4
 

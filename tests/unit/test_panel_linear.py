@@ -1,6 +1,6 @@
 """The panel GEMM (many rows of x) computes x·Wᵀ + b as float64 math does, from fp32 weights and from
 packed 4- and 8-bit codes, and the modules route prefill-sized inputs to it. Weights stored in the
-panel layout (worker/panels.py), 8-bit codes in QuantLinear and fp32 ones in PanelledLinear, compute
+panel layout (worker/kernels/panels.py), 8-bit codes in QuantLinear and fp32 ones in PanelledLinear, compute
 the same at every row count; PanelledLinear replaces exactly the linears it should and leaves a
 model's logits as they were.
 
@@ -15,11 +15,14 @@ import pytest
 import torch
 from tiny_models import tiny_config, tiny_model
 
-from inference_service.worker import cpu_kernels, native_linear, panelled_linear, panels
-from inference_service.worker.decode_step import fuse_projections
-from inference_service.worker.panelled_linear import PanelledLinear
-from inference_service.worker.quant.linear import QuantLinear
-from inference_service.worker.quant.packed import PackedWeight, quantize_rtn
+from inference_service.worker.kernels import bindings as cpu_kernels
+from inference_service.worker.kernels import panels
+from inference_service.worker.kernels.packed import PackedWeight, quantize_rtn
+from inference_service.worker.linears import native as native_linear
+from inference_service.worker.linears import panelled as panelled_linear
+from inference_service.worker.linears.panelled import PanelledLinear
+from inference_service.worker.linears.quant import QuantLinear
+from inference_service.worker.runner.decode_step import fuse_projections
 
 TOLERANCE = 1e-5  # relative to the output's magnitude
 ROWS = [1, 5, 12, 13, 23, 24, 35, 100]

@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 from inference_service.errors import ModelLoadError
-from inference_service.worker.quant.compressed_tensors import (
+from inference_service.worker.kernels.packed import PackedWeight, quantize_rtn
+from inference_service.worker.weights.compressed_tensors import (
     packed_from_compressed_tensors,
     scheme_for_module,
     validate_compressed_tensors_config,
 )
-from inference_service.worker.quant.gptq import AWQ_ORDER, packed_from_awq, packed_from_gptq
-from inference_service.worker.quant.packed import PackedWeight, quantize_rtn
-from inference_service.worker.quant.writers import (
+from inference_service.worker.weights.gptq import AWQ_ORDER, packed_from_awq, packed_from_gptq
+from tools.checkpoint_writers import (
     IntegerCode,
     awq_tensors,
     compressed_tensors_config,

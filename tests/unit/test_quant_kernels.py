@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_service.worker import cpu_kernels
-from inference_service.worker.quant import linear as quant_linear
-from inference_service.worker.quant.linear import QuantLinear, dequantized_linear
-from inference_service.worker.quant.packed import PackedWeight, pack_codes, quantize_rtn
+from inference_service.worker.kernels import bindings as cpu_kernels
+from inference_service.worker.kernels.packed import PackedWeight, pack_codes, quantize_rtn
+from inference_service.worker.linears import quant as quant_linear
+from inference_service.worker.linears.quant import QuantLinear, dequantized_linear
 
 TOLERANCE = 1e-5  # relative to the output's magnitude
 

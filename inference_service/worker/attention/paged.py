@@ -1,0 +1,210 @@
+"""The paged attention function that transformers' model code calls for every layer.
+
+Registered with `transformers.AttentionInterface` under ATTENTION_NAME; a model loaded with
+`attn_implementation=ATTENTION_NAME` hands us per-layer q/k/v (after RoPE) for a packed, ragged
+batch (batch dim 1, `position_ids` per token). We write k/v into the paged cache and attend
+each sequence over its own prefix. transformers builds no mask for a custom name: causality,
+sliding windows and softcap are all ours. Per-step metadata arrives through a contextvar,
+because some decoder layers drop `**kwargs` on the way down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from inference_service.worker.attention.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from inference_service.worker.kernels.bindings import PagedDecodeKernel
+
+ATTENTION_NAME = "engine_paged"
+
+# Arguments that change the math in ways this function does not implement.
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "alibi", "head_mask")
+
+
+@dataclass
+class PrefillChunk:
+    """A sequence running more than one token this step: packed rows [token_start, +num_new)."""
+
+    token_start: int
+    num_new: int
+    num_computed: int
+    context_slots: torch.Tensor  # [num_computed + num_new] cache slots of the whole context
+
+
+@dataclass
+class StepMetadata:
+    """Everything the attention function needs for one forward pass, built once per step."""
+
+    kv_cache: PagedKVCache | None
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] cache slot of each packed token
+    decode_token_index: torch.Tensor | None = None  # [Sd] packed rows of one-token sequences
+    decode_block_table: torch.Tensor | None = None  # [Sd, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [Sd] tokens each attends over, new one included
+    decode_only: bool = False  # every row is a decode, in order: no scatter needed
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_kernel: PagedDecodeKernel | None = None  # reads the cache in place; None: gather + SDPA
+    # Filled while running: masks per window value, calls per layer (the load-time probe counts them).
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    num_calls: int = 0
+    recorded_shapes: dict[int, tuple[int, int, torch.dtype]] | None = None  # shape probe mode
+
+
+_STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
+
+
+@contextlib.contextmanager
+def step_context(meta: StepMetadata) -> Iterator[StepMetadata]:
+    token = _STEP.set(meta)
+    try:
+        yield meta
+    finally:
+        _STEP.reset(token)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """q [1, H, T, D], k/v [1, KVH, T, D] → ([1, T, H, Dv], None)."""
+    meta = kwargs.get("paged_meta") or _STEP.get()
+    if meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention called outside an engine step")
+    _check_supported(module, kwargs)
+    meta.num_calls += 1
+    layer = module.layer_idx
+    if meta.recorded_shapes is not None:  # shape probe: learn KVH, D and dtype per layer
+        meta.recorded_shapes[layer] = (key.shape[1], key.shape[3], key.dtype)
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3]), None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    window = sliding_window if sliding_window else None
+    key_cache, value_cache = meta.kv_cache.layer(layer)
+    key_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
+    value_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    if meta.decode_only:
+        out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap)  # [Sd, H, Dv]
+        return out.unsqueeze(0), None
+    out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
+    if meta.decode_token_index is not None:
+        q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
+        out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache,
+                                                     scaling, window, softcap)
+    for chunk in meta.prefills:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
+        out[rows] = _attend_prefill(chunk, query[:, :, rows], key[:, :, rows], value[:, :, rows],
+                                    key_cache, value_cache, scaling, window, softcap)
+    return out.unsqueeze(0), None
+
+
+_CHECKED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse math we don't implement; a module's own attributes are looked at once (getattr on a
+    module is slow, and this runs for every layer of every step)."""
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise RuntimeError(f"{ATTENTION_NAME} attention does not implement '{name}'")
+    if module in _CHECKED_MODULES:
+        return
+    for name in _UNSUPPORTED_KWARGS:
+        if getattr(module, name, None) is not None:
+            raise RuntimeError(f"{ATTENTION_NAME} attention does not implement '{name}'")
+    _CHECKED_MODULES.add(module)
+
+
+def attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
+    kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
+    if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
+        return kernel(q_by_seq, key_cache, value_cache, meta.decode_block_table, meta.decode_context_lens,
+                      meta.kv_cache.block_size, scaling, window, softcap)
+    block_table = meta.decode_block_table  # [Sd, NB]
+    num_seqs, num_blocks = block_table.shape
+    block_size = meta.kv_cache.block_size
+    keys = _gather_blocks(key_cache, block_table, block_size)  # [Sd, KVH, NB*bs, D]
+    values = _gather_blocks(value_cache, block_table, block_size)
+    mask = meta.decode_masks.get(window)
+    if mask is None:
+        mask = _decode_mask(meta.decode_context_lens, num_blocks * block_size, window)  # [Sd, 1, 1, L]
+        meta.decode_masks[window] = mask
+    out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
+    return out.squeeze(2)
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    num_seqs, num_blocks = block_table.shape
+    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks_total, bs, KVH, D]
+    picked = blocks.index_select(0, block_table.reshape(-1))  # [Sd*NB, bs, KVH, D]
+    return picked.view(num_seqs, num_blocks * block_size, *cache.shape[1:]).transpose(1, 2)
+
+
+def _decode_mask(context_lens: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    positions = torch.arange(length, device=context_lens.device)  # [L]
+    lens = context_lens[:, None]  # [Sd, 1]
+    mask = positions[None, :] < lens  # [Sd, L]
+    if window is not None:
+        mask &= positions[None, :] > lens - 1 - window
+    return mask[:, None, None, :]
+
+
+def _attend_prefill(chunk: PrefillChunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float,
+                    window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [1, H, n, D] → [n, H, Dv]: a chunk of new tokens over the cached prefix and themselves."""
+    if chunk.num_computed == 0:
+        keys, values = k_new, v_new  # [1, KVH, n, D]: fresh prompt, no need to read the cache back
+    else:
+        keys = key_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        values = value_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+    if chunk.num_computed == 0 and window is None and softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+    else:
+        mask = _prefill_mask(chunk.num_new, chunk.num_computed, window, q.device)  # [n, ctx]
+        out = _attend(q, keys, values, mask, scaling, softcap)
+    return out[0].transpose(0, 1)
+
+
+def _prefill_mask(num_new: int, num_computed: int, window: int | None, device: torch.device) -> torch.Tensor:
+    query_pos = torch.arange(num_computed, num_computed + num_new, device=device)[:, None]  # [n, 1]
+    key_pos = torch.arange(num_computed + num_new, device=device)[None, :]  # [1, ctx]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scaling: float, softcap: float | None) -> torch.Tensor:
+    """Masked attention; SDPA unless a softcap needs the scores in between."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
+    groups = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # [B, H, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+def register() -> None:
+    """Make `attn_implementation=ATTENTION_NAME` valid for transformers models (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,1 @@
+"""Native CPU kernels: the C++ sources, their ctypes bindings, and the weight layouts they read."""

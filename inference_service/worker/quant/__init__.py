@@ -1,1 +1,0 @@
-"""Quantized weights: one canonical packed layout, the converters into it, and the linear that runs it."""

@@ -1,0 +1,300 @@
+"""Decode-only steps of Llama-style models, without transformers' per-layer machinery.
+
+Once the weights are 4- or 8-bit, a decode step is bound by per-layer overhead, not by reading
+weights: transformers' decoder layer (module calls, hooks, kwargs, views, the attention
+interface, a dozen small ops) costs about 350 µs per layer of the demo model on this CPU, against
+about 200 µs of matmuls. For the families whose layer is Llama's (RMSNorm, rotary attention with
+optional Q/K biases and Qwen3's per-head Q/K norms, a gated SiLU MLP), ModelRunner runs decode-only
+steps through this plan instead. It is the same math in fewer calls:
+- q, k and v run as one projection, and gate and up as one, over weights concatenated once at
+  load; the layers' own modules are re-pointed at row slices of the concatenation, so nothing is
+  stored twice and prefill steps (through transformers) read the same memory;
+- on CPU in fp32 the ops between projections are native (kernels.bindings.DecodeGlue: residual add +
+  RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each; elsewhere they are the torch ops
+  transformers runs, in its order, and the logits are bitwise those of the transformers path.
+Prefill and mixed steps still run through transformers' model code with our attention.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from inference_service.worker.attention.paged import StepMetadata, attend_decode
+from inference_service.worker.kernels import panels
+from inference_service.worker.kernels.bindings import DecodeGlue
+from inference_service.worker.kernels.packed import PackedWeight
+from inference_service.worker.linears import native
+from inference_service.worker.linears.native import NativeLinear
+from inference_service.worker.linears.panelled import PanelledLinear
+from inference_service.worker.linears.quant import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+# Model types whose decoder layer is Llama's, up to what `_Layer` reads from the modules.
+LLAMA_STYLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class DecodeStep:
+    """`forward(meta, input_ids, position_ids, keep_rows)` for a decode-only step → fp32 logits [K, V]."""
+
+    def __init__(self, model: torch.nn.Module, glue: DecodeGlue | None = None):
+        body = model.model
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        self.final_norm = _Norm(body.norm)
+        self.lm_head = model.lm_head
+        window = getattr(model.config, "sliding_window", None) if model.config.model_type == "mistral" else None
+        self.layers = [_Layer(layer, window) for layer in body.layers]
+        self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
+
+    def __str__(self) -> str:
+        """How decode steps run, for the startup log."""
+        return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
+
+    def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                keep_rows: list[int]) -> torch.Tensor:
+        """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""
+        ops = self.ops
+        hidden = self.embed(input_ids[0])  # [S, D]
+        cos, sin = self.rotary(hidden, position_ids)  # [1, S, Dh]
+        cos, sin = cos[0], sin[0]
+        delta = None  # the last sublayer's output, not yet added to `hidden`
+        for layer in self.layers:
+            rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
+            hidden, normed = ops.add_norm(hidden, delta, layer.input_norm)
+            qkv = layer.qkv(normed).view(rows, heads + 2 * kv_heads, layer.head_dim)
+            key_cache, value_cache = meta.kv_cache.layer(layer.index)
+            q = ops.rope_kv_write(qkv, cos, sin, layer, key_cache, value_cache, meta.slot_mapping)
+            attended = attend_decode(meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling,
+                                     layer.window, None)  # [S, H, Dv]
+            hidden, normed = ops.add_norm(hidden, layer.o_proj(attended.reshape(rows, -1)), layer.post_norm)
+            delta = layer.down(ops.silu_mul(layer.gate_up(normed)))
+        hidden = hidden + delta
+        if len(keep_rows) != hidden.shape[0]:
+            hidden = hidden[keep_rows]
+        return self.lm_head(self.final_norm(hidden)).float()
+
+
+class _Norm:
+    """transformers' RMSNorm, op for op (so the result is bitwise the same)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.weight, self.eps = module.weight, module.variance_epsilon
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class _Layer:
+    """One decoder layer's weights and shapes, read once from transformers' modules."""
+
+    def __init__(self, layer: torch.nn.Module, window: int | None):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = attn.layer_idx
+        self.input_norm = _Norm(layer.input_layernorm)
+        self.post_norm = _Norm(layer.post_attention_layernorm)
+        self.num_heads = attn.q_proj.out_features // attn.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.window = getattr(attn, "sliding_window", None) or window
+        self.q_norm = _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None
+        self.k_norm = _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
+        self.qkv = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up = fuse_projections([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj
+
+
+class _TorchOps:
+    """The ops between projections as transformers runs them (any device and dtype)."""
+
+    @staticmethod
+    def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, norm: _Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is not None:
+            hidden = hidden + delta
+        return hidden, norm(hidden)
+
+    @staticmethod
+    def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        heads, kv_heads = layer.num_heads, layer.num_kv_heads
+        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [S, 1, Dh]: broadcast over heads
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        key_cache.index_copy_(0, slots, k)
+        value_cache.index_copy_(0, slots, v)
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        width = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :width]) * gate_up[:, width:]
+
+
+class _NativeOps:
+    """The same ops through kernels.bindings.DecodeGlue: one call each (CPU, fp32)."""
+
+    def __init__(self, glue: DecodeGlue):
+        self.glue = glue
+
+    def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                 norm: _Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden, self.glue.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        self.glue.rope_kv_write(qkv, cos, sin, q_norm and q_norm.weight, k_norm and k_norm.weight,
+                                q_norm.eps if q_norm else 0.0, key_cache, value_cache, slots,
+                                layer.num_heads, layer.num_kv_heads)
+        return qkv[:, :layer.num_heads]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.glue.silu_mul(gate_up)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def fuse_projections(modules: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module computing the modules' outputs side by side, from one copy of their weights.
+
+    The weights are concatenated along the output rows and each module is re-pointed at its row
+    slice (contiguous, so its kernels still take it). Modules that can't be fused this way (mixed
+    kinds, biases on some only, GPTQ's per-module input orders) are returned as a module that calls
+    each in turn.
+    """
+    if len({m.bias is None for m in modules}) == 1:
+        if all(type(m) is type(modules[0]) for m in modules) and all(_plain_linear(m) for m in modules):
+            return _fuse_linears(modules)
+        if all(isinstance(m, QuantLinear) for m in modules) and _same_packing(modules):
+            return _fuse_quant_linears(modules)
+        if all(type(m) is PanelledLinear for m in modules):
+            return _fuse_panelled_linears(modules)
+    return _Concatenated(modules)
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """nn.Linear itself or our NativeLinear: not a library's subclass with its own weight format
+    (bitsandbytes' int8 and 4-bit layers)."""
+    return type(module) in (torch.nn.Linear, NativeLinear) and module.weight.is_contiguous()
+
+
+def _same_packing(modules: list[QuantLinear]) -> bool:
+    first = modules[0]
+    return all(m.input_perm is None and (m.bits, m.group_size, m.in_features, m.panelled) ==
+               (first.bits, first.group_size, first.in_features, first.panelled) for m in modules)
+
+
+def _row_slices(modules: list[torch.nn.Module], fused: torch.Tensor, rows_per_entry: int = 1):
+    """(module, its share of `fused`), for tensors concatenated in the modules' order along a first
+    dimension whose entries hold `rows_per_entry` output rows each."""
+    start = 0
+    for module in modules:
+        length = module.out_features // rows_per_entry
+        yield module, fused[start:start + length]
+        start += length
+
+
+def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = torch.cat([m.bias.detach() for m in modules]) if modules[0].bias is not None else None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.__class__ = type(modules[0])  # NativeLinear keeps its kernel
+    fused.__dict__.update({k: v for k, v in modules[0].__dict__.items() if k in native.KERNELS})
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    fused.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+    for module, rows in _row_slices(modules, weight):
+        module.weight = torch.nn.Parameter(rows, requires_grad=False)
+    if bias is not None:
+        for module, rows in _row_slices(modules, bias):
+            module.bias = torch.nn.Parameter(rows, requires_grad=False)
+    return fused
+
+
+def _fuse_panelled_linears(modules: list[PanelledLinear]) -> PanelledLinear:
+    """Panels concatenate panel after panel: each module's share is a run of whole panels."""
+    first = modules[0]
+    bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
+    fused = PanelledLinear(torch.cat([m.weight_panels for m in modules]), bias, first.kernel)
+    _repoint_at_shares(modules, fused, ("weight_panels",), panels.PANEL)
+    return fused
+
+
+def _fuse_quant_linears(modules: list[QuantLinear]) -> QuantLinear:
+    """The fused module holds the one copy, in the modules' layout (panelled: every module's rows
+    fill panels, so each one's share is a run of whole panels)."""
+    first = modules[0]
+    packed = [m.packed for m in modules]
+    parts = {name: torch.cat([getattr(p, name) for p in packed]) for name in ("codes", "scales", "offsets")}
+    bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
+    fused = QuantLinear(PackedWeight(first.bits, parts["codes"], parts["scales"], parts["offsets"],
+                                     first.group_size, first.in_features), bias, panelled=first.panelled)
+    _repoint_at_shares(modules, fused, tuple(parts), first.rows_per_entry)
+    return fused
+
+
+def _repoint_at_shares(modules: list[torch.nn.Module], fused: torch.nn.Module, names: tuple[str, ...],
+                       rows_per_entry: int) -> None:
+    """Re-point each module at its share of the fused module's buffers `names` and bias."""
+    shares: dict[torch.nn.Module, dict[str, torch.Tensor]] = {m: {} for m in modules}
+    for name in names:
+        for module, entries in _row_slices(modules, getattr(fused, name), rows_per_entry):
+            shares[module][name] = entries
+    if fused.bias is not None:
+        for module, rows in _row_slices(modules, fused.bias):
+            shares[module]["bias"] = rows
+    for module, buffers in shares.items():
+        module.repoint(**buffers)
+
+
+class _Concatenated(torch.nn.Module):
+    """The modules' outputs side by side, each module called on its own."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = modules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
+def decode_step_for(model: torch.nn.Module, glue: DecodeGlue | None = None) -> DecodeStep | None:
+    """The decode plan for a Llama-style model (with native ops if `glue`); None (transformers' path
+    serves every step) for other models."""
+    reason = _unsupported(model)
+    if reason:
+        logger.debug("decode steps run through transformers' layers: %s", reason)
+        return None
+    return DecodeStep(model, glue)
+
+
+def _unsupported(model: torch.nn.Module) -> str | None:
+    config = model.config
+    if config.model_type not in LLAMA_STYLE:
+        return f"model type {config.model_type!r} is not one whose layer is Llama's"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return "a rotary embedding over part of each head"
+    body = getattr(model, "model", None)
+    if body is None or not all(hasattr(body, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        return "the model has not Llama's layout"
+    for layer in body.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "a layer has not Llama's attention"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "a layer has not Llama's MLP"
+    return None

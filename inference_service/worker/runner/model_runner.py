@@ -1,0 +1,122 @@
+"""Runs one step of the model over a packed, ragged batch and returns the logits to sample.
+
+The runner makes no policy: it packs what the scheduler chose, runs the forward pass with our
+paged attention, and returns logits for the rows that need them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference_service.outputs import ScheduledRequest, StepLogits
+from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.attention.paged import PrefillChunk, StepMetadata, step_context
+from inference_service.worker.kernels.bindings import PagedDecodeKernel
+from inference_service.worker.runner.decode_step import DecodeStep
+from inference_service.worker.step_rows import RowsToKeep
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors (and the decode kernel that reads the cache, if any)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache | None, device: torch.device,
+                 decode_kernel: PagedDecodeKernel | None = None, decode_step: DecodeStep | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.decode_kernel = decode_kernel
+        self.decode_step = decode_step  # decode-only steps of Llama-style models, in fewer calls
+
+    # -- one step -------------------------------------------------------------------------
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
+        meta, input_ids, position_ids = self._prepare(scheduled)
+        rows = RowsToKeep.of(scheduled)
+        logits = self.forward(meta, input_ids, position_ids, rows.keep)  # [K, V]
+        return rows.step_logits(scheduled, logits, num_attention_calls=meta.num_calls)
+
+    def release(self, request_id: str) -> None:
+        """The request ended; the paged runner keeps nothing per request (its blocks are the
+        scheduler's)."""
+
+    def describe(self) -> str:
+        attention = "native" if self.decode_kernel else "torch"
+        steps = self.decode_step or "transformers' layers"
+        return f"decode attention: {attention}, decode steps: {steps}"
+
+    def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                keep_rows: list[int]) -> torch.Tensor:
+        """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V])."""
+        if meta.decode_only and self.decode_step is not None:
+            with torch.inference_mode():
+                return self.decode_step.forward(meta, input_ids, position_ids, keep_rows)
+        keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), step_context(meta):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=keep)
+        return out.logits[0].float()
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+        block_size = self.kv_cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for item in scheduled:
+            start, count = item.num_computed_tokens, item.num_new_tokens
+            token_start = len(input_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, start + count))
+            table = item.block_ids
+            if count == 1 or item.num_draft_tokens:
+                # Verified guesses run as decode rows too, row j over the context up to itself: the
+                # step writes every row's K/V before any row attends.
+                for position in range(start, start + count):
+                    slots.append(table[position // block_size] * block_size + position % block_size)
+                    decode_rows.append(token_start + position - start)
+                    decode_tables.append(table)
+                    decode_lens.append(position + 1)
+            else:
+                context = _slots_of(table, start + count, block_size)  # [ctx]
+                slots.extend(context[start:].tolist())
+                prefills.append(PrefillChunk(token_start, count, start, context.to(self.device)))
+        num_tokens = len(input_ids)
+        meta = StepMetadata(
+            kv_cache=self.kv_cache,
+            num_tokens=num_tokens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=prefills,
+            decode_only=not prefills,
+            decode_kernel=self.decode_kernel,
+        )
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+            meta.decode_token_index = torch.tensor(decode_rows, dtype=torch.long, device=self.device)
+            meta.decode_block_table = torch.tensor(padded, dtype=torch.long, device=self.device)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, T]
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
+        return meta, ids, pos
+
+
+def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slots of tokens [0, num_tokens) of a sequence: [num_tokens]."""
+    blocks = torch.tensor(block_table[: -(-num_tokens // block_size)], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+    return slots[:num_tokens]
+
+
+def probe_layer_shapes(model: torch.nn.Module, device: torch.device) -> list[LayerShape]:
+    """Run one token through the model to learn each layer's KV heads and head size."""
+    meta = StepMetadata(kv_cache=None, num_tokens=1, slot_mapping=torch.zeros(1, dtype=torch.long),
+                        recorded_shapes={})
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.inference_mode(), step_context(meta):
+        model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+    shapes = meta.recorded_shapes
+    if sorted(shapes) != list(range(len(shapes))):
+        raise RuntimeError(f"attention layer indices are not 0..{len(shapes) - 1}: {sorted(shapes)}")
+    return [LayerShape(num_kv_heads=shapes[i][0], head_dim=shapes[i][1]) for i in sorted(shapes)]

@@ -1,0 +1,1 @@
+"""The fallback runner: transformers' own attention, one transformers cache per request."""

@@ -1,0 +1,1 @@
+"""Offline tools for tests and benchmarks, outside the served package."""
