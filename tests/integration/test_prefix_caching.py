@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
-from tests.engine_calls import validated
+from tests.engine_calls import generate_tgi, validated
 
 SYSTEM = "the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
 # (prompt, max_new_tokens, extra parameters); several share SYSTEM, some repeat or extend others.
@@ -151,7 +151,7 @@ async def test_prompt_logprobs_preempted_mid_prompt_are_recorded_once(tiny_model
     llm = engine._engine  # driven step by step on this thread: the engine thread is never started
     llm.add_request("x", request)
     outputs = llm.step() + llm.step()  # 32 prompt tokens computed and their logprobs recorded
-    llm.scheduler._preempt(llm.requests["x"])  # white box: what a full pool would do
+    llm.scheduler._preempt(llm.live["x"].request)  # white box: what a full pool would do
     while llm.has_unfinished():
         outputs += llm.step()
     [prefill] = [o.prefill_tokens for o in outputs if o.prefill_tokens]
@@ -168,12 +168,12 @@ async def test_best_of_variants_share_their_prompt(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir, True, 4096, 512))
     engine.start()
     try:
-        request = await _validate(engine, SYSTEM * 2, 6, best_of=2, do_sample=True)
-        result = await engine.generate(request)
+        result = await generate_tgi(engine, GenerateRequest(SYSTEM * 2, GenerateParameters(
+            max_new_tokens=6, details=True, best_of=2, do_sample=True)))
         stats = engine.stats()
     finally:
         await engine.shutdown(timeout_s=1)
     assert len(result.best_of_sequences) == 1
-    num_prompt = len(request.prompt_token_ids)
+    num_prompt = result.num_prompt_tokens
     assert stats.num_prefix_hit_tokens == (num_prompt - 1) // 4 * 4  # the second variant reused the first's
     assert stats.num_free_blocks == stats.num_total_blocks
