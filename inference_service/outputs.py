@@ -198,7 +198,7 @@ class EngineInfo:
     weights_nbytes: int = 0  # memory the weights take
     prefix_caching: bool = False  # full KV blocks are reused across requests with the same prefix
     speculate: int = 0  # draft tokens proposed per request and step (0: no speculation)
-    attention_impl: str = "paged"  # or "transformers": the fallback runner (worker/cache_runner.py)
+    attention_impl: str = "paged"  # or "transformers": the fallback runner (worker/transformers_runner/)
     # Encoder-decoders: the prompt feeds the encoder, the decoder starts from this token.
     decoder_start_token_id: int | None = None
     # The model's generation config: the first generated token, and the last one at max_new_tokens.
