@@ -15,7 +15,7 @@ import contextvars
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,14 +83,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise RuntimeError(f"{ATTENTION_NAME} attention called outside an engine step")
     _check_supported(module, kwargs)
     meta.num_calls += 1
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # transformers' attention modules carry their layer's index
     if meta.recorded_shapes is not None:  # shape probe: learn KVH, D and dtype per layer
         meta.recorded_shapes[layer] = (key.shape[1], key.shape[3], key.dtype)
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3]), None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = sliding_window if sliding_window else None
-    key_cache, value_cache = meta.kv_cache.layer(layer)
+    key_cache, value_cache = _needed(meta.kv_cache, "KV cache").layer(layer)
     key_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
     value_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
@@ -107,6 +107,16 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out[rows] = _attend_prefill(chunk, query[:, :, rows], key[:, :, rows], value[:, :, rows],
                                     key_cache, value_cache, scaling, window, softcap)
     return out.unsqueeze(0), None
+
+
+_T = TypeVar("_T")
+
+
+def _needed(value: _T | None, what: str) -> _T:
+    """`value`, which this step's metadata must have set."""
+    if value is None:
+        raise RuntimeError(f"the step's metadata has no {what}")
+    return value
 
 
 _CHECKED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -131,16 +141,18 @@ def attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, 
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
-        return kernel(q_by_seq, key_cache, value_cache, meta.decode_block_table, meta.decode_context_lens,
-                      meta.kv_cache.block_size, scaling, window, softcap)
-    block_table = meta.decode_block_table  # [Sd, NB]
+        return kernel(q_by_seq, key_cache, value_cache, _needed(meta.decode_block_table, "decode block table"),
+                      _needed(meta.decode_context_lens, "decode context lengths"),
+                      _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap)
+    block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
-    block_size = meta.kv_cache.block_size
+    block_size = _needed(meta.kv_cache, "KV cache").block_size
     keys = _gather_blocks(key_cache, block_table, block_size)  # [Sd, KVH, NB*bs, D]
     values = _gather_blocks(value_cache, block_table, block_size)
     mask = meta.decode_masks.get(window)
     if mask is None:
-        mask = _decode_mask(meta.decode_context_lens, num_blocks * block_size, window)  # [Sd, 1, 1, L]
+        context_lens = _needed(meta.decode_context_lens, "decode context lengths")
+        mask = _decode_mask(context_lens, num_blocks * block_size, window)  # [Sd, 1, 1, L]
         meta.decode_masks[window] = mask
     out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
     return out.squeeze(2)

@@ -8,6 +8,8 @@ needs autograd, or an input wider than the panel GEMM takes, still goes to torch
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,7 @@ def install(model: torch.nn.Module, kernel: SmallBatchLinear, panel: PanelLinear
         if (type(module) is torch.nn.Linear and kernel.supports_weight(module.weight)
                 and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
             module.__class__ = NativeLinear
-            module.native_kernel, module.panel_kernel = kernel, panel
+            switched_module = cast(NativeLinear, module)  # the same object, now of the class just set
+            switched_module.native_kernel, switched_module.panel_kernel = kernel, panel
             switched += 1
     return switched

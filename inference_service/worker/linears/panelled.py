@@ -26,6 +26,11 @@ from inference_service.worker.linears.replace import replace_module
 class PanelledLinear(torch.nn.Module):
     """y = x · Wᵀ + bias with W [N, K] held as `weight_panels` [N/32, K, 32]."""
 
+    # Buffers (register_buffer in __init__), declared for the type checker: nn.Module's
+    # __getattr__ types them as `Tensor | Module`.
+    weight_panels: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight_panels: torch.Tensor, bias: torch.Tensor | None, kernel: PanelLinear | None):
         super().__init__()
         count, self.in_features, width = weight_panels.shape

@@ -13,6 +13,8 @@ weight small.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,14 @@ class QuantLinear(torch.nn.Module):
     (`panelled`; see panels.py); others in the canonical one.
     """
 
+    # Buffers (register_buffer in __init__), declared for the type checker: nn.Module's
+    # __getattr__ types them as `Tensor | Module`.
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bias: torch.Tensor | None
+    input_perm: torch.Tensor | None
+
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
                  input_perm: torch.Tensor | None = None, panelled: bool | None = None):
         super().__init__()
@@ -48,7 +58,9 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.contiguous())  # [N]
         self.register_buffer("input_perm", input_perm)  # int64 [K]: GPTQ's act-order
         self._view: PackedWeight | None = None
-        self._kernel = _UNRESOLVED  # resolved on first use, again after the buffers move
+        # resolved on first use, again after the buffers move
+        self._kernel: tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None] | object = \
+            _UNRESOLVED
 
     @classmethod
     def from_packed(cls, packed: PackedWeight, bias: torch.Tensor | None = None,
@@ -103,7 +115,7 @@ class QuantLinear(torch.nn.Module):
                 and not (x.requires_grad and torch.is_grad_enabled())):
             if self.panelled:
                 return panel.codes(x, self.codes, self.scales, self.offsets, self.bias, self.group_size)
-            if fits and x.numel() <= bindings.MAX_QUANT_ROWS[self.bits] * self.in_features:
+            if fits and kernel is not None and x.numel() <= bindings.MAX_QUANT_ROWS[self.bits] * self.in_features:
                 return kernel(x, self.packed, self.bias)
             if panel.takes(self.in_features):
                 return panel.quant(x, self.packed, self.bias)
@@ -121,7 +133,7 @@ class QuantLinear(torch.nn.Module):
             panel = bindings.panel_kernel_for(device, self.scales.dtype) if kernel is not None and bias_ok else None
             fits = kernel is not None and bias_ok and not self.panelled and kernel.supports(self.packed)
             self._kernel = kernel, fits, panel
-        return self._kernel
+        return cast(tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None], self._kernel)
 
 
 def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,

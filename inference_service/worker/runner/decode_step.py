@@ -18,6 +18,8 @@ Prefill and mixed steps still run through transformers' model code with our atte
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +42,13 @@ LLAMA_STYLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 class DecodeStep:
     """`forward(meta, input_ids, position_ids, keep_rows)` for a decode-only step → fp32 logits [K, V]."""
 
-    def __init__(self, model: torch.nn.Module, glue: DecodeGlue | None = None):
+    def __init__(self, model: Any, glue: DecodeGlue | None = None):
+        # model: a transformers PreTrainedModel, whose attributes torch types as tensors
         body = model.model
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
         self.final_norm = _Norm(body.norm)
-        self.lm_head = model.lm_head
+        self.lm_head: torch.nn.Module = model.lm_head
         window = getattr(model.config, "sliding_window", None) if model.config.model_type == "mistral" else None
         self.layers = [_Layer(layer, window) for layer in body.layers]
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
@@ -66,6 +69,8 @@ class DecodeStep:
             rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
             hidden, normed = ops.add_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(normed).view(rows, heads + 2 * kv_heads, layer.head_dim)
+            if meta.kv_cache is None:
+                raise ValueError("a decode step needs the paged KV cache in its metadata")
             key_cache, value_cache = meta.kv_cache.layer(layer.index)
             q = ops.rope_kv_write(qkv, cos, sin, layer, key_cache, value_cache, meta.slot_mapping)
             attended = attend_decode(meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling,
@@ -81,8 +86,10 @@ class DecodeStep:
 class _Norm:
     """transformers' RMSNorm, op for op (so the result is bitwise the same)."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.weight, self.eps = module.weight, module.variance_epsilon
+    def __init__(self, module: Any):
+        # module: a transformers RMSNorm, whose attributes torch types as `Tensor | Module`
+        self.weight: torch.Tensor = module.weight
+        self.eps: float = module.variance_epsilon
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -94,21 +101,23 @@ class _Norm:
 class _Layer:
     """One decoder layer's weights and shapes, read once from transformers' modules."""
 
-    def __init__(self, layer: torch.nn.Module, window: int | None):
+    def __init__(self, layer: Any, window: int | None):
+        # layer: a transformers decoder layer, whose attributes torch types as `Tensor | Module`
         attn, mlp = layer.self_attn, layer.mlp
-        self.index = attn.layer_idx
+        self.index: int = attn.layer_idx
         self.input_norm = _Norm(layer.input_layernorm)
         self.post_norm = _Norm(layer.post_attention_layernorm)
-        self.num_heads = attn.q_proj.out_features // attn.head_dim
-        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.window = getattr(attn, "sliding_window", None) or window
+        self.num_heads: int = attn.q_proj.out_features // attn.head_dim
+        self.num_kv_heads: int = attn.k_proj.out_features // attn.head_dim
+        self.head_dim: int = attn.head_dim
+        self.scaling: float = attn.scaling
+        self.window: int | None = getattr(attn, "sliding_window", None) or window
         self.q_norm = _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None
         self.k_norm = _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None
         self.qkv = fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
+        self.o_proj: torch.nn.Module = attn.o_proj
         self.gate_up = fuse_projections([mlp.gate_proj, mlp.up_proj])
-        self.down = mlp.down_proj
+        self.down: torch.nn.Module = mlp.down_proj
 
 
 class _TorchOps:
@@ -126,6 +135,8 @@ class _TorchOps:
         heads, kv_heads = layer.num_heads, layer.num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         if layer.q_norm is not None:
+            if layer.k_norm is None:
+                raise ValueError("a layer with a Q norm but no K norm")
             q, k = layer.q_norm(q), layer.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [S, 1, Dh]: broadcast over heads
         q = q * cos + _rotate_half(q) * sin
@@ -153,7 +164,8 @@ class _NativeOps:
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer,
                       key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
-        self.glue.rope_kv_write(qkv, cos, sin, q_norm and q_norm.weight, k_norm and k_norm.weight,
+        self.glue.rope_kv_write(qkv, cos, sin, q_norm.weight if q_norm is not None else None,
+                                k_norm.weight if k_norm is not None else None,
                                 q_norm.eps if q_norm else 0.0, key_cache, value_cache, slots,
                                 layer.num_heads, layer.num_kv_heads)
         return qkv[:, :layer.num_heads]
@@ -176,19 +188,20 @@ def fuse_projections(modules: list[torch.nn.Module]) -> torch.nn.Module:
     each in turn.
     """
     if len({m.bias is None for m in modules}) == 1:
+        # The checks establish the modules' class; the casts tell the type checker.
         if all(type(m) is type(modules[0]) for m in modules) and all(_plain_linear(m) for m in modules):
-            return _fuse_linears(modules)
-        if all(isinstance(m, QuantLinear) for m in modules) and _same_packing(modules):
-            return _fuse_quant_linears(modules)
+            return _fuse_linears(cast(list[torch.nn.Linear], modules))
+        if all(isinstance(m, QuantLinear) for m in modules) and _same_packing(cast(list[QuantLinear], modules)):
+            return _fuse_quant_linears(cast(list[QuantLinear], modules))
         if all(type(m) is PanelledLinear for m in modules):
-            return _fuse_panelled_linears(modules)
+            return _fuse_panelled_linears(cast(list[PanelledLinear], modules))
     return _Concatenated(modules)
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:
     """nn.Linear itself or our NativeLinear: not a library's subclass with its own weight format
     (bitsandbytes' int8 and 4-bit layers)."""
-    return type(module) in (torch.nn.Linear, NativeLinear) and module.weight.is_contiguous()
+    return type(module) in (torch.nn.Linear, NativeLinear) and cast(torch.nn.Linear, module).weight.is_contiguous()
 
 
 def _same_packing(modules: list[QuantLinear]) -> bool:
@@ -197,7 +210,15 @@ def _same_packing(modules: list[QuantLinear]) -> bool:
                (first.bits, first.group_size, first.in_features, first.panelled) for m in modules)
 
 
-def _row_slices(modules: list[torch.nn.Module], fused: torch.Tensor, rows_per_entry: int = 1):
+class _HasOutputRows(Protocol):
+    out_features: int
+
+
+_M = TypeVar("_M", bound=_HasOutputRows)
+
+
+def _row_slices(modules: Sequence[_M], fused: torch.Tensor,
+                rows_per_entry: int = 1) -> Iterator[tuple[_M, torch.Tensor]]:
     """(module, its share of `fused`), for tensors concatenated in the modules' order along a first
     dimension whose entries hold `rows_per_entry` output rows each."""
     start = 0
@@ -226,7 +247,8 @@ def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
 def _fuse_panelled_linears(modules: list[PanelledLinear]) -> PanelledLinear:
     """Panels concatenate panel after panel: each module's share is a run of whole panels."""
     first = modules[0]
-    bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
+    # fuse_projections fuses only modules that all have a bias or all have none
+    bias = torch.cat([cast(torch.Tensor, m.bias) for m in modules]) if first.bias is not None else None
     fused = PanelledLinear(torch.cat([m.weight_panels for m in modules]), bias, first.kernel)
     _repoint_at_shares(modules, fused, ("weight_panels",), panels.PANEL)
     return fused
@@ -238,17 +260,18 @@ def _fuse_quant_linears(modules: list[QuantLinear]) -> QuantLinear:
     first = modules[0]
     packed = [m.packed for m in modules]
     parts = {name: torch.cat([getattr(p, name) for p in packed]) for name in ("codes", "scales", "offsets")}
-    bias = torch.cat([m.bias for m in modules]) if first.bias is not None else None
+    # fuse_projections fuses only modules that all have a bias or all have none
+    bias = torch.cat([cast(torch.Tensor, m.bias) for m in modules]) if first.bias is not None else None
     fused = QuantLinear(PackedWeight(first.bits, parts["codes"], parts["scales"], parts["offsets"],
                                      first.group_size, first.in_features), bias, panelled=first.panelled)
     _repoint_at_shares(modules, fused, tuple(parts), first.rows_per_entry)
     return fused
 
 
-def _repoint_at_shares(modules: list[torch.nn.Module], fused: torch.nn.Module, names: tuple[str, ...],
-                       rows_per_entry: int) -> None:
+def _repoint_at_shares(modules: Sequence[PanelledLinear | QuantLinear], fused: PanelledLinear | QuantLinear,
+                       names: tuple[str, ...], rows_per_entry: int) -> None:
     """Re-point each module at its share of the fused module's buffers `names` and bias."""
-    shares: dict[torch.nn.Module, dict[str, torch.Tensor]] = {m: {} for m in modules}
+    shares: dict[PanelledLinear | QuantLinear, dict[str, torch.Tensor]] = {m: {} for m in modules}
     for name in names:
         for module, entries in _row_slices(modules, getattr(fused, name), rows_per_entry):
             shares[module][name] = entries
@@ -270,7 +293,7 @@ class _Concatenated(torch.nn.Module):
         return torch.cat([m(x) for m in self.parts], dim=-1)
 
 
-def decode_step_for(model: torch.nn.Module, glue: DecodeGlue | None = None) -> DecodeStep | None:
+def decode_step_for(model: Any, glue: DecodeGlue | None = None) -> DecodeStep | None:
     """The decode plan for a Llama-style model (with native ops if `glue`); None (transformers' path
     serves every step) for other models."""
     reason = _unsupported(model)
@@ -280,7 +303,8 @@ def decode_step_for(model: torch.nn.Module, glue: DecodeGlue | None = None) -> D
     return DecodeStep(model, glue)
 
 
-def _unsupported(model: torch.nn.Module) -> str | None:
+def _unsupported(model: Any) -> str | None:
+    # model: a transformers PreTrainedModel, whose attributes torch types as tensors
     config = model.config
     if config.model_type not in LLAMA_STYLE:
         return f"model type {config.model_type!r} is not one whose layer is Llama's"

@@ -56,6 +56,8 @@ class ModelRunner:
         return out.logits[0].float()
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+        if self.kv_cache is None:
+            raise RuntimeError("steps need the paged KV cache; this runner was built without one")
         block_size = self.kv_cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -111,12 +113,12 @@ def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch
 
 def probe_layer_shapes(model: torch.nn.Module, device: torch.device) -> list[LayerShape]:
     """Run one token through the model to learn each layer's KV heads and head size."""
+    shapes: dict[int, tuple[int, int, torch.dtype]] = {}  # filled by the attention function
     meta = StepMetadata(kv_cache=None, num_tokens=1, slot_mapping=torch.zeros(1, dtype=torch.long),
-                        recorded_shapes={})
+                        recorded_shapes=shapes)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with torch.inference_mode(), step_context(meta):
         model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
-    shapes = meta.recorded_shapes
     if sorted(shapes) != list(range(len(shapes))):
         raise RuntimeError(f"attention layer indices are not 0..{len(shapes) - 1}: {sorted(shapes)}")
     return [LayerShape(num_kv_heads=shapes[i][0], head_dim=shapes[i][1]) for i in sorted(shapes)]

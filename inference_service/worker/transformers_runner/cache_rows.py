@@ -8,6 +8,8 @@ or quantized layer keeps state a concatenation would not carry.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, EncoderDecoderCache
@@ -37,16 +39,22 @@ def select(cache: Cache, rows: torch.Tensor) -> Cache:
     """The stacked cache's `rows` (indices [R]) as a new stacked cache (one copy)."""
     if isinstance(cache, EncoderDecoderCache):
         return EncoderDecoderCache(select(cache.self_attention_cache, rows), select(cache.cross_attention_cache, rows))
-    return _cache([_layer(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
-                   for layer in cache.layers])
+    return _cache([_layer(keys.index_select(0, rows), values.index_select(0, rows))
+                   for keys, values in map(_filled, cache.layers)])
 
 
 def row(cache: DynamicCache, index: int, length: int | None = None) -> DynamicCache:
     """Row `index` of a stacked cache as a batch-1 cache of views; `length` keeps only its first
     tokens (dropping the padding `stack` added)."""
     end = length if length is not None else None
-    return _cache([_layer(layer.keys[index:index + 1, :, :end], layer.values[index:index + 1, :, :end])
-                   for layer in cache.layers])
+    return _cache([_layer(keys[index:index + 1, :, :end], values[index:index + 1, :, :end])
+                   for keys, values in map(_filled, cache.layers)])
+
+
+def _filled(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stacked cache's layer's keys and values: it is a filled DynamicLayer (`_layer`), whose
+    tensors transformers types as optional."""
+    return cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)
 
 
 def _padded(tensor: torch.Tensor, length: int | None) -> torch.Tensor:
@@ -65,5 +73,5 @@ def _layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
 
 def _cache(layers: list[DynamicLayer]) -> DynamicCache:
     cache = DynamicCache()
-    cache.layers = layers
+    cache.layers = cast(list[Any], layers)  # list is invariant: transformers declares a list of all its layer kinds
     return cache

@@ -13,6 +13,7 @@ lengths are zero-padded to the longest and masked, as `generate` pads a batch of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
@@ -49,7 +50,8 @@ class Sequence:
 
 
 class DecoderOnlyForward:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: Any, device: torch.device):
+        # model: a transformers PreTrainedModel, whose attributes torch types as tensors
         self.model, self.device = model, device
 
     def start(self, item: ScheduledRequest) -> Sequence:
@@ -59,10 +61,11 @@ class DecoderOnlyForward:
         return None  # prompts of several lengths would need padding the positions can't take
 
     def batch(self, ids: tuple[str, ...], sequences: list[Sequence]) -> Batch:
-        return Batch(ids, cache_rows.stack([s.cache for s in sequences]))
+        # a decoder-only sequence's cache is the DynamicCache `start` gave it, or a row of a stacked one
+        return Batch(ids, cache_rows.stack([cast(DynamicCache, s.cache) for s in sequences]))
 
     def take(self, batch: Batch, index: int, sequence: Sequence) -> Cache:
-        return cache_rows.row(batch.cache, index)
+        return cache_rows.row(cast(DynamicCache, batch.cache), index)  # stacked by `batch`
 
     def inputs(self, sequence: Sequence) -> dict:
         return {}
@@ -75,7 +78,8 @@ class DecoderOnlyForward:
 
 
 class EncoderDecoderForward:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: Any, device: torch.device):
+        # model: a transformers PreTrainedModel, whose attributes torch types as tensors
         self.model, self.device = model, device
         self.encoder = model.get_encoder()
 
@@ -89,9 +93,14 @@ class EncoderDecoderForward:
     def start_batch(self, ids: tuple[str, ...], items: list[ScheduledRequest]) -> tuple[Batch, list[Sequence]]:
         """Requests starting together: one padded encoder pass, and a batch whose empty caches their
         first decoder step fills."""
-        lengths = [len(item.encoder_token_ids) for item in items]
+        encoder_ids: list[list[int]] = []
+        for item in items:
+            if item.encoder_token_ids is None:
+                raise RuntimeError(f"request {item.request_id} starts with no encoder input")
+            encoder_ids.append(item.encoder_token_ids)
+        lengths = [len(ids_) for ids_ in encoder_ids]
         longest = max(lengths)
-        padded = [item.encoder_token_ids + [0] * (longest - n) for item, n in zip(items, lengths, strict=True)]
+        padded = [ids_ + [0] * (longest - n) for ids_, n in zip(encoder_ids, lengths, strict=True)]
         mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], dtype=torch.long, device=self.device)
         ids_tensor = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, S]
         encoder_output = self.encoder(input_ids=ids_tensor, attention_mask=mask).last_hidden_state  # [B, S, H]
@@ -101,20 +110,24 @@ class EncoderDecoderForward:
         return batch, sequences
 
     def batch(self, ids: tuple[str, ...], sequences: list[Sequence]) -> Batch:
-        lengths = [s.encoder_output.shape[1] for s in sequences]
+        # an encoder-decoder sequence holds its encoder output and an EncoderDecoderCache of DynamicCaches
+        outputs = [cast(torch.Tensor, s.encoder_output) for s in sequences]
+        caches = [cast(EncoderDecoderCache, s.cache) for s in sequences]
+        lengths = [output.shape[1] for output in outputs]
         longest = max(lengths)
         cache = EncoderDecoderCache(
-            cache_rows.stack([s.cache.self_attention_cache for s in sequences]),
-            cache_rows.stack([s.cache.cross_attention_cache for s in sequences], pad_to=longest))
-        padded = [torch.nn.functional.pad(s.encoder_output, (0, 0, 0, longest - n))
-                  for s, n in zip(sequences, lengths, strict=True)]
+            cache_rows.stack([c.self_attention_cache for c in caches]),
+            cache_rows.stack([c.cross_attention_cache for c in caches], pad_to=longest))
+        padded = [torch.nn.functional.pad(output, (0, 0, 0, longest - n))
+                  for output, n in zip(outputs, lengths, strict=True)]
         mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], dtype=torch.long, device=self.device)
         return Batch(ids, cache, {"encoder_outputs": (torch.cat(padded),), "attention_mask": mask})
 
     def take(self, batch: Batch, index: int, sequence: Sequence) -> Cache:
-        length = sequence.encoder_output.shape[1]
-        return EncoderDecoderCache(cache_rows.row(batch.cache.self_attention_cache, index),
-                                   cache_rows.row(batch.cache.cross_attention_cache, index, length))
+        length = cast(torch.Tensor, sequence.encoder_output).shape[1]
+        cache = cast(EncoderDecoderCache, batch.cache)  # stacked by `batch` or `start_batch`
+        return EncoderDecoderCache(cache_rows.row(cache.self_attention_cache, index),
+                                   cache_rows.row(cache.cross_attention_cache, index, length))
 
     def inputs(self, sequence: Sequence) -> dict:
         return {"encoder_outputs": (sequence.encoder_output,)}

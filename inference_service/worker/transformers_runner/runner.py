@@ -146,6 +146,8 @@ class TransformersRunner:
             sequence.cache = self.forward.take(sequence.batch, sequence.row, sequence)
             sequence.batch = None
         cache = sequence.cache
+        if cache is None:
+            raise RuntimeError(f"request {item.request_id} has no cache")
         excess = cache.get_seq_length() - item.num_computed_tokens
         if excess > 0:
             cache.crop(-excess)  # negative: the form every cache layer type accepts

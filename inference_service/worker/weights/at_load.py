@@ -13,6 +13,7 @@ model, and decode reads it every step); embeddings, norms and biases stay in ful
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -74,7 +75,7 @@ def _bnb_int8(linear: torch.nn.Linear) -> torch.nn.Module:
                                  has_fp16_weights=False, threshold=6.0)
     module.weight = bnb.nn.Int8Params(linear.weight.detach().float(), requires_grad=False, has_fp16_weights=False)
     if linear.bias is not None:
-        module.bias = torch.nn.Parameter(float_bias(linear), requires_grad=False)
+        module.bias = torch.nn.Parameter(cast(torch.Tensor, float_bias(linear)), requires_grad=False)  # has a bias
     return module.to(linear.weight.device)  # the move is what quantizes
 
 
@@ -84,7 +85,7 @@ def _bnb_4bit(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
                                quant_type=quant_type, compute_dtype=linear.weight.dtype)
     module.weight = bnb.nn.Params4bit(linear.weight.detach().float(), requires_grad=False, quant_type=quant_type)
     if linear.bias is not None:
-        module.bias = torch.nn.Parameter(float_bias(linear), requires_grad=False)
+        module.bias = torch.nn.Parameter(cast(torch.Tensor, float_bias(linear)), requires_grad=False)  # has a bias
     return module.to(linear.weight.device)
 
 

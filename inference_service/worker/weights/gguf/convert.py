@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -149,7 +150,7 @@ def _fill_missed_config(config, metadata: dict) -> None:
             setattr(config, attribute, value)
 
 
-def _dequantized_model(gguf_path: Path, metadata: dict) -> torch.nn.Module:
+def _dequantized_model(gguf_path: Path, metadata: dict) -> Any:  # a transformers PreTrainedModel
     """A fresh float32 model (no `quantization_config`) holding the GGUF's dequantized weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -207,7 +208,7 @@ def _t5_as_llama_cpp_runs_it(config, tensors: dict, own_output: bool):
     return type(config)(**fields, tie_word_embeddings=not own_output)
 
 
-def _untie_output(model: torch.nn.Module) -> None:
+def _untie_output(model: Any) -> None:  # a transformers PreTrainedModel
     """Give the output layer its own matrix where the config ties it (transformers 5 ties every T5)."""
     head = model.get_output_embeddings()
     if head is None or head.weight is not model.get_input_embeddings().weight:

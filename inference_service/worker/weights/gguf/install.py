@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, cast
 
 import torch
 from gguf import GGUFReader
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 def install_packed(model: torch.nn.Module, packed: dict[str, PackedWeight]) -> int:
     """Replace each named linear by a `QuantLinear` over its packed weight (bias kept); returns the count."""
     for name, weight in packed.items():
-        replace_module(model, name, QuantLinear.from_packed(weight, float_bias(model.get_submodule(name))))
+        linear = cast(torch.nn.Linear, model.get_submodule(name))  # `packed` names the model's linears
+        replace_module(model, name, QuantLinear.from_packed(weight, float_bias(linear)))
     return len(packed)
 
 
@@ -41,7 +43,8 @@ def install_gguf(model: torch.nn.Module, gguf_path: str | os.PathLike) -> int:
     return install_packed(model, packed)
 
 
-def _tied_head(model: torch.nn.Module, reader: GGUFReader) -> tuple[str, PackedWeight] | None:
+def _tied_head(model: Any, reader: GGUFReader) -> tuple[str, PackedWeight] | None:
+    # model: a transformers PreTrainedModel, whose attributes torch types as tensors
     output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if not isinstance(output, torch.nn.Linear) or output.weight.data_ptr() != embeddings.weight.data_ptr():
         return None

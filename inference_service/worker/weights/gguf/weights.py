@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -63,8 +63,8 @@ def gguf_linear_weights(gguf_path: str | os.PathLike, model: torch.nn.Module,
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF's ne is [K, N]
         processed = _process_probe(processor, tensor.name, shape, name_map)
         hf_name = name_map.get(processed.name) if processed.name is not None else None
-        module_name = linears.modules.get(hf_name)
-        if module_name is None:
+        module_name = linears.modules.get(hf_name) if hf_name is not None else None
+        if hf_name is None or module_name is None:
             if hf_name is None or hf_name in linears.tied:
                 left_dense[_unmapped_reason(processed, hf_name, linears)].append(tensor.name)
             continue  # an embedding or another non-linear parameter
@@ -72,7 +72,8 @@ def gguf_linear_weights(gguf_path: str | os.PathLike, model: torch.nn.Module,
         if reason:
             left_dense[reason].append(tensor.name)
             continue
-        packed[module_name] = _permute_rows(packed_from_gguf(tensor.data, tensor.tensor_type, shape), processed.rows)
+        rows = cast(np.ndarray, processed.rows)  # not None: _dense_reason found no reason
+        packed[module_name] = _permute_rows(packed_from_gguf(tensor.data, tensor.tensor_type, shape), rows)
     _log_summary(gguf_path, reader, packed, left_dense, linears)
     return packed
 
@@ -146,7 +147,7 @@ def _process_probe(processor, name: str, shape: tuple[int, int], name_map: dict[
     input, all columns in order, is a row permutation; anything else is not.
     """
     n, k = shape
-    dtype = np.float32 if max(n, k) < _FLOAT32_EXACT else np.float64
+    dtype: type[np.floating[Any]] = np.float32 if max(n, k) < _FLOAT32_EXACT else np.float64
     row_probe = np.broadcast_to(-(np.arange(n, dtype=dtype) + 0.5)[:, None], shape)  # [N, K], read-only
     col_probe = np.broadcast_to(-(np.arange(k, dtype=dtype) + 0.5)[None, :], shape)  # [N, K]
     try:
