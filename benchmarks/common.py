@@ -42,12 +42,12 @@ class Workload:
         return sum(self.max_new_tokens)
 
 
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab_size: int, seed: int = 0) -> Workload:
+def make_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int = 0
+) -> Workload:
     """Random token prompts (ids from 3 up, clear of the usual special ids) and output lengths."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))]
-               for _ in range(num_requests)]
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
@@ -55,19 +55,25 @@ def validated(prompt: list[int], max_new_tokens: int):
     """A greedy request that generates exactly `max_new_tokens` (EOS ignored), as the engine takes it."""
     from inference_service.sampling_params import EngineRequest, SamplingParams, StoppingParams
 
-    return EngineRequest(prompt_token_ids=list(prompt), sampling=SamplingParams(),
-                         stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return EngineRequest(
+        prompt_token_ids=list(prompt),
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
 
 
 # -- the engine and transformers on the same weights -------------------------------------------
-def load_engine(model_id: str, *, max_batch_prefill_tokens: int | None = None, dtype: str = "auto",
-                device: str = "auto"):
+def load_engine(
+    model_id: str, *, max_batch_prefill_tokens: int | None = None, dtype: str = "auto", device: str = "auto"
+):
     """A warmed-up `LLMEngine` and its config."""
     from inference_service.config import EngineConfig, ModelConfig, SchedulerConfig
     from inference_service.engine.builder import build_engine, warm_up
 
-    config = EngineConfig(model=ModelConfig(model_id=model_id, dtype=dtype, device=device),
-                          scheduler=SchedulerConfig(max_batch_prefill_tokens=max_batch_prefill_tokens))
+    config = EngineConfig(
+        model=ModelConfig(model_id=model_id, dtype=dtype, device=device),
+        scheduler=SchedulerConfig(max_batch_prefill_tokens=max_batch_prefill_tokens),
+    )
     engine = build_engine(config)
     warm_up(engine)
     return engine, config
@@ -96,9 +102,15 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     """avg, min, max, p50, p90, p99 and n, as TGI's benchmark reports them."""
     if not values:
         return {"n": 0, **dict.fromkeys(("avg", "min", "max", "p50", "p90", "p99"), float("nan"))}
-    return {"n": len(values), "avg": float(np.mean(values)), "min": float(min(values)),
-            "max": float(max(values)), "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99)}
+    return {
+        "n": len(values),
+        "avg": float(np.mean(values)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
 
 
 # -- describing the run ---------------------------------------------------------------------------
@@ -123,17 +135,24 @@ def machine() -> dict[str, str]:
         pass
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return {
-        "cpu": cpu, "logical_cpus": str(os.cpu_count()), "memory": memory, "accelerator": accelerator,
-        "torch_threads": str(torch.get_num_threads()), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu": cpu,
+        "logical_cpus": str(os.cpu_count()),
+        "memory": memory,
+        "accelerator": accelerator,
+        "torch_threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
 def machine_line(info: dict[str, str]) -> str:
-    return (f"{info['cpu']}, {info['logical_cpus']} logical CPUs, {info['memory']}, accelerator: "
-            f"{info['accelerator']}; torch {info['torch']} ({info['torch_threads']} threads), transformers "
-            f"{info['transformers']}, Python {info['python']}; {info['date']}")
+    return (
+        f"{info['cpu']}, {info['logical_cpus']} logical CPUs, {info['memory']}, accelerator: "
+        f"{info['accelerator']}; torch {info['torch']} ({info['torch_threads']} threads), transformers "
+        f"{info['transformers']}, Python {info['python']}; {info['date']}"
+    )
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -47,8 +47,10 @@ def engine_run(engine, prompts: list[list[int]], decode_tokens: int) -> tuple[fl
     outputs = engine.step()
     prefill = time.perf_counter() - start
     if len(outputs) != len(prompts):
-        raise RuntimeError(f"the prefill took more than one step ({len(outputs)} of {len(prompts)} first "
-                           "tokens): raise --max-batch-prefill-tokens")
+        raise RuntimeError(
+            f"the prefill took more than one step ({len(outputs)} of {len(prompts)} first "
+            "tokens): raise --max-batch-prefill-tokens"
+        )
     steps = []
     while engine.has_unfinished():
         start = time.perf_counter()
@@ -76,9 +78,15 @@ def transformers_run(model, prompts: list[list[int]], decode_tokens: int, pad_id
     clock = _StepClock()
     with torch.inference_mode():
         start = time.perf_counter()
-        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=decode_tokens,
-                       min_new_tokens=decode_tokens, do_sample=False, pad_token_id=pad_id,
-                       logits_processor=LogitsProcessorList([clock]))
+        model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=decode_tokens,
+            min_new_tokens=decode_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     # Step k's logits are ready at times[k]: prefill up to times[0], then one decode step per gap.
     return clock.times[0] - start, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
 
@@ -112,10 +120,22 @@ def measure(engine, model, args: argparse.Namespace) -> list[dict]:
     total = len(args.batch_sizes) * (args.runs + args.warmups)
     with tqdm(total=total, desc="engine bench", unit="run") as bar:
         for batch_size in args.batch_sizes:
-            workload = common.make_workload(batch_size, (args.prompt_tokens,) * 2, (1, 1),
-                                            engine.info.vocab_size, seed=batch_size)
-            samples = {key: [] for key in ("engine_prefill", "engine_steps", "engine_total", "hf_prefill",
-                                           "hf_steps", "hf_total", "floor_decode", "floor_prefill")}
+            workload = common.make_workload(
+                batch_size, (args.prompt_tokens,) * 2, (1, 1), engine.info.vocab_size, seed=batch_size
+            )
+            samples = {
+                key: []
+                for key in (
+                    "engine_prefill",
+                    "engine_steps",
+                    "engine_total",
+                    "hf_prefill",
+                    "hf_steps",
+                    "hf_total",
+                    "floor_decode",
+                    "floor_prefill",
+                )
+            }
             for run in range(args.warmups + args.runs):
                 bar.set_postfix(batch=batch_size)
                 engine_prefill, engine_steps = engine_run(engine, workload.prompts, args.decode_tokens)
@@ -146,50 +166,99 @@ def summarize(batch_size: int, args: argparse.Namespace, samples: dict[str, list
             "prefill_ms": common.summarize([s * 1000 for s in samples[f"{system}_prefill"]]),
             "decode_token_ms": common.summarize([s * 1000 for s in samples[f"{system}_steps"]]),
             "decode_total_ms": common.summarize([s * 1000 for s in samples[f"{system}_total"]]),
-            "prefill_tok_s": statistics.mean(batch_size * args.prompt_tokens / s
-                                             for s in samples[f"{system}_prefill"]),
+            "prefill_tok_s": statistics.mean(batch_size * args.prompt_tokens / s for s in samples[f"{system}_prefill"]),
             "decode_tok_s": statistics.mean(batch_size * num_steps / s for s in samples[f"{system}_total"]),
         }
-    row["floor"] = {"decode_ms": statistics.median(samples["floor_decode"]) * 1000,
-                    "prefill_ms": statistics.median(samples["floor_prefill"]) * 1000}
+    row["floor"] = {
+        "decode_ms": statistics.median(samples["floor_decode"]) * 1000,
+        "prefill_ms": statistics.median(samples["floor_prefill"]) * 1000,
+    }
     return row
 
 
 # -- reporting ------------------------------------------------------------------------------------
 def report(results: list[dict], args: argparse.Namespace, engine, plot_name: str) -> str:
     info = engine.info
-    header = (f"**Model** {model_name(args, engine)} ({info.architecture}, {info.dtype}, {info.device}). **Workload** "
-              f"batch sizes {', '.join(map(str, args.batch_sizes))}; prompts of {args.prompt_tokens} random "
-              f"tokens; {args.decode_tokens} new tokens each (EOS ignored, greedy): one prefill step, then "
-              f"{args.decode_tokens - 1} decode steps; {args.runs} run(s) after {args.warmups} warm-up, the "
-              f"engine, transformers and the floor interleaved run by run.\n\n"
-              f"**Machine** {common.machine_line(common.machine())}.\n\n"
-              f"**Command** `{common.command_line()}`")
+    header = (
+        f"**Model** {model_name(args, engine)} ({info.architecture}, {info.dtype}, {info.device}). **Workload** "
+        f"batch sizes {', '.join(map(str, args.batch_sizes))}; prompts of {args.prompt_tokens} random "
+        f"tokens; {args.decode_tokens} new tokens each (EOS ignored, greedy): one prefill step, then "
+        f"{args.decode_tokens - 1} decode steps; {args.runs} run(s) after {args.warmups} warm-up, the "
+        f"engine, transformers and the floor interleaved run by run.\n\n"
+        f"**Machine** {common.machine_line(common.machine())}.\n\n"
+        f"**Command** `{common.command_line()}`"
+    )
     prefill_rows, decode_rows = [], []
     for row in results:
         engine_, hf, floor = row["engine"], row["hf"], row["floor"]
         p, d = engine_["prefill_ms"], engine_["decode_token_ms"]
-        prefill_rows.append([
-            row["batch_size"], common.fmt(p["avg"]), common.fmt(p["p50"]), common.fmt(p["p90"]),
-            common.fmt(p["p99"]), common.fmt(engine_["prefill_tok_s"], 0), common.fmt(hf["prefill_ms"]["p50"]),
-            common.fmt(hf["prefill_tok_s"], 0), common.ratio(engine_["prefill_tok_s"], hf["prefill_tok_s"]),
-            common.fmt(floor["prefill_ms"]), common.ratio(p["p50"], floor["prefill_ms"])])
-        decode_rows.append([
-            row["batch_size"], common.fmt(d["avg"]), common.fmt(d["p50"]), common.fmt(d["p90"]),
-            common.fmt(d["p99"]), common.fmt(engine_["decode_tok_s"], 0), common.fmt(hf["decode_token_ms"]["p50"]),
-            common.fmt(hf["decode_tok_s"], 0), common.ratio(engine_["decode_tok_s"], hf["decode_tok_s"]),
-            common.fmt(floor["decode_ms"]), common.ratio(d["p50"], floor["decode_ms"])])
+        prefill_rows.append(
+            [
+                row["batch_size"],
+                common.fmt(p["avg"]),
+                common.fmt(p["p50"]),
+                common.fmt(p["p90"]),
+                common.fmt(p["p99"]),
+                common.fmt(engine_["prefill_tok_s"], 0),
+                common.fmt(hf["prefill_ms"]["p50"]),
+                common.fmt(hf["prefill_tok_s"], 0),
+                common.ratio(engine_["prefill_tok_s"], hf["prefill_tok_s"]),
+                common.fmt(floor["prefill_ms"]),
+                common.ratio(p["p50"], floor["prefill_ms"]),
+            ]
+        )
+        decode_rows.append(
+            [
+                row["batch_size"],
+                common.fmt(d["avg"]),
+                common.fmt(d["p50"]),
+                common.fmt(d["p90"]),
+                common.fmt(d["p99"]),
+                common.fmt(engine_["decode_tok_s"], 0),
+                common.fmt(hf["decode_token_ms"]["p50"]),
+                common.fmt(hf["decode_tok_s"], 0),
+                common.ratio(engine_["decode_tok_s"], hf["decode_tok_s"]),
+                common.fmt(floor["decode_ms"]),
+                common.ratio(d["p50"], floor["decode_ms"]),
+            ]
+        )
     prefill_table = common.markdown_table(
-        ["batch", "engine avg ms", "p50", "p90", "p99", "engine tok/s", "transformers p50 ms",
-         "transformers tok/s", "engine ÷ transformers (tok/s)", "matmul floor ms", "engine p50 ÷ floor"],
-        prefill_rows)
+        [
+            "batch",
+            "engine avg ms",
+            "p50",
+            "p90",
+            "p99",
+            "engine tok/s",
+            "transformers p50 ms",
+            "transformers tok/s",
+            "engine ÷ transformers (tok/s)",
+            "matmul floor ms",
+            "engine p50 ÷ floor",
+        ],
+        prefill_rows,
+    )
     decode_table = common.markdown_table(
-        ["batch", "engine avg ms/token", "p50", "p90", "p99", "engine tok/s", "transformers p50 ms/token",
-         "transformers tok/s", "engine ÷ transformers (tok/s)", "matmul floor ms", "engine p50 ÷ floor"],
-        decode_rows)
-    return (f"{header}\n\n#### Prefill ({args.prompt_tokens} tokens per sequence, whole batch in one step)\n\n"
-            f"{prefill_table}\n\n#### Decode (one step = one token for every sequence of the batch)\n\n"
-            f"{decode_table}\n\n![latency vs throughput per batch size]({plot_name})\n")
+        [
+            "batch",
+            "engine avg ms/token",
+            "p50",
+            "p90",
+            "p99",
+            "engine tok/s",
+            "transformers p50 ms/token",
+            "transformers tok/s",
+            "engine ÷ transformers (tok/s)",
+            "matmul floor ms",
+            "engine p50 ÷ floor",
+        ],
+        decode_rows,
+    )
+    return (
+        f"{header}\n\n#### Prefill ({args.prompt_tokens} tokens per sequence, whole batch in one step)\n\n"
+        f"{prefill_table}\n\n#### Decode (one step = one token for every sequence of the batch)\n\n"
+        f"{decode_table}\n\n![latency vs throughput per batch size]({plot_name})\n"
+    )
 
 
 def model_name(args: argparse.Namespace, engine) -> str:
@@ -198,10 +267,13 @@ def model_name(args: argparse.Namespace, engine) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-id", help=f"model to load (default: {DEMO_MODEL_ID}; quick: a tiny random model, "
-                        f"`{tiny_model.TINY_MODEL_ID}`)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny model, batch sizes 1, 2, 4, short lengths, 2 runs")
+    parser.add_argument(
+        "--model-id",
+        help=f"model to load (default: {DEMO_MODEL_ID}; quick: a tiny random model, `{tiny_model.TINY_MODEL_ID}`)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny model, batch sizes 1, 2, 4, short lengths, 2 runs"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+")
     parser.add_argument("--prompt-tokens", type=int, help="prompt length (TGI: --sequence-length)")
     parser.add_argument("--decode-tokens", type=int, help="new tokens per sequence, >= 2 (TGI: --decode-length)")
@@ -230,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.num_threads)
     out = common.output_dir(args.out, args.quick)
     prefill_budget = max(args.batch_sizes) * args.prompt_tokens  # each batch prefills in one step, as TGI's
-    engine, config = common.load_engine(tiny_model.resolve(args.model_id), max_batch_prefill_tokens=prefill_budget,
-                                        dtype=args.dtype, device=args.device)
+    engine, config = common.load_engine(
+        tiny_model.resolve(args.model_id), max_batch_prefill_tokens=prefill_budget, dtype=args.dtype, device=args.device
+    )
     model = common.load_reference(config, engine)
     results = measure(engine, model, args)
 
@@ -241,9 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "engine.md").write_text(markdown)
     raw = common.RAW_DIR if out == common.RESULTS_DIR else out
     common.write_json(raw / "engine-samples.json", [{"batch_size": r["batch_size"], **r["samples"]} for r in results])
-    common.write_json(out / "engine.json", {"args": vars(args), "machine": common.machine(),
-                                            "results": [{k: v for k, v in r.items() if k != "samples"}
-                                                        for r in results]})
+    common.write_json(
+        out / "engine.json",
+        {
+            "args": vars(args),
+            "machine": common.machine(),
+            "results": [{k: v for k, v in r.items() if k != "samples"} for r in results],
+        },
+    )
     if out == common.RESULTS_DIR:
         common.update_readme("engine-results", markdown.replace("](engine.png)", "](results/engine.png)"))
     print("\n" + markdown)

@@ -52,14 +52,20 @@ def run_transformers_static(model, workload: Workload, batch_size: int, pad_id: 
     start = time.perf_counter()
     finished: list[float] = []
     for begin in tqdm(range(0, len(workload.prompts), batch_size), desc=progress, leave=False):
-        prompts = workload.prompts[begin:begin + batch_size]
+        prompts = workload.prompts[begin : begin + batch_size]
         longest = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-        max_new = max(workload.max_new_tokens[begin:begin + batch_size])
+        max_new = max(workload.max_new_tokens[begin : begin + batch_size])
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=pad_id)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         finished.extend([time.perf_counter() - start] * len(prompts))
     return {"wall": time.perf_counter() - start, "finished": finished}
 
@@ -94,19 +100,20 @@ def main() -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
 
-    engine, config = load_engine(args.model_id, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
-                                 device="auto")
+    engine, config = load_engine(args.model_id, max_batch_prefill_tokens=args.max_batch_prefill_tokens, device="auto")
     reference = load_reference(config, engine)
     vocab = engine.info.vocab_size
     pad_id = engine.info.eos_token_ids[0] if engine.info.eos_token_ids else 0
 
     prompt_a = make_workload(1, (32, 32), (1, 1), vocab, seed=1).prompts[0]
     new_a = 16 if args.quick else 128
-    workload_b = (make_workload(8, (16, 64), (8, 16), vocab) if args.quick
-                  else make_workload(64, (16, 512), (16, 256), vocab))
+    workload_b = (
+        make_workload(8, (16, 64), (8, 16), vocab) if args.quick else make_workload(64, (16, 512), (16, 256), vocab)
+    )
 
-    results: dict[str, list[float]] = {key: [] for key in (
-        "engine_ttft", "engine_decode", "hf_ttft", "hf_decode", "engine_b", "hf_b", "engine_p50")}
+    results: dict[str, list[float]] = {
+        key: [] for key in ("engine_ttft", "engine_decode", "hf_ttft", "hf_decode", "engine_b", "hf_b", "engine_p50")
+    }
     for _round in range(args.rounds):
         ttft, decode = single_stream_engine(engine, prompt_a, new_a)
         results["engine_ttft"].append(ttft * 1000)
@@ -121,16 +128,24 @@ def main() -> None:
         results["hf_b"].append(workload_b.num_generated / run["wall"])
 
     med = {key: statistics.median(values) for key, values in results.items()}
-    print(f"\nmodel {engine.info.model_id} ({engine.info.dtype}, {engine.info.device}, "
-          f"{torch.get_num_threads()} threads), {args.rounds} round(s), medians\n")
+    print(
+        f"\nmodel {engine.info.model_id} ({engine.info.dtype}, {engine.info.device}, "
+        f"{torch.get_num_threads()} threads), {args.rounds} round(s), medians\n"
+    )
     print("| workload | engine | transformers | engine ÷ transformers |")
     print("|---|---|---|---|")
-    print(f"| A: decode ms/token (1 stream, {new_a} new) | {med['engine_decode']:.1f} | {med['hf_decode']:.1f} "
-          f"| {med['hf_decode'] / med['engine_decode']:.2f}× faster |")
-    print(f"| A: time to first token, 32-token prompt (ms) | {med['engine_ttft']:.0f} | {med['hf_ttft']:.0f} "
-          f"| {med['hf_ttft'] / med['engine_ttft']:.2f}× faster |")
-    print(f"| B: generated tok/s ({len(workload_b.prompts)} requests; transformers: static batches of 16) "
-          f"| {med['engine_b']:.1f} | {med['hf_b']:.1f} | {med['engine_b'] / med['hf_b']:.2f}× |")
+    print(
+        f"| A: decode ms/token (1 stream, {new_a} new) | {med['engine_decode']:.1f} | {med['hf_decode']:.1f} "
+        f"| {med['hf_decode'] / med['engine_decode']:.2f}× faster |"
+    )
+    print(
+        f"| A: time to first token, 32-token prompt (ms) | {med['engine_ttft']:.0f} | {med['hf_ttft']:.0f} "
+        f"| {med['hf_ttft'] / med['engine_ttft']:.2f}× faster |"
+    )
+    print(
+        f"| B: generated tok/s ({len(workload_b.prompts)} requests; transformers: static batches of 16) "
+        f"| {med['engine_b']:.1f} | {med['hf_b']:.1f} | {med['engine_b'] / med['hf_b']:.2f}× |"
+    )
     print(f"| B: engine p50 request latency (s) | {med['engine_p50']:.1f} | | |")
 
 

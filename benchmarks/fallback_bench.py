@@ -36,12 +36,26 @@ FAMILIES = {
     "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8, "n_inner": 128, "n_positions": 1024},
     "mpt": {"d_model": 64, "n_heads": 4, "n_layers": 2, "expansion_ratio": 2, "max_seq_len": 1024},
     "t5": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4},
-    "bart": {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-             "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-             "max_position_embeddings": 1024},
-    "m2m_100": {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-                "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-                "max_position_embeddings": 1024},
+    "bart": {
+        "d_model": 64,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "max_position_embeddings": 1024,
+    },
+    "m2m_100": {
+        "d_model": 64,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "max_position_embeddings": 1024,
+    },
 }
 GOAL = 2.0  # engine ÷ transformers, for the encoder-decoders
 
@@ -53,8 +67,9 @@ def make_model(family: str, folder: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model.ensure_tiny_model())
     eos = tokenizer.eos_token_id
-    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=eos,
-                                  pad_token_id=eos, **FAMILIES[family])
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=eos, pad_token_id=eos, **FAMILIES[family]
+    )
     if config.is_encoder_decoder:
         config.decoder_start_token_id = eos
         config.forced_eos_token_id = None  # BART's default would end every output on EOS
@@ -69,19 +84,29 @@ def measure(family: str, num_requests: int, output_range: tuple[int, int], batch
     """Generated tokens/s of the engine and of transformers' static batches on one family."""
     with tempfile.TemporaryDirectory() as scratch:
         folder = make_model(family, Path(scratch))
-        engine = build_engine(EngineConfig(model=ModelConfig(model_id=str(folder)),
-                                           cache=CacheConfig(max_batch_total_tokens=16384),
-                                           limits=LimitsConfig(max_total_tokens=512)))
+        engine = build_engine(
+            EngineConfig(
+                model=ModelConfig(model_id=str(folder)),
+                cache=CacheConfig(max_batch_total_tokens=16384),
+                limits=LimitsConfig(max_total_tokens=512),
+            )
+        )
         warm_up(engine)
         auto_class = AutoModelForSeq2SeqLM if engine.info.is_encoder_decoder else AutoModelForCausalLM
         reference = auto_class.from_pretrained(folder, dtype=torch.float32).eval()
         workload = common.make_workload(num_requests, (8, 64), output_range, engine.info.vocab_size, seed=0)
         ours = run_engine(engine, workload, f"{family}: engine")
-        theirs = run_transformers_static(reference, workload, batch_size, engine.info.eos_token_ids[0],
-                                         f"{family}: transformers")
+        theirs = run_transformers_static(
+            reference, workload, batch_size, engine.info.eos_token_ids[0], f"{family}: transformers"
+        )
     engine_tok_s, transformers_tok_s = workload.num_generated / ours["wall"], workload.num_generated / theirs["wall"]
-    return {"family": family, "encoder_decoder": engine.info.is_encoder_decoder, "engine_tok_s": engine_tok_s,
-            "transformers_tok_s": transformers_tok_s, "ratio": engine_tok_s / transformers_tok_s}
+    return {
+        "family": family,
+        "encoder_decoder": engine.info.is_encoder_decoder,
+        "engine_tok_s": engine_tok_s,
+        "transformers_tok_s": transformers_tok_s,
+        "ratio": engine_tok_s / transformers_tok_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,16 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     out = common.output_dir(args.out, args.quick)
     output_range = (4, 8) if args.quick else (16, 96)
     rows = [measure(family, num_requests, output_range, args.batch_size) for family in families]
-    table = [[row["family"], "encoder-decoder" if row["encoder_decoder"] else "decoder-only",
-              common.fmt(row["engine_tok_s"]), common.fmt(row["transformers_tok_s"]), f"**{row['ratio']:.2f}×**",
-              (("met" if row["ratio"] >= GOAL else "not met") + f" (≥ {GOAL:g}×)") if row["encoder_decoder"] else "–"]
-             for row in rows]
-    markdown = ("#### Fallback runner: decoder-only families and encoder-decoders (tiny random models)\n\n"
-                f"{num_requests} requests, prompts 8–64 tokens, {output_range[0]}–{output_range[1]} new tokens "
-                f"(EOS ignored), submitted at once; transformers in static batches of {args.batch_size}.\n\n"
-                + common.markdown_table(["family", "kind", "engine tok/s", "transformers tok/s",
-                                         "engine ÷ transformers", "goal"], table)
-                + f"\n\n{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n")
+    table = [
+        [
+            row["family"],
+            "encoder-decoder" if row["encoder_decoder"] else "decoder-only",
+            common.fmt(row["engine_tok_s"]),
+            common.fmt(row["transformers_tok_s"]),
+            f"**{row['ratio']:.2f}×**",
+            (("met" if row["ratio"] >= GOAL else "not met") + f" (≥ {GOAL:g}×)") if row["encoder_decoder"] else "–",
+        ]
+        for row in rows
+    ]
+    markdown = (
+        "#### Fallback runner: decoder-only families and encoder-decoders (tiny random models)\n\n"
+        f"{num_requests} requests, prompts 8–64 tokens, {output_range[0]}–{output_range[1]} new tokens "
+        f"(EOS ignored), submitted at once; transformers in static batches of {args.batch_size}.\n\n"
+        + common.markdown_table(
+            ["family", "kind", "engine tok/s", "transformers tok/s", "engine ÷ transformers", "goal"], table
+        )
+        + f"\n\n{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n"
+    )
     (out / "fallback.md").write_text(markdown)
     common.write_json(out / "fallback.json", {"args": vars(args), "machine": common.machine(), "families": rows})
     print("\n" + markdown)

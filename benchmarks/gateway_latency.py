@@ -119,16 +119,19 @@ def row(name: str, rest: list[float], grpc_: list[float]) -> str:
     ms = 1e3
     p50r, p50g = statistics.median(rest) * ms, statistics.median(grpc_) * ms
     p99r, p99g = percentile(rest, 0.99) * ms, percentile(grpc_, 0.99) * ms
-    return (f"{name:<34} {p50r:>9.3f} {p50g:>9.3f} {p50r - p50g:>+9.3f}   "
-            f"{p99r:>9.3f} {p99g:>9.3f} {p99r - p99g:>+9.3f}")
+    return f"{name:<34} {p50r:>9.3f} {p50g:>9.3f} {p50r - p50g:>+9.3f}   {p99r:>9.3f} {p99g:>9.3f} {p99r - p99g:>+9.3f}"
 
 
 def run(args: argparse.Namespace) -> None:
     model = ModelConfig(model_id=args.model_id, device="cpu" if args.cpu else "auto")
     server = ServerThread(EngineConfig(model=model))
     with tempfile.TemporaryDirectory() as workdir:
-        envoy = Envoy(GatewayConfig(hostname="127.0.0.1", port=0, upstream_port=server.port, admin_port=0),
-                      Path(workdir), concurrency=args.envoy_concurrency, log_level="warning")
+        envoy = Envoy(
+            GatewayConfig(hostname="127.0.0.1", port=0, upstream_port=server.port, admin_port=0),
+            Path(workdir),
+            concurrency=args.envoy_concurrency,
+            log_level="warning",
+        )
         envoy.start()
         try:
             measure(args, server, envoy)
@@ -141,8 +144,10 @@ def measure(args: argparse.Namespace, server: ServerThread, envoy: Envoy) -> Non
     rest = Rest(envoy.port)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = generate_pb2_grpc.TextGenerationStub(channel)
-    print(f"model {args.model_id}, {args.requests} calls per row (after {args.warmup} warm-up), "
-          f"one client, sequential; Envoy concurrency {args.envoy_concurrency}; times in ms")
+    print(
+        f"model {args.model_id}, {args.requests} calls per row (after {args.warmup} warm-up), "
+        f"one client, sequential; Envoy concurrency {args.envoy_concurrency}; times in ms"
+    )
     print(f"{'':<34} {'REST p50':>9} {'gRPC p50':>9} {'added':>9}   {'REST p99':>9} {'gRPC p99':>9} {'added':>9}")
     lines = _Printer()
     for max_new_tokens in (None, 1, 16):

@@ -37,8 +37,9 @@ def run_batch(engine, prompts: list[list[int]], decode_tokens: int, grammar) -> 
     sample_s: list[float] = []
     engine.step_observer = lambda stats: sample_s.append(stats.sample_s)
     for index, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{index}", dataclasses.replace(common.validated(prompt, decode_tokens),
-                                                                 grammar=grammar))
+        engine.add_request(
+            f"bench-{index}", dataclasses.replace(common.validated(prompt, decode_tokens), grammar=grammar)
+        )
     engine.step()  # the prefill and first token
     steps = []
     while engine.has_unfinished():
@@ -57,11 +58,17 @@ def run_batch(engine, prompts: list[list[int]], decode_tokens: int, grammar) -> 
 def measure(engine, args: argparse.Namespace) -> list[dict]:
     compiled = engine.grammar_compiler.compile(GrammarSpec("json", json.dumps(SCHEMA)))
     results = []
-    with tqdm(total=len(args.batch_sizes) * (args.runs + args.warmups) * 2, desc="grammar bench",
-              file=sys.stderr) as progress:
+    with tqdm(
+        total=len(args.batch_sizes) * (args.runs + args.warmups) * 2, desc="grammar bench", file=sys.stderr
+    ) as progress:
         for batch_size in args.batch_sizes:
-            workload = common.make_workload(batch_size, (args.prompt_tokens,) * 2, (args.decode_tokens,) * 2,
-                                            engine.info.vocab_size, seed=batch_size)
+            workload = common.make_workload(
+                batch_size,
+                (args.prompt_tokens,) * 2,
+                (args.decode_tokens,) * 2,
+                engine.info.vocab_size,
+                seed=batch_size,
+            )
             samples = {"free": ([], []), "json": ([], [])}
             for run in range(args.warmups + args.runs):
                 for name, grammar in (("free", None), ("json", compiled)):  # alternate: same conditions
@@ -70,10 +77,18 @@ def measure(engine, args: argparse.Namespace) -> list[dict]:
                         samples[name][0].extend(steps)
                         samples[name][1].extend(sample_s)
                     progress.update()
-            results.append({"batch_size": batch_size,
-                            **{name: {"step_ms": common.summarize([1000 * s for s in steps]),
-                                      "sample_ms": common.summarize([1000 * s for s in sample_s])}
-                               for name, (steps, sample_s) in samples.items()}})
+            results.append(
+                {
+                    "batch_size": batch_size,
+                    **{
+                        name: {
+                            "step_ms": common.summarize([1000 * s for s in steps]),
+                            "sample_ms": common.summarize([1000 * s for s in sample_s]),
+                        }
+                        for name, (steps, sample_s) in samples.items()
+                    },
+                }
+            )
     return results
 
 
@@ -81,17 +96,27 @@ def report(results: list[dict], args: argparse.Namespace, engine) -> str:
     rows = []
     for r in results:
         free, constrained = r["free"], r["json"]
-        rows.append([r["batch_size"], common.fmt(free["step_ms"]["avg"]), common.fmt(constrained["step_ms"]["avg"]),
-                     common.ratio(constrained["step_ms"]["avg"], free["step_ms"]["avg"]),
-                     common.fmt(free["sample_ms"]["avg"], 2), common.fmt(constrained["sample_ms"]["avg"], 2)])
+        rows.append(
+            [
+                r["batch_size"],
+                common.fmt(free["step_ms"]["avg"]),
+                common.fmt(constrained["step_ms"]["avg"]),
+                common.ratio(constrained["step_ms"]["avg"], free["step_ms"]["avg"]),
+                common.fmt(free["sample_ms"]["avg"], 2),
+                common.fmt(constrained["sample_ms"]["avg"], 2),
+            ]
+        )
     name = "tiny random Llama" if args.model_id == tiny_model.TINY_MODEL_ID else engine.info.model_id
     table = common.markdown_table(
-        ["batch", "free ms/step", "JSON schema ms/step", "ratio", "free sampling ms", "JSON sampling ms"], rows)
-    return (f"#### Grammar overhead: {name} ({engine.info.dtype}, {engine.info.device})\n\n"
-            f"Greedy decode steps, {args.prompt_tokens}-token prompts, {args.decode_tokens} tokens each, "
-            f"{args.runs} runs after {args.warmups} warm-up; same run, alternating. Sampling = the step after "
-            f"the forward pass (masks, sampler, matchers, text).\n\n{table}\n\n"
-            f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n")
+        ["batch", "free ms/step", "JSON schema ms/step", "ratio", "free sampling ms", "JSON sampling ms"], rows
+    )
+    return (
+        f"#### Grammar overhead: {name} ({engine.info.dtype}, {engine.info.device})\n\n"
+        f"Greedy decode steps, {args.prompt_tokens}-token prompts, {args.decode_tokens} tokens each, "
+        f"{args.runs} runs after {args.warmups} warm-up; same run, alternating. Sampling = the step after "
+        f"the forward pass (masks, sampler, matchers, text).\n\n{table}\n\n"
+        f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     out = common.output_dir(args.out, args.quick)
-    engine, _ = common.load_engine(tiny_model.resolve(args.model_id),
-                                   max_batch_prefill_tokens=max(args.batch_sizes) * args.prompt_tokens)
+    engine, _ = common.load_engine(
+        tiny_model.resolve(args.model_id), max_batch_prefill_tokens=max(args.batch_sizes) * args.prompt_tokens
+    )
     if engine.grammar_compiler is None:
         raise SystemExit("this model's tokenizer has no grammar support")
     results = measure(engine, args)

@@ -30,19 +30,35 @@ import torch  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR  # noqa: E402
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 1, "maxLength": 20},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "role": {"enum": ["admin", "user", "guest"]}},
-    "required": ["name", "age", "role"], "additionalProperties": False}
-NESTED = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 4},
-    "address": {"type": "object", "properties": {
-        "street": {"type": "string", "maxLength": 24}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-        "required": ["street", "zip"], "additionalProperties": False},
-    "active": {"type": "boolean"}},
-    "required": ["id", "tags", "address", "active"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 24},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "zip"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["id", "tags", "address", "active"],
+    "additionalProperties": False,
+}
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 GRAMMARS = {"json:person": ("json", PERSON), "json:nested": ("json", NESTED), "regex": ("regex", REGEX)}
 MAX_STEPS = 200
@@ -55,6 +71,7 @@ def check(kind: str, value, text: str) -> bool:
     if kind == "regex":
         return re.fullmatch(value, text) is not None
     import jsonschema
+
     try:
         jsonschema.validate(json.loads(text), value)
     except (ValueError, jsonschema.ValidationError):
@@ -94,8 +111,11 @@ def bench_llguidance(tokenizer, eos_id: int, vocab_size: int) -> dict:
     rows = {}
     for name, (kind, value) in GRAMMARS.items():
         started = time.perf_counter()
-        grammar = (llguidance.LLMatcher.grammar_from_json_schema(value, defaults=COMPACT_JSON) if kind == "json"
-                   else llguidance.LLMatcher.grammar_from_regex(value))
+        grammar = (
+            llguidance.LLMatcher.grammar_from_json_schema(value, defaults=COMPACT_JSON)
+            if kind == "json"
+            else llguidance.LLMatcher.grammar_from_regex(value)
+        )
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
         compile_s = time.perf_counter() - started
         assert not matcher.is_error(), matcher.get_error()
@@ -105,8 +125,17 @@ def bench_llguidance(tokenizer, eos_id: int, vocab_size: int) -> dict:
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
             return bitmask[0]
 
-        rows[name] = run_walks(kind, value, tokenizer, eos_id, vocab_size, compile_s, mask,
-                               matcher.consume_token, lambda m=matcher: m.reset())
+        rows[name] = run_walks(
+            kind,
+            value,
+            tokenizer,
+            eos_id,
+            vocab_size,
+            compile_s,
+            mask,
+            matcher.consume_token,
+            lambda m=matcher: m.reset(),
+        )
     return {"setup_s": setup, "grammars": rows}
 
 
@@ -120,8 +149,11 @@ def bench_xgrammar(tokenizer, eos_id: int, vocab_size: int) -> dict:
     rows = {}
     for name, (kind, value) in GRAMMARS.items():
         started = time.perf_counter()
-        compiled = (compiler.compile_json_schema(json.dumps(value), any_whitespace=False) if kind == "json"
-                    else compiler.compile_regex(value))
+        compiled = (
+            compiler.compile_json_schema(json.dumps(value), any_whitespace=False)
+            if kind == "json"
+            else compiler.compile_regex(value)
+        )
         matcher = xgrammar.GrammarMatcher(compiled)
         compile_s = time.perf_counter() - started
         bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
@@ -130,8 +162,9 @@ def bench_xgrammar(tokenizer, eos_id: int, vocab_size: int) -> dict:
             matcher.fill_next_token_bitmask(bitmask, 0)
             return bitmask[0]
 
-        rows[name] = run_walks(kind, value, tokenizer, eos_id, vocab_size, compile_s, mask,
-                               matcher.accept_token, matcher.reset)
+        rows[name] = run_walks(
+            kind, value, tokenizer, eos_id, vocab_size, compile_s, mask, matcher.accept_token, matcher.reset
+        )
     return {"setup_s": setup, "grammars": rows}
 
 
@@ -172,17 +205,20 @@ def bench_outlines_core(tokenizer, eos_id: int, vocab_size: int) -> dict:
     return {"setup_s": setup, "grammars": rows}
 
 
-def run_walks(kind, value, tokenizer, eos_id, vocab_size, compile_s, mask, accept, reset,
-              num_walks: int = 5) -> dict:
+def run_walks(kind, value, tokenizer, eos_id, vocab_size, compile_s, mask, accept, reset, num_walks: int = 5) -> dict:
     times, valid = [], 0
     for seed in range(num_walks):
         reset()
         tokens, step_times = walk(random.Random(seed), eos_id, mask, accept, vocab_size)
         times += step_times
         valid += check(kind, value, tokenizer.decode(tokens))
-    return {"compile_ms": 1000 * compile_s, "mask_us_median": 1e6 * statistics.median(times),
-            "mask_us_p90": 1e6 * sorted(times)[int(0.9 * len(times))], "num_masks": len(times),
-            "valid": f"{valid}/{num_walks}"}
+    return {
+        "compile_ms": 1000 * compile_s,
+        "mask_us_median": 1e6 * statistics.median(times),
+        "mask_us_p90": 1e6 * sorted(times)[int(0.9 * len(times))],
+        "num_masks": len(times),
+        "valid": f"{valid}/{num_walks}",
+    }
 
 
 LIBRARIES = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar, "outlines-core": bench_outlines_core}
@@ -207,12 +243,16 @@ def main(argv: list[str] | None = None) -> int:
             results[library] = LIBRARIES[library](tokenizer, eos_id, vocab_size)
         except ImportError as error:
             print(f"  skipped: {error}", file=sys.stderr)
-    lines = ["| library | tokenizer setup ms | grammar | compile ms | mask µs p50 | mask µs p90 | valid |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| library | tokenizer setup ms | grammar | compile ms | mask µs p50 | mask µs p90 | valid |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for library, result in results.items():
         for name, row in result["grammars"].items():
-            lines.append(f"| {library} | {1000 * result['setup_s']:.0f} | {name} | {row['compile_ms']:.1f} | "
-                         f"{row['mask_us_median']:.0f} | {row['mask_us_p90']:.0f} | {row['valid']} |")
+            lines.append(
+                f"| {library} | {1000 * result['setup_s']:.0f} | {name} | {row['compile_ms']:.1f} | "
+                f"{row['mask_us_median']:.0f} | {row['mask_us_p90']:.0f} | {row['valid']} |"
+            )
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

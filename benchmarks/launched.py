@@ -25,8 +25,19 @@ class LaunchedServer:
     """Starts on construction; `rest_url` and `grpc_target` once ready; `stop()` sends SIGTERM."""
 
     def __init__(self, model_id: str, server_args: list[str], log_path: Path, start_timeout_s: float = 300.0):
-        command = [str(Path(sys.executable).with_name("inference-service")), "launch", "--model-id", model_id,
-                   "--hostname", "127.0.0.1", "--port", "0", "--grpc-port", "0", *server_args]
+        command = [
+            str(Path(sys.executable).with_name("inference-service")),
+            "launch",
+            "--model-id",
+            model_id,
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            *server_args,
+        ]
         self.command = shlex.join(["inference-service", *command[1:]])
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
@@ -35,8 +46,14 @@ class LaunchedServer:
         self.rest_url = ""
         self.grpc_target = ""
         # Its own process group: if it must be killed, its Envoy goes with it.
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
         self._wait_ready(start_timeout_s)
@@ -56,8 +73,11 @@ class LaunchedServer:
         while not self._ready.wait(0.2):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                reason = (f"exited with code {self.process.returncode}" if self.process.returncode is not None
-                          else f"not ready within {timeout_s:.0f}s")
+                reason = (
+                    f"exited with code {self.process.returncode}"
+                    if self.process.returncode is not None
+                    else f"not ready within {timeout_s:.0f}s"
+                )
                 raise LaunchError(f"`{self.command}` {reason}:\n" + "\n".join(self._tail))
 
     def stop(self, timeout_s: float = 30.0) -> int | None:

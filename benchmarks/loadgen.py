@@ -89,8 +89,11 @@ class GrpcTarget:
     async def stream(self, prompts: Prompts, index: int, record: RequestRecord) -> None:
         try:
             async for _response in self.client.generate_stream(
-                    prompts.text(index), max_new_tokens=prompts.max_new_tokens, truncate=prompts.prompt_tokens,
-                    details=False):
+                prompts.text(index),
+                max_new_tokens=prompts.max_new_tokens,
+                truncate=prompts.prompt_tokens,
+                details=False,
+            ):
                 record.token_times.append(time.perf_counter())
         except OverloadedError:
             record.error = OVERLOADED
@@ -108,12 +111,15 @@ class RestTarget:
 
     def __init__(self, url: str, timeout_s: float):
         self.url = url.rstrip("/") + "/generate_stream"
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        )
 
     async def stream(self, prompts: Prompts, index: int, record: RequestRecord) -> None:
-        body = {"inputs": prompts.text(index),
-                "parameters": {"max_new_tokens": prompts.max_new_tokens, "truncate": prompts.prompt_tokens}}
+        body = {
+            "inputs": prompts.text(index),
+            "parameters": {"max_new_tokens": prompts.max_new_tokens, "truncate": prompts.prompt_tokens},
+        }
         try:
             async with self.session.post(self.url, json=body) as response:
                 if response.status != 200:
@@ -182,8 +188,9 @@ async def closed_loop(send: Send, concurrency: int, max_requests: int, duration_
     return records
 
 
-async def open_loop(send: Send, rate: float, max_requests: int, duration_s: float,
-                    seed: int = 0) -> list[RequestRecord]:
+async def open_loop(
+    send: Send, rate: float, max_requests: int, duration_s: float, seed: int = 0
+) -> list[RequestRecord]:
     """Poisson arrivals at `rate` per second (the first at once), whatever the server's pace, until
     `max_requests` were sent or `duration_s` passed."""
     rng = random.Random(seed)

@@ -18,19 +18,27 @@ def engine_latency_throughput(results: list[dict], path: Path, title: str) -> No
     """TGI's benchmark view: latency against throughput, one point per batch size, prefill and decode."""
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for axis, phase, latency_key, tps_key, floor_key in (
-            (axes[0], "prefill", "prefill_ms", "prefill_tok_s", "prefill_ms"),
-            (axes[1], "decode", "decode_token_ms", "decode_tok_s", "decode_ms")):
+        (axes[0], "prefill", "prefill_ms", "prefill_tok_s", "prefill_ms"),
+        (axes[1], "decode", "decode_token_ms", "decode_tok_s", "decode_ms"),
+    ):
         for system, (color, marker, label) in SYSTEM_STYLE.items():
             xs = [row[system][tps_key] for row in results]
             ys = [row[system][latency_key]["p50"] for row in results]
             axis.plot(xs, ys, marker=marker, color=color, label=label)
             for row, x, y in zip(results, xs, ys, strict=True):
-                axis.annotate(f"b{row['batch_size']}", (x, y), textcoords="offset points", xytext=(4, 4),
-                              fontsize=8, color=color)
+                axis.annotate(
+                    f"b{row['batch_size']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color
+                )
         tokens = [row["batch_size"] * (row["prompt_tokens"] if phase == "prefill" else 1) for row in results]
         floor_x = [n / (row["floor"][floor_key] / 1000) for n, row in zip(tokens, results, strict=True)]
-        axis.plot(floor_x, [row["floor"][floor_key] for row in results], linestyle="--", color="gray",
-                  marker=".", label="bare-matmul floor")
+        axis.plot(
+            floor_x,
+            [row["floor"][floor_key] for row in results],
+            linestyle="--",
+            color="gray",
+            marker=".",
+            label="bare-matmul floor",
+        )
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel(f"{phase} throughput (tokens/s)")
@@ -55,21 +63,47 @@ def serve_overview(levels: list[dict], path: Path, title: str) -> None:
         if not rows:
             continue
         xs = [row["concurrency"] for row in rows]
-        throughput.plot(xs, [row["token_throughput"] for row in rows], marker=marker, color=color,
-                        label=f"{label} tokens/s")
+        throughput.plot(
+            xs, [row["token_throughput"] for row in rows], marker=marker, color=color, label=f"{label} tokens/s"
+        )
         for q, style in PERCENTILE_STYLE.items():
-            ttft.plot(xs, [row["ttft_ms"][q] for row in rows], marker=marker, color=color, linestyle=style,
-                      label=f"{label} {q}")
-            itl.plot(xs, [row["itl_ms"][q] for row in rows], marker=marker, color=color, linestyle=style,
-                     label=f"{label} {q}")
-        tradeoff.plot([row["token_throughput"] for row in rows], [row["itl_ms"]["p50"] for row in rows],
-                      marker=marker, color=color, label=label)
+            ttft.plot(
+                xs,
+                [row["ttft_ms"][q] for row in rows],
+                marker=marker,
+                color=color,
+                linestyle=style,
+                label=f"{label} {q}",
+            )
+            itl.plot(
+                xs,
+                [row["itl_ms"][q] for row in rows],
+                marker=marker,
+                color=color,
+                linestyle=style,
+                label=f"{label} {q}",
+            )
+        tradeoff.plot(
+            [row["token_throughput"] for row in rows],
+            [row["itl_ms"]["p50"] for row in rows],
+            marker=marker,
+            color=color,
+            label=label,
+        )
         for row in rows:
-            tradeoff.annotate(f"c{row['concurrency']}", (row["token_throughput"], row["itl_ms"]["p50"]),
-                              textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
-    for axis, ylabel, name in ((throughput, "generated tokens/s", "throughput"),
-                               (ttft, "time to first token (ms)", "TTFT"),
-                               (itl, "inter-token latency (ms)", "inter-token latency")):
+            tradeoff.annotate(
+                f"c{row['concurrency']}",
+                (row["token_throughput"], row["itl_ms"]["p50"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+                color=color,
+            )
+    for axis, ylabel, name in (
+        (throughput, "generated tokens/s", "throughput"),
+        (ttft, "time to first token (ms)", "TTFT"),
+        (itl, "inter-token latency (ms)", "inter-token latency"),
+    ):
         axis.set_xscale("log", base=2)
         axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
         axis.set_xlabel("concurrent requests (closed loop)")

@@ -44,11 +44,15 @@ FULL = {"conversations": 16, "turns": 6, "system_tokens": 1000, "tokens_per_turn
 QUICK = {"conversations": 3, "turns": 3, "system_tokens": 120, "tokens_per_turn": 4, "runs": 1}
 KV_TOKENS = 32768  # room for every conversation's whole history: no preemption in either mode
 # The tiny model has no chat template: ChatML, as the demo model writes it.
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-_VOCABULARY = ("bread oven flour yeast dough crust butter sugar salt water morning order cake pastry shop customer "
-               "delivery weekend recipe sourdough rye croissant cinnamon almond chocolate fresh warm early late "
-               "price open closed holiday special gluten vegan seed oat honey jam coffee tea counter window")
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_VOCABULARY = (
+    "bread oven flour yeast dough crust butter sugar salt water morning order cake pastry shop customer "
+    "delivery weekend recipe sourdough rye croissant cinnamon almond chocolate fresh warm early late "
+    "price open closed holiday special gluten vegan seed oat honey jam coffee tea counter window"
+)
 _WORDS = _VOCABULARY.split()
 
 
@@ -66,8 +70,13 @@ def make_conversations(tokenizer, args: argparse.Namespace) -> Conversations:
         words += [rng.choice(_WORDS) for _ in range(50)] + ["."]
     ids = tokenizer.encode(" ".join(words), add_special_tokens=False)[: args.system_tokens]
     system = "You answer questions about a bakery. Facts: " + tokenizer.decode(ids)
-    questions = [[f"Question {turn + 1}: what about the " + " ".join(rng.choice(_WORDS) for _ in range(12)) + "?"
-                  for turn in range(args.turns)] for _ in range(args.conversations)]
+    questions = [
+        [
+            f"Question {turn + 1}: what about the " + " ".join(rng.choice(_WORDS) for _ in range(12)) + "?"
+            for turn in range(args.turns)
+        ]
+        for _ in range(args.conversations)
+    ]
     return Conversations(system, questions)
 
 
@@ -77,8 +86,10 @@ def runners_for(base: LLMEngine) -> dict[str, ModelRunner]:
     kv = base.runner.kv_cache
     shapes = [LayerShape(num_kv_heads=keys.shape[1], head_dim=keys.shape[2]) for keys in kv.keys]
     twin = PagedKVCache(shapes, kv.num_blocks, kv.block_size, kv.keys[0].dtype, base.runner.device)
-    return {"off": base.runner,
-            "on": ModelRunner(base.runner.model, twin, base.runner.device, base.runner.decode_kernel)}
+    return {
+        "off": base.runner,
+        "on": ModelRunner(base.runner.model, twin, base.runner.device, base.runner.decode_kernel),
+    }
 
 
 class ChatDriver:
@@ -86,11 +97,20 @@ class ChatDriver:
     step at a time. Its clock counts only its own steps, so two drivers stepped in turn on one CPU
     share whatever else the machine is doing fairly."""
 
-    def __init__(self, base: LLMEngine, runner: ModelRunner, template: ChatTemplate, conversations: Conversations,
-                 prefix_caching: bool, args: argparse.Namespace, progress: tqdm):
+    def __init__(
+        self,
+        base: LLMEngine,
+        runner: ModelRunner,
+        template: ChatTemplate,
+        conversations: Conversations,
+        prefix_caching: bool,
+        args: argparse.Namespace,
+        progress: tqdm,
+    ):
         info = dataclasses.replace(base.info, prefix_caching=prefix_caching)
-        self.engine = LLMEngine(info, base.tokenizer, runner, base.sampler, info.max_batch_prefill_tokens,
-                                info.max_batch_size)
+        self.engine = LLMEngine(
+            info, base.tokenizer, runner, base.sampler, info.max_batch_prefill_tokens, info.max_batch_size
+        )
         self.engine.step_observer = lambda stats: self.prefill_tokens.append(stats.num_prefill_tokens)
         self.template, self.conversations, self.args, self.progress = template, conversations, args, progress
         self.prefix_caching = prefix_caching
@@ -138,26 +158,34 @@ class ChatDriver:
         stats = self.engine.stats()
         num_generated = sum(len(tokens) for tokens in self.replies.values())
         return {
-            "prefix_caching": self.prefix_caching, "engine_s": self.clock,
+            "prefix_caching": self.prefix_caching,
+            "engine_s": self.clock,
             "ttft_first_turn_ms": [1000 * v for k, v in self.ttft.items() if k.endswith("-t0")],
             "ttft_follow_up_ms": [1000 * v for k, v in self.ttft.items() if not k.endswith("-t0")],
-            "num_generated": num_generated, "generated_tok_s": num_generated / self.clock,
+            "num_generated": num_generated,
+            "generated_tok_s": num_generated / self.clock,
             "num_prompt_tokens": sum(self.prompt_lengths.values()),
-            "num_prefill_tokens_computed": sum(self.prefill_tokens), "hit_rate": stats.prefix_cache_hit_rate,
-            "num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions, "replies": self.replies,
+            "num_prefill_tokens_computed": sum(self.prefill_tokens),
+            "hit_rate": stats.prefix_cache_hit_rate,
+            "num_steps": stats.num_steps,
+            "num_preemptions": stats.num_preemptions,
+            "replies": self.replies,
         }
 
 
-def measure(base: LLMEngine, template: ChatTemplate, conversations: Conversations,
-            args: argparse.Namespace) -> dict[str, list[dict]]:
+def measure(
+    base: LLMEngine, template: ChatTemplate, conversations: Conversations, args: argparse.Namespace
+) -> dict[str, list[dict]]:
     """Each run: both modes from a cold cache, their engine steps interleaved one for one."""
     runners = runners_for(base)
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     total = args.runs * 2 * args.conversations * args.turns
     with tqdm(total=total, desc="prefix cache bench (turns, both modes)", file=sys.stderr) as progress:
         for _ in range(args.runs):
-            drivers = {name: ChatDriver(base, runners[name], template, conversations, name == "on", args, progress)
-                       for name in ("off", "on")}
+            drivers = {
+                name: ChatDriver(base, runners[name], template, conversations, name == "on", args, progress)
+                for name in ("off", "on")
+            }
             while not all(driver.done for driver in drivers.values()):
                 for driver in drivers.values():
                     if not driver.done:
@@ -177,7 +205,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "engine_s": sum(r["engine_s"] for r in results) / len(results),
             "num_prompt_tokens": results[0]["num_prompt_tokens"],
             "num_prefill_tokens_computed": results[0]["num_prefill_tokens_computed"],
-            "hit_rate": results[0]["hit_rate"], "num_preemptions": sum(r["num_preemptions"] for r in results),
+            "hit_rate": results[0]["hit_rate"],
+            "num_preemptions": sum(r["num_preemptions"] for r in results),
         }
     off, on = summary["off"], summary["on"]
     summary["ratios"] = {
@@ -195,27 +224,49 @@ def report(summary: dict, args: argparse.Namespace, base: LLMEngine) -> str:
     for name in ("off", "on"):
         s = summary[name]
         follow, first = s["ttft_follow_up_ms"], s["ttft_first_turn_ms"]
-        rows.append([name, common.fmt(follow["avg"]), common.fmt(follow["p50"]), common.fmt(follow["p90"]),
-                     common.fmt(first["p50"]), common.fmt(s["generated_tok_s"]), common.fmt(s["engine_s"]),
-                     f"{s['num_prefill_tokens_computed']:,} / {s['num_prompt_tokens']:,}",
-                     f"{100 * s['hit_rate']:.1f}%"])
+        rows.append(
+            [
+                name,
+                common.fmt(follow["avg"]),
+                common.fmt(follow["p50"]),
+                common.fmt(follow["p90"]),
+                common.fmt(first["p50"]),
+                common.fmt(s["generated_tok_s"]),
+                common.fmt(s["engine_s"]),
+                f"{s['num_prefill_tokens_computed']:,} / {s['num_prompt_tokens']:,}",
+                f"{100 * s['hit_rate']:.1f}%",
+            ]
+        )
     ratios = summary["ratios"]
     name = "tiny random Llama" if args.model_id == tiny_model.TINY_MODEL_ID else base.info.model_id
     table = common.markdown_table(
-        ["prefix caching", "follow-up TTFT avg ms", "p50", "p90", "first-turn TTFT p50 ms", "generated tok/s",
-         "engine s", "prompt tokens computed / sent", "hit rate"], rows)
+        [
+            "prefix caching",
+            "follow-up TTFT avg ms",
+            "p50",
+            "p90",
+            "first-turn TTFT p50 ms",
+            "generated tok/s",
+            "engine s",
+            "prompt tokens computed / sent",
+            "hit rate",
+        ],
+        rows,
+    )
     identical = "identical" if summary["identical_replies"] else "NOT identical"
-    return (f"#### Prefix caching, multi-turn chat: {name} ({base.info.dtype}, {base.info.device})\n\n"
-            f"{args.conversations} conversations × {args.turns} turns, concurrent and closed-loop, sharing a "
-            f"{args.system_tokens}-token system prompt; ~20-token questions, {args.tokens_per_turn} tokens generated "
-            f"per turn (greedy, EOS ignored); {args.runs} run(s): both modes from a cold cache, their engine steps "
-            f"interleaved one for one, times on each engine's own clock (its steps only); KV pool {KV_TOKENS} "
-            f"tokens per mode, step budget {base.info.max_batch_prefill_tokens} tokens.\n\n"
-            f"{table}\n\n"
-            f"**Follow-up TTFT, off ÷ on: {ratios['ttft_follow_up_mean']:.1f}× (mean), "
-            f"{ratios['ttft_follow_up_p50']:.1f}× (p50)**; first turn {ratios['ttft_first_turn_p50']:.1f}× (p50); "
-            f"throughput on ÷ off {ratios['throughput']:.2f}×. Replies in both modes: {identical}.\n\n"
-            f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n")
+    return (
+        f"#### Prefix caching, multi-turn chat: {name} ({base.info.dtype}, {base.info.device})\n\n"
+        f"{args.conversations} conversations × {args.turns} turns, concurrent and closed-loop, sharing a "
+        f"{args.system_tokens}-token system prompt; ~20-token questions, {args.tokens_per_turn} tokens generated "
+        f"per turn (greedy, EOS ignored); {args.runs} run(s): both modes from a cold cache, their engine steps "
+        f"interleaved one for one, times on each engine's own clock (its steps only); KV pool {KV_TOKENS} "
+        f"tokens per mode, step budget {base.info.max_batch_prefill_tokens} tokens.\n\n"
+        f"{table}\n\n"
+        f"**Follow-up TTFT, off ÷ on: {ratios['ttft_follow_up_mean']:.1f}× (mean), "
+        f"{ratios['ttft_follow_up_p50']:.1f}× (p50)**; first turn {ratios['ttft_first_turn_p50']:.1f}× (p50); "
+        f"throughput on ÷ off {ratios['throughput']:.2f}×. Replies in both modes: {identical}.\n\n"
+        f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -245,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     out = common.output_dir(args.out, args.quick)
-    config = EngineConfig(model=ModelConfig(model_id=tiny_model.resolve(args.model_id)),
-                          cache=CacheConfig(max_batch_total_tokens=KV_TOKENS))
+    config = EngineConfig(
+        model=ModelConfig(model_id=tiny_model.resolve(args.model_id)),
+        cache=CacheConfig(max_batch_total_tokens=KV_TOKENS),
+    )
     base = build_engine(config)
     warm_up(base)
     template = ChatTemplate(base.tokenizer, None if getattr(base.tokenizer, "chat_template", None) else CHATML)
@@ -255,10 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs)
     markdown = report(summary, args, base)
     (out / "prefix_cache.md").write_text(markdown)
-    common.write_json(out / "prefix_cache.json", {
-        "args": vars(args), "machine": common.machine(), "summary": summary,
-        "runs": {name: [{k: v for k, v in r.items() if k != "replies"} for r in results]
-                 for name, results in runs.items()}})
+    common.write_json(
+        out / "prefix_cache.json",
+        {
+            "args": vars(args),
+            "machine": common.machine(),
+            "summary": summary,
+            "runs": {
+                name: [{k: v for k, v in r.items() if k != "replies"} for r in results]
+                for name, results in runs.items()
+            },
+        },
+    )
     if out == common.RESULTS_DIR:
         common.update_readme("prefix-cache-results", markdown)
     print("\n" + markdown)

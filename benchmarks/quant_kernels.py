@@ -31,8 +31,13 @@ from inference_service.worker.kernels import panels  # noqa: E402
 from inference_service.worker.kernels.packed import quantize_rtn  # noqa: E402
 
 # (name, K, N): the demo model's projections (SmolLM2-135M) and its output head.
-SHAPES = [("q/o proj", 576, 576), ("k/v proj", 576, 192), ("gate/up proj", 576, 1536), ("down proj", 1536, 576),
-          ("lm head", 576, 49152)]
+SHAPES = [
+    ("q/o proj", 576, 576),
+    ("k/v proj", 576, 192),
+    ("gate/up proj", 576, 1536),
+    ("down proj", 1536, 576),
+    ("lm head", 576, 49152),
+]
 QUANTS = [("int8 gs=K", 8, None), ("4-bit gs=32", 4, 32), ("4-bit gs=128", 4, 128), ("8-bit gs=32", 8, 32)]
 PANELS = ("int8 gs=K", "4-bit gs=32")  # the codes the many-row path is timed on
 FULL = {"rows": [1, 4, 8, 12, 16, 24, 32, 128, 512], "rounds": 5, "min_ms": 40.0, "shapes": [s[0] for s in SHAPES]}
@@ -88,25 +93,38 @@ def crossover(rows: list[dict], codes: str) -> int | None:
 
 
 def report(results: list[dict], crossovers: dict[str, int | None], args: argparse.Namespace) -> str:
-    names = ["fp32 torch", "fp32 native", "fp32 panel", "fp32 in panels", *[q[0] for q in QUANTS],
-             *[f"{c} panel" for c in PANELS], "int8 gs=K in panels"]
+    names = [
+        "fp32 torch",
+        "fp32 native",
+        "fp32 panel",
+        "fp32 in panels",
+        *[q[0] for q in QUANTS],
+        *[f"{c} panel" for c in PANELS],
+        "int8 gs=K in panels",
+    ]
     rows = []
     for shape, rows_of_shape in results:
         for r in rows_of_shape:
             base = r["ms"]["fp32 torch"]
-            cells = [f"{common.fmt(r['ms'][name], 3)} ({common.ratio(base, r['ms'][name])})" if name in r["ms"]
-                     else "–" for name in names]
+            cells = [
+                f"{common.fmt(r['ms'][name], 3)} ({common.ratio(base, r['ms'][name])})" if name in r["ms"] else "–"
+                for name in names
+            ]
             rows.append([f"{shape} {r['k']}→{r['n']}", r["rows"], *cells])
     table = common.markdown_table(["shape K→N", "M", *[f"{name} ms" for name in names]], rows)
-    lines = "; ".join(f"{codes}: " + ", ".join(f"{shape} {'M ≥ ' + str(m) if m else 'none measured'}"
-                                               for shape, m in by_shape.items())
-                      for codes, by_shape in crossovers.items())
-    return (f"#### Quantized linear kernels: ms per call (speed-up vs fp32 torch)\n\n"
-            f"x [M, K] · W[N, K]ᵀ; {args.rounds} rounds, all variants alternating, median of each variant's mean "
-            f"ms per call (≥ {args.min_ms:g} ms of calls per sample). QuantLinear uses the kernel up to "
-            f"MAX_QUANT_ROWS = {cpu_kernels.MAX_QUANT_ROWS} rows (by bits), the panel GEMM above.\n\n{table}\n\n"
-            f"Crossover (the panel GEMM faster than the kernel): {lines}.\n\n"
-            f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n")
+    lines = "; ".join(
+        f"{codes}: "
+        + ", ".join(f"{shape} {'M ≥ ' + str(m) if m else 'none measured'}" for shape, m in by_shape.items())
+        for codes, by_shape in crossovers.items()
+    )
+    return (
+        f"#### Quantized linear kernels: ms per call (speed-up vs fp32 torch)\n\n"
+        f"x [M, K] · W[N, K]ᵀ; {args.rounds} rounds, all variants alternating, median of each variant's mean "
+        f"ms per call (≥ {args.min_ms:g} ms of calls per sample). QuantLinear uses the kernel up to "
+        f"MAX_QUANT_ROWS = {cpu_kernels.MAX_QUANT_ROWS} rows (by bits), the panel GEMM above.\n\n{table}\n\n"
+        f"Crossover (the panel GEMM faster than the kernel): {lines}.\n\n"
+        f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     out = common.output_dir(args.out, args.quick)
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     results, crossovers = [], {codes: {} for codes in PANELS}
-    with torch.inference_mode(), tqdm(total=len(shapes) * len(args.rows) * args.rounds, desc="quant kernels",
-                                      file=sys.stderr) as progress:
+    with (
+        torch.inference_mode(),
+        tqdm(total=len(shapes) * len(args.rows) * args.rounds, desc="quant kernels", file=sys.stderr) as progress,
+    ):
         for name, k, n in shapes:
             rows = measure_shape(k, n, args, kernel, linear, panel, progress)
             results.append((name, rows))
@@ -145,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                 crossovers[codes][name] = crossover(rows, codes)
     markdown = report(results, crossovers, args)
     (out / "quant_kernels.md").write_text(markdown)
-    common.write_json(out / "quant_kernels.json", {"args": vars(args), "machine": common.machine(),
-                                                   "crossovers": crossovers,
-                                                   "results": [{"shape": s, **r} for s, rows in results for r in rows]})
+    common.write_json(
+        out / "quant_kernels.json",
+        {
+            "args": vars(args),
+            "machine": common.machine(),
+            "crossovers": crossovers,
+            "results": [{"shape": s, **r} for s, rows in results for r in rows],
+        },
+    )
     print("\n" + markdown)
     print(f"written: {out / 'quant_kernels.md'}, {out / 'quant_kernels.json'}")
     return 0

@@ -43,10 +43,22 @@ from inference_service.sampling_params import EngineRequest, SamplingParams, Sto
 TEXT = common.ROOT / "tests" / "data" / "alice_chapter1.txt"
 FULL = {"edits": 6, "questions": 6, "edit_tokens": 320, "free_tokens": 128, "runs": 2}
 QUICK = {"edits": 2, "questions": 2, "edit_tokens": 24, "free_tokens": 16, "runs": 1}
-EDITS = [("Alice", "Mary"), ("Rabbit", "Cat"), ("she", "the girl"), ("very", "rather"), ("little", "small"),
-         ("Alice", "Ann")]
-QUESTIONS = ["Why do cats purr?", "Describe a walk in a forest in autumn.", "How does a bicycle stay upright?",
-             "What makes a good cup of tea?", "Tell me about the history of bread.", "Why is the sky blue?"]
+EDITS = [
+    ("Alice", "Mary"),
+    ("Rabbit", "Cat"),
+    ("she", "the girl"),
+    ("very", "rather"),
+    ("little", "small"),
+    ("Alice", "Ann"),
+]
+QUESTIONS = [
+    "Why do cats purr?",
+    "Describe a walk in a forest in autumn.",
+    "How does a bicycle stay upright?",
+    "What makes a good cup of tea?",
+    "Tell me about the history of bread.",
+    "Why is the sky blue?",
+]
 
 
 @dataclasses.dataclass
@@ -63,12 +75,17 @@ def make_prompts(tokenizer, template: ChatTemplate, args: argparse.Namespace) ->
     for index in range(args.edits):
         old, new = EDITS[index % len(EDITS)]
         paragraph = paragraphs[index % len(paragraphs)]
-        message = (f"Rewrite the following text, replacing every \"{old}\" with \"{new}\". Change nothing else and "
-                   f"reply with the rewritten text only.\n\n{paragraph}")
+        message = (
+            f'Rewrite the following text, replacing every "{old}" with "{new}". Change nothing else and '
+            f"reply with the rewritten text only.\n\n{paragraph}"
+        )
         prompts.append(Prompt("editing", _chat(tokenizer, template, message), args.edit_tokens, None))
     for index in range(args.questions):
-        prompts.append(Prompt("free", _chat(tokenizer, template, QUESTIONS[index % len(QUESTIONS)]),
-                              args.free_tokens, 1000 + index))
+        prompts.append(
+            Prompt(
+                "free", _chat(tokenizer, template, QUESTIONS[index % len(QUESTIONS)]), args.free_tokens, 1000 + index
+            )
+        )
     return prompts
 
 
@@ -78,8 +95,9 @@ def _chat(tokenizer, template: ChatTemplate, message: str) -> list[int]:
 
 
 def _request(prompt: Prompt) -> EngineRequest:
-    sampling = SamplingParams() if prompt.seed is None else SamplingParams(do_sample=True, seed=prompt.seed,
-                                                                           temperature=0.8)
+    sampling = (
+        SamplingParams() if prompt.seed is None else SamplingParams(do_sample=True, seed=prompt.seed, temperature=0.8)
+    )
     stopping = StoppingParams(max_new_tokens=prompt.max_new_tokens, ignore_eos=prompt.seed is not None)
     return EngineRequest(prompt_token_ids=list(prompt.token_ids), sampling=sampling, stopping=stopping)
 
@@ -87,11 +105,19 @@ def _request(prompt: Prompt) -> EngineRequest:
 def engines_for(base: LLMEngine, speculate: int) -> dict[str, LLMEngine]:
     runners = runners_for(base)
     info = dataclasses.replace(base.info, prefix_caching=False)
-    plain = LLMEngine(info, base.tokenizer, runners["off"], base.sampler, info.max_batch_prefill_tokens,
-                      info.max_batch_size)
+    plain = LLMEngine(
+        info, base.tokenizer, runners["off"], base.sampler, info.max_batch_prefill_tokens, info.max_batch_size
+    )
     speculator = Speculator(NgramProposer(), speculate, info.max_total_tokens)
-    speculative = LLMEngine(dataclasses.replace(info, speculate=speculate), base.tokenizer, runners["on"],
-                            base.sampler, info.max_batch_prefill_tokens, info.max_batch_size, speculator=speculator)
+    speculative = LLMEngine(
+        dataclasses.replace(info, speculate=speculate),
+        base.tokenizer,
+        runners["on"],
+        base.sampler,
+        info.max_batch_prefill_tokens,
+        info.max_batch_size,
+        speculator=speculator,
+    )
     return {"plain": plain, "speculative": speculative}
 
 
@@ -106,8 +132,13 @@ def run_one(engine: LLMEngine, prompt: Prompt, request_id: str) -> dict:
             if output.error is not None:
                 raise RuntimeError(f"{request_id} failed: {output.error}")
             tokens += [t.id for t in output.tokens]
-    return {"seconds": time.perf_counter() - started, "tokens": tokens, "steps": engine.num_steps - steps,
-            "drafts": engine.num_draft_tokens - drafts, "accepted": engine.num_accepted_tokens - accepted}
+    return {
+        "seconds": time.perf_counter() - started,
+        "tokens": tokens,
+        "steps": engine.num_steps - steps,
+        "drafts": engine.num_draft_tokens - drafts,
+        "accepted": engine.num_accepted_tokens - accepted,
+    }
 
 
 def measure(engines: dict[str, LLMEngine], prompts: list[Prompt], args: argparse.Namespace) -> list[dict]:
@@ -132,8 +163,12 @@ def summarize(results: list[dict]) -> dict:
         for mode in ("plain", "speculative"):
             seconds = sum(r[mode]["seconds"] for r in rows)
             tokens = sum(len(r[mode]["tokens"]) for r in rows)
-            entry[mode] = {"tok_s": tokens / seconds, "ms_per_token": 1000 * seconds / tokens, "tokens": tokens,
-                           "tokens_per_step": tokens / sum(r[mode]["steps"] for r in rows)}
+            entry[mode] = {
+                "tok_s": tokens / seconds,
+                "ms_per_token": 1000 * seconds / tokens,
+                "tokens": tokens,
+                "tokens_per_step": tokens / sum(r[mode]["steps"] for r in rows),
+            }
         drafts = sum(r["speculative"]["drafts"] for r in rows)
         entry["acceptance_rate"] = sum(r["speculative"]["accepted"] for r in rows) / drafts if drafts else 0.0
         entry["speedup"] = entry["speculative"]["tok_s"] / entry["plain"]["tok_s"]
@@ -145,21 +180,41 @@ def report(summary: dict, args: argparse.Namespace, base: LLMEngine) -> str:
     rows = []
     for workload, label in (("editing", "editing (answer repeats the prompt)"), ("free", "no repetition")):
         s = summary[workload]
-        rows.append([label, common.fmt(s["plain"]["tok_s"]), common.fmt(s["speculative"]["tok_s"]),
-                     f"**{s['speedup']:.2f}×**", f"{100 * s['acceptance_rate']:.0f}%",
-                     f"{s['speculative']['tokens_per_step']:.2f}", "yes" if s["identical"] else "NO"])
+        rows.append(
+            [
+                label,
+                common.fmt(s["plain"]["tok_s"]),
+                common.fmt(s["speculative"]["tok_s"]),
+                f"**{s['speedup']:.2f}×**",
+                f"{100 * s['acceptance_rate']:.0f}%",
+                f"{s['speculative']['tokens_per_step']:.2f}",
+                "yes" if s["identical"] else "NO",
+            ]
+        )
     name = "tiny random Llama" if args.model_id == tiny_model.TINY_MODEL_ID else base.info.model_id
-    table = common.markdown_table(["workload", "plain tok/s", f"--speculate {args.speculate} tok/s", "speed-up",
-                                   "guesses accepted", "tokens per step", "same tokens"], rows)
+    table = common.markdown_table(
+        [
+            "workload",
+            "plain tok/s",
+            f"--speculate {args.speculate} tok/s",
+            "speed-up",
+            "guesses accepted",
+            "tokens per step",
+            "same tokens",
+        ],
+        rows,
+    )
     edit, free = summary["editing"]["speedup"], summary["free"]["speedup"]
-    return (f"#### Speculative decoding, single stream: {name} ({base.info.dtype}, {base.info.device})\n\n"
-            f"Editing: {args.edits} paragraphs rewritten with one word replaced (greedy, ≤ {args.edit_tokens} "
-            f"tokens, EOS ends it); no repetition: {args.questions} open questions, seeded sampling at temperature "
-            f"0.8, {args.free_tokens} tokens. {args.runs} run(s), modes alternating per prompt; tokens/s include "
-            f"the prefill.\n\n{table}\n\n"
-            f"**Editing {edit:.2f}× faster (goal ≥ 1.8×: {'met' if edit >= 1.8 else 'NOT met'}); no repetition "
-            f"{edit_word(free)} (goal ≤ 5% slower: {'met' if free >= 0.95 else 'NOT met'}).**\n\n"
-            f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n")
+    return (
+        f"#### Speculative decoding, single stream: {name} ({base.info.dtype}, {base.info.device})\n\n"
+        f"Editing: {args.edits} paragraphs rewritten with one word replaced (greedy, ≤ {args.edit_tokens} "
+        f"tokens, EOS ends it); no repetition: {args.questions} open questions, seeded sampling at temperature "
+        f"0.8, {args.free_tokens} tokens. {args.runs} run(s), modes alternating per prompt; tokens/s include "
+        f"the prefill.\n\n{table}\n\n"
+        f"**Editing {edit:.2f}× faster (goal ≥ 1.8×: {'met' if edit >= 1.8 else 'NOT met'}); no repetition "
+        f"{edit_word(free)} (goal ≤ 5% slower: {'met' if free >= 0.95 else 'NOT met'}).**\n\n"
+        f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n"
+    )
 
 
 def edit_word(ratio: float) -> str:
@@ -192,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     out = common.output_dir(args.out, args.quick)
-    config = EngineConfig(model=ModelConfig(model_id=tiny_model.resolve(args.model_id)),
-                          cache=CacheConfig(max_batch_total_tokens=8192, prefix_caching=False))
+    config = EngineConfig(
+        model=ModelConfig(model_id=tiny_model.resolve(args.model_id)),
+        cache=CacheConfig(max_batch_total_tokens=8192, prefix_caching=False),
+    )
     base = build_engine(config)
     warm_up(base)
     template = ChatTemplate(base.tokenizer, None if getattr(base.tokenizer, "chat_template", None) else CHATML)
@@ -202,10 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results)
     markdown = report(summary, args, base)
     (out / "speculation.md").write_text(markdown)
-    common.write_json(out / "speculation.json", {
-        "args": vars(args), "machine": common.machine(), "summary": summary,
-        "requests": [{k: ({m: v for m, v in val.items() if m != "tokens"} if isinstance(val, dict) else val)
-                      for k, val in r.items()} for r in results]})
+    common.write_json(
+        out / "speculation.json",
+        {
+            "args": vars(args),
+            "machine": common.machine(),
+            "summary": summary,
+            "requests": [
+                {
+                    k: ({m: v for m, v in val.items() if m != "tokens"} if isinstance(val, dict) else val)
+                    for k, val in r.items()
+                }
+                for r in results
+            ],
+        },
+    )
     if out == common.RESULTS_DIR:
         common.update_readme("speculation-results", markdown)
     print("\n" + markdown)

@@ -13,8 +13,10 @@ from benchmarks import common
 
 TINY_MODEL_ID = "tiny"
 TINY_DIR = common.RAW_DIR / "tiny-llama"
-_TEXT = ("the quick brown fox jumps over a lazy dog while birds sing in the trees near the river "
-         "café naïve 日本語 😀 1234 3.14 , . ! ?")
+_TEXT = (
+    "the quick brown fox jumps over a lazy dog while birds sing in the trees near the river "
+    "café naïve 日本語 😀 1234 3.14 , . ! ?"
+)
 
 
 def resolve(model_id: str) -> str:
@@ -34,15 +36,28 @@ def ensure_tiny_model(folder: Path = TINY_DIR) -> Path:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
-                                        model_max_length=2048)
+    backend.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=320,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", model_max_length=2048)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     LlamaForCausalLM(config).save_pretrained(scratch)
     tokenizer.save_pretrained(scratch)

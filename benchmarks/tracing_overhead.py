@@ -35,8 +35,7 @@ from inference_service.config import DEMO_MODEL_ID  # noqa: E402
 
 SPANS_PER_REQUEST = 4
 # Chat-formatted, so an instruct model answers at length instead of ending at once.
-PROMPT = ("<|im_start|>user\nWhat is Deep Learning? Explain it to a curious student.<|im_end|>\n"
-          "<|im_start|>assistant\n")
+PROMPT = "<|im_start|>user\nWhat is Deep Learning? Explain it to a curious student.<|im_end|>\n<|im_start|>assistant\n"
 
 
 # -- the collector stand-in (child process) --------------------------------------------------------
@@ -67,8 +66,9 @@ def run_receiver() -> None:
 
 class ReceiverProcess:
     def __init__(self):
-        self.process = subprocess.Popen([sys.executable, __file__, "--receiver"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--receiver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.port = int(self.process.stdout.readline().split()[1])
 
     def stop(self) -> int:
@@ -115,8 +115,9 @@ def burst(server: ServerThread, pool: futures.ThreadPoolExecutor, num_requests: 
     """`num_requests` Generate calls through `pool`; wall time and generated tokens."""
     from textgen.v1 import generate_pb2 as pb
 
-    request = pb.GenerateRequest(inputs=PROMPT, parameters=pb.GenerateParameters(
-        max_new_tokens=max_new_tokens, details=True))
+    request = pb.GenerateRequest(
+        inputs=PROMPT, parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens, details=True)
+    )
 
     def one(_: int) -> int:
         traceparent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
@@ -133,13 +134,17 @@ def run(args: argparse.Namespace) -> dict:
     from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
 
     engine_config = EngineConfig(
-        model=ModelConfig(model_id=tiny_model.resolve(args.model_id), device=args.device,
-                          num_threads=args.num_threads),
-        cache=CacheConfig(max_batch_total_tokens=args.kv_tokens), limits=LimitsConfig(max_total_tokens=1024))
+        model=ModelConfig(model_id=tiny_model.resolve(args.model_id), device=args.device, num_threads=args.num_threads),
+        cache=CacheConfig(max_batch_total_tokens=args.kv_tokens),
+        limits=LimitsConfig(max_total_tokens=1024),
+    )
     receiver = ReceiverProcess()
-    servers = {"off": ServerThread(engine_config),
-               "on": ServerThread(engine_config, otlp_endpoint=f"http://127.0.0.1:{receiver.port}",
-                                  otlp_service_name="tracing-overhead")}
+    servers = {
+        "off": ServerThread(engine_config),
+        "on": ServerThread(
+            engine_config, otlp_endpoint=f"http://127.0.0.1:{receiver.port}", otlp_service_name="tracing-overhead"
+        ),
+    }
     rounds: list[dict] = []
     try:
         with futures.ThreadPoolExecutor(args.concurrency) as pool:
@@ -150,13 +155,16 @@ def run(args: argparse.Namespace) -> dict:
                 result = {mode: burst(servers[mode], pool, args.requests, args.max_new_tokens) for mode in order}
                 result["ratio"] = result["on"]["tokens_per_s"] / result["off"]["tokens_per_s"]
                 rounds.append(result)
-                print(f"round {index + 1}/{args.rounds}: off {result['off']['tokens_per_s']:.1f} tok/s, "
-                      f"on {result['on']['tokens_per_s']:.1f} tok/s, on/off {result['ratio']:.3f}", flush=True)
+                print(
+                    f"round {index + 1}/{args.rounds}: off {result['off']['tokens_per_s']:.1f} tok/s, "
+                    f"on {result['on']['tokens_per_s']:.1f} tok/s, on/off {result['ratio']:.3f}",
+                    flush=True,
+                )
     finally:
         for server in servers.values():
             server.stop()
         spans = receiver.stop()
-    num_traced = (args.rounds * args.requests + args.concurrency)
+    num_traced = args.rounds * args.requests + args.concurrency
     return {"rounds": rounds, "spans_received": spans, "spans_expected": num_traced * SPANS_PER_REQUEST}
 
 
@@ -167,19 +175,31 @@ def report(args: argparse.Namespace, outcome: dict) -> str:
         return statistics.median(r[mode][key] for r in rounds)
 
     ratios = [r["ratio"] for r in rounds]
-    rows = [(mode, common.fmt(median(mode, "requests_per_s"), 2), common.fmt(median(mode, "tokens_per_s")))
-            for mode in ("off", "on")]
+    rows = [
+        (mode, common.fmt(median(mode, "requests_per_s"), 2), common.fmt(median(mode, "tokens_per_s")))
+        for mode in ("off", "on")
+    ]
     table = common.markdown_table(("tracing", "requests/s (median)", "tokens/s (median)"), rows)
-    return "\n".join([
-        "## Tracing overhead (`tracing_overhead.py`)", "",
-        f"Machine: {common.machine_line(common.machine())}", f"Command: `{common.command_line()}`",
-        f"Model {args.model_id}, {args.rounds} rounds × {args.requests} Generate calls, "
-        f"{args.concurrency} concurrent clients, {args.max_new_tokens} new tokens each.", "",
-        table, "",
-        f"Traced ÷ untraced tokens/s: median **{statistics.median(ratios):.3f}** "
-        f"(per round: {', '.join(f'{r:.3f}' for r in ratios)}).",
-        f"Spans received by the collector: {outcome['spans_received']} of {outcome['spans_expected']} expected.",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                "## Tracing overhead (`tracing_overhead.py`)",
+                "",
+                f"Machine: {common.machine_line(common.machine())}",
+                f"Command: `{common.command_line()}`",
+                f"Model {args.model_id}, {args.rounds} rounds × {args.requests} Generate calls, "
+                f"{args.concurrency} concurrent clients, {args.max_new_tokens} new tokens each.",
+                "",
+                table,
+                "",
+                f"Traced ÷ untraced tokens/s: median **{statistics.median(ratios):.3f}** "
+                f"(per round: {', '.join(f'{r:.3f}' for r in ratios)}).",
+                f"Spans received by the collector: {outcome['spans_received']} "
+                f"of {outcome['spans_expected']} expected.",
+            ]
+        )
+        + "\n"
+    )
 
 
 def main() -> None:

@@ -45,7 +45,6 @@ UNLIMITED = 1_000_000
 RESPONSE_BUFFER_LIMIT = 64 * 2**20
 
 
-
 @dataclass(frozen=True)
 class GatewayConfig:
     """Where Envoy listens and which gRPC server it fronts."""
@@ -87,7 +86,6 @@ class GatewayConfig:
         return self.upstream_ports or (self.upstream_port,)
 
 
-
 def _lua_metadata(route: RestRoute) -> dict[str, Any]:
     values: dict[str, Any] = {"kind": route.kind}
     if route.unwrap:
@@ -104,8 +102,7 @@ def _header(key: str, value: str) -> dict[str, Any]:
 def _upstream(routing: str) -> dict[str, Any]:
     """Where a route goes: the engine cluster, no timeouts (generation may take minutes and streams
     idle while queued), safe retries, and the prefix hash with prefix routing."""
-    target: dict[str, Any] = {"cluster": CLUSTER, "timeout": "0s", "idle_timeout": "0s",
-                              "retry_policy": retry_policy()}
+    target: dict[str, Any] = {"cluster": CLUSTER, "timeout": "0s", "idle_timeout": "0s", "retry_policy": retry_policy()}
     if hash_policy(routing):
         target["hash_policy"] = hash_policy(routing)
     return target
@@ -119,15 +116,17 @@ def _route(route: RestRoute, keepalive_s: float, routing: str) -> dict[str, Any]
         "metadata": _lua_metadata(route),
     }
     if route.streams:
-        rendered["request_headers_to_add"] = [_header(INBAND_ERRORS_HEADER, "1"),
-                                              _header(KEEPALIVE_HEADER, f"{keepalive_s:g}")]
-        rendered["response_headers_to_add"] = [_header("cache-control", "no-cache"),
-                                               _header("x-accel-buffering", "no")]
+        rendered["request_headers_to_add"] = [
+            _header(INBAND_ERRORS_HEADER, "1"),
+            _header(KEEPALIVE_HEADER, f"{keepalive_s:g}"),
+        ]
+        rendered["response_headers_to_add"] = [_header("cache-control", "no-cache"), _header("x-accel-buffering", "no")]
     return rendered
 
 
-def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False,
-            routing: str = "least-request") -> list[dict[str, Any]]:
+def _routes(
+    routes: list[RestRoute], keepalive_s: float, traced: bool = False, routing: str = "least-request"
+) -> list[dict[str, Any]]:
     rendered = [_route(route, keepalive_s, routing) for route in routes]
     if traced:  # span names as OpenTelemetry's HTTP conventions have them; not sent upstream
         for route, entry in zip(routes, rendered, strict=True):
@@ -136,24 +135,43 @@ def _routes(routes: list[RestRoute], keepalive_s: float, traced: bool = False,
                 entry["tracing"] = {"overall_sampling": {"numerator": 0}}
     # CORS preflights: the cors filter answers allowed ones, the Lua filter the others (200, no CORS
     # headers, as TGI). The filter needs a route that has a cluster to apply the policy.
-    rendered.append({"name": "preflight", "match": {"prefix": "/", "headers": [
-        {"name": ":method", "string_match": {"exact": "OPTIONS"}}]}, "route": {"cluster": CLUSTER}})
+    rendered.append(
+        {
+            "name": "preflight",
+            "match": {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "OPTIONS"}}]},
+            "route": {"cluster": CLUSTER},
+        }
+    )
     # gRPC callers reach the replicas through the same port (the transcoder passes gRPC through).
     rendered.append({"name": "grpc", "match": {"prefix": "/", "grpc": {}}, "route": _upstream(routing)})
     # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
     for route in {route.path: route for route in routes}.values():
-        rendered.append({"name": f"method-not-allowed {route.path}", "match": route.path_match(),
-                         "direct_response": {"status": 405, "body": {"inline_string": "Method Not Allowed"}}})
-    rendered.append({"name": "not-found", "match": {"prefix": "/"},
-                     "direct_response": {"status": 404, "body": {"inline_string": "Not Found"}}})
+        rendered.append(
+            {
+                "name": f"method-not-allowed {route.path}",
+                "match": route.path_match(),
+                "direct_response": {"status": 405, "body": {"inline_string": "Method Not Allowed"}},
+            }
+        )
+    rendered.append(
+        {
+            "name": "not-found",
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 404, "body": {"inline_string": "Not Found"}},
+        }
+    )
     return rendered
 
 
 def _cors(origins: tuple[str, ...]) -> dict[str, Any]:
     """TGI's CORS: GET and POST, the content-type header, the given origins or any."""
     matches = [{"exact": origin} for origin in origins] or [{"safe_regex": {"regex": ".*"}}]
-    return {"@type": type_url("envoy.extensions.filters.http.cors.v3.CorsPolicy"), "allow_origin_string_match": matches,
-            "allow_methods": "GET, POST", "allow_headers": "content-type"}
+    return {
+        "@type": type_url("envoy.extensions.filters.http.cors.v3.CorsPolicy"),
+        "allow_origin_string_match": matches,
+        "allow_methods": "GET, POST",
+        "allow_headers": "content-type",
+    }
 
 
 # Envoy's own replies (no route, too large, unparsable JSON, server unreachable) as TGI's error JSON.
@@ -168,8 +186,13 @@ _LOCAL_REPLY_TYPES = (
 
 # ...and on OpenAI's routes in OpenAI's error shape. By the time the transcoder fails to parse a body
 # it has rewritten `:path` to the gRPC method, so both forms are matched.
-OPENAI_PATHS = (r"^(/v1/.*|/" + SERVICE.replace(".", r"\.") + "/(" +
-                "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("openai"))) + "))$")
+OPENAI_PATHS = (
+    r"^(/v1/.*|/"
+    + SERVICE.replace(".", r"\.")
+    + "/("
+    + "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("openai")))
+    + "))$"
+)
 
 
 def _local_reply_config(payload_limit: int) -> dict[str, Any]:
@@ -181,18 +204,28 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
         return {"json_format": {"error": {"message": error, "type": kind, "param": None, "code": error_type}}}
 
     def status_filter(status: int) -> dict[str, Any]:
-        return {"status_code_filter": {"comparison": {
-            "op": "EQ", "value": {"default_value": status, "runtime_key": f"gateway.local_reply.{status}"}}}}
+        return {
+            "status_code_filter": {
+                "comparison": {
+                    "op": "EQ",
+                    "value": {"default_value": status, "runtime_key": f"gateway.local_reply.{status}"},
+                }
+            }
+        }
 
     path_regex = {"safe_regex": {"regex": OPENAI_PATHS}}
     openai_path = {"header_filter": {"header": {"name": ":path", "string_match": path_regex}}}
     mappers = [
-        {"filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
-         "body_format_override": openai_body(error.format(limit=payload_limit), error_type, status)}
+        {
+            "filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
+            "body_format_override": openai_body(error.format(limit=payload_limit), error_type, status),
+        }
         for status, error_type, error in _LOCAL_REPLY_TYPES
     ] + [
-        {"filter": status_filter(status),
-         "body_format_override": json_body(error.format(limit=payload_limit), error_type)}
+        {
+            "filter": status_filter(status),
+            "body_format_override": json_body(error.format(limit=payload_limit), error_type),
+        }
         for status, error_type, error in _LOCAL_REPLY_TYPES
     ]
     return {"mappers": mappers, "body_format": json_body("%LOCAL_REPLY_BODY%", "gateway")}
@@ -201,23 +234,39 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> list[dict[str, Any]]:
     return [
         {"name": CORS_FILTER, "typed_config": {"@type": type_url("envoy.extensions.filters.http.cors.v3.Cors")}},
-        {"name": LUA_FILTER, "typed_config": {
-            "@type": type_url("envoy.extensions.filters.http.lua.v3.Lua"),
-            "default_source_code": {"inline_string": lua_source}}},
-        {"name": "envoy.filters.http.grpc_json_transcoder", "typed_config": {
-            "@type": type_url("envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"),
-            "proto_descriptor_bin": base64.b64encode(descriptor).decode("ascii"),
-            "services": [SERVICE],
-            # Route on the REST path (the routes above), not on the gRPC path it becomes.
-            "match_incoming_request_route": True,
-            "ignore_unknown_query_parameters": True,
-            # The payload limit (413); answers get the buffer they need (see RESPONSE_BUFFER_LIMIT).
-            "max_request_body_size": payload_limit,
-            "max_response_body_size": RESPONSE_BUFFER_LIMIT,
-            "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True,
-                              "stream_sse_style_delimited": True}}},
-        {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": type_url("envoy.extensions.filters.http.router.v3.Router"), "suppress_envoy_headers": True}},
+        {
+            "name": LUA_FILTER,
+            "typed_config": {
+                "@type": type_url("envoy.extensions.filters.http.lua.v3.Lua"),
+                "default_source_code": {"inline_string": lua_source},
+            },
+        },
+        {
+            "name": "envoy.filters.http.grpc_json_transcoder",
+            "typed_config": {
+                "@type": type_url("envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"),
+                "proto_descriptor_bin": base64.b64encode(descriptor).decode("ascii"),
+                "services": [SERVICE],
+                # Route on the REST path (the routes above), not on the gRPC path it becomes.
+                "match_incoming_request_route": True,
+                "ignore_unknown_query_parameters": True,
+                # The payload limit (413); answers get the buffer they need (see RESPONSE_BUFFER_LIMIT).
+                "max_request_body_size": payload_limit,
+                "max_response_body_size": RESPONSE_BUFFER_LIMIT,
+                "print_options": {
+                    "preserve_proto_field_names": True,
+                    "always_print_primitive_fields": True,
+                    "stream_sse_style_delimited": True,
+                },
+            },
+        },
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {
+                "@type": type_url("envoy.extensions.filters.http.router.v3.Router"),
+                "suppress_envoy_headers": True,
+            },
+        },
     ]
 
 
@@ -229,30 +278,46 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "server_name": "inference-service",
         "stream_idle_timeout": "0s",
         "local_reply_config": _local_reply_config(config.payload_limit),
-        "route_config": {"name": "rest", "virtual_hosts": [{
-            "name": "tgi", "domains": ["*"],
-            "routes": _routes(routes, config.sse_keepalive_s, traced=bool(config.otlp_endpoint),
-                              routing=config.routing),
-            "typed_per_filter_config": {CORS_FILTER: _cors(config.cors_allow_origin)}}]},
+        "route_config": {
+            "name": "rest",
+            "virtual_hosts": [
+                {
+                    "name": "tgi",
+                    "domains": ["*"],
+                    "routes": _routes(
+                        routes, config.sse_keepalive_s, traced=bool(config.otlp_endpoint), routing=config.routing
+                    ),
+                    "typed_per_filter_config": {CORS_FILTER: _cors(config.cors_allow_origin)},
+                }
+            ],
+        },
         "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
     }
     if config.otlp_endpoint:
         manager["tracing"] = _tracing(config)
-    chain: dict[str, Any] = {"filters": [
-        {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+    chain: dict[str, Any] = {
+        "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]
+    }
     if config.listener_tls is not None:
         chain["transport_socket"] = listener_tls(config.listener_tls)
-    return {"name": "rest", "address": socket_address(config.hostname, config.port),
-            "per_connection_buffer_limit_bytes": max(RESPONSE_BUFFER_LIMIT, config.payload_limit),
-            "filter_chains": [chain]}
+    return {
+        "name": "rest",
+        "address": socket_address(config.hostname, config.port),
+        "per_connection_buffer_limit_bytes": max(RESPONSE_BUFFER_LIMIT, config.payload_limit),
+        "filter_chains": [chain],
+    }
 
 
 def _cluster(config: GatewayConfig) -> dict[str, Any]:
     limits = {key: UNLIMITED for key in ("max_connections", "max_pending_requests", "max_requests")}
-    protocol = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
-        "explicit_http_config": {"http2_protocol_options": {
-            "connection_keepalive": {"interval": "30s", "timeout": "10s"}}}}}
+    protocol = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+            "explicit_http_config": {
+                "http2_protocol_options": {"connection_keepalive": {"interval": "30s", "timeout": "10s"}}
+            },
+        }
+    }
     cluster = engine_cluster(CLUSTER, config.upstream_host, config.ports, config.routing, protocol, limits)
     if config.upstream_tls is not None:
         cluster["transport_socket"] = upstream_tls(config.upstream_tls)
@@ -262,10 +327,16 @@ def _cluster(config: GatewayConfig) -> dict[str, Any]:
 def _tracing(config: GatewayConfig) -> dict[str, Any]:
     """Envoy's OpenTelemetry tracer; sampling is Envoy's default (every request), and a caller's
     sampled flag in `traceparent` is kept."""
-    return {"provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
-        "@type": type_url("envoy.config.trace.v3.OpenTelemetryConfig"),
-        "grpc_service": {"envoy_grpc": {"cluster_name": COLLECTOR_CLUSTER}, "timeout": "5s"},
-        "service_name": config.otlp_service_name}}}
+    return {
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                "@type": type_url("envoy.config.trace.v3.OpenTelemetryConfig"),
+                "grpc_service": {"envoy_grpc": {"cluster_name": COLLECTOR_CLUSTER}, "timeout": "5s"},
+                "service_name": config.otlp_service_name,
+            },
+        }
+    }
 
 
 def _collector_cluster(endpoint: str) -> dict[str, Any]:
@@ -273,15 +344,25 @@ def _collector_cluster(endpoint: str) -> dict[str, Any]:
     discovery = discovery_type(host)
     endpoint_address = {"endpoint": {"address": socket_address(host, port)}}
     cluster: dict[str, Any] = {
-        "name": COLLECTOR_CLUSTER, "type": discovery, "connect_timeout": "5s",
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
-            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "name": COLLECTOR_CLUSTER,
+        "type": discovery,
+        "connect_timeout": "5s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
         "load_assignment": {"cluster_name": COLLECTOR_CLUSTER, "endpoints": [{"lb_endpoints": [endpoint_address]}]},
     }
     if tls:
-        cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
-            "@type": type_url("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"), "sni": host}}
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": type_url("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
+                "sni": host,
+            },
+        }
     return cluster
 
 
@@ -299,17 +380,26 @@ def render(config: GatewayConfig) -> dict[str, Any]:
         "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source(config.routing))],
         "clusters": [_cluster(config)] + ([_collector_cluster(config.otlp_endpoint)] if config.otlp_endpoint else []),
     }
-    bootstrap["overload_manager"] = {"resource_monitors": [{
-        "name": "envoy.resource_monitors.global_downstream_max_connections",
-        "typed_config": {
-            "@type": type_url(
-                "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
-            "max_active_downstream_connections": 50_000}}]}
+    bootstrap["overload_manager"] = {
+        "resource_monitors": [
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": type_url(
+                        "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+                    ),
+                    "max_active_downstream_connections": 50_000,
+                },
+            }
+        ]
+    }
     return bootstrap
 
 
-HEADER = ("# Envoy config of the inference-service REST gateway (TGI's REST API over textgen.v1 gRPC).\n"
-          "# Rendered by gateway/config.py: `python -m gateway --help`; edit the code, not this file.\n")
+HEADER = (
+    "# Envoy config of the inference-service REST gateway (TGI's REST API over textgen.v1 gRPC).\n"
+    "# Rendered by gateway/config.py: `python -m gateway --help`; edit the code, not this file.\n"
+)
 
 
 def render_yaml(config: GatewayConfig) -> str:

@@ -27,11 +27,21 @@ HTTP_BODY = ".google.api.HttpBody"
 #   openai  proto3 JSON -> OpenAI's JSON, errors in OpenAI's shape;
 #   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape.
 KINDS = {
-    "Generate": "json", "CompatGenerate": "json", "GenerateStream": "stream", "Tokenize": "json",
-    "Info": "json", "Health": "health", "Metrics": "raw", "OpenApi": "raw", "Docs": "raw", "ListModels": "json",
+    "Generate": "json",
+    "CompatGenerate": "json",
+    "GenerateStream": "stream",
+    "Tokenize": "json",
+    "Info": "json",
+    "Health": "health",
+    "Metrics": "raw",
+    "OpenApi": "raw",
+    "Docs": "raw",
+    "ListModels": "json",
     "GetModel": "openai",
-    "ChatCompletion": "openai", "ChatCompletionStream": "openai_stream",
-    "Completion": "openai", "CompletionStream": "openai_stream",
+    "ChatCompletion": "openai",
+    "ChatCompletionStream": "openai_stream",
+    "Completion": "openai",
+    "CompletionStream": "openai_stream",
 }
 STREAM_KINDS = ("stream", "openai_stream")
 # Top-level fields TGI prints as null when they have no value (proto3 leaves them out).
@@ -86,13 +96,23 @@ def rest_routes(descriptor_set: descriptor_pb2.FileDescriptorSet | None = None) 
         if pattern is None:
             continue
         if method.name not in KINDS:
-            raise LookupError(f"{SERVICE}.{method.name} has a REST binding but gateway.contract.KINDS "
-                              "does not say how to shape its response")
+            raise LookupError(
+                f"{SERVICE}.{method.name} has a REST binding but gateway.contract.KINDS "
+                "does not say how to shape its response"
+            )
         for binding in (rule, *rule.additional_bindings):
             pattern = binding.WhichOneof("pattern")
             unwrap = binding.response_body if method.output_type != HTTP_BODY and binding.response_body else None
-            routes.append(RestRoute(method=pattern.upper(), path=getattr(binding, pattern), rpc=method.name,
-                                    kind=KINDS[method.name], unwrap=unwrap, nulls=NULLS.get(method.name, ())))
+            routes.append(
+                RestRoute(
+                    method=pattern.upper(),
+                    path=getattr(binding, pattern),
+                    rpc=method.name,
+                    kind=KINDS[method.name],
+                    unwrap=unwrap,
+                    nulls=NULLS.get(method.name, ()),
+                )
+            )
     return routes
 
 

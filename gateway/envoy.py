@@ -26,8 +26,14 @@ logger = logging.getLogger("gateway.envoy")
 
 # Envoy's levels are chattier than ours: its info logs every config detail at start.
 ENVOY_LOG_LEVELS = {"debug": "info", "info": "warning", "warning": "warning", "error": "error"}
-_PYTHON_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
-                  "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+_PYTHON_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 LOG_FORMAT = "%l|%v"  # level|message: parsed by `_forward_logs`
 NUM_KEPT_LINES = 20
 
@@ -57,8 +63,15 @@ def envoy_binary(explicit: str | None = None) -> str:
 class Envoy:
     """One Envoy process serving `config`; `workdir` holds its config and admin address files."""
 
-    def __init__(self, config: GatewayConfig, workdir: Path, *, binary: str | None = None,
-                 concurrency: int = 1, log_level: str = "info"):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        workdir: Path,
+        *,
+        binary: str | None = None,
+        concurrency: int = 1,
+        log_level: str = "info",
+    ):
         if config.admin_port is None:
             raise ValueError("the launcher needs Envoy's admin listener (admin_port=0 picks a free port)")
         self.config = config
@@ -79,9 +92,20 @@ class Envoy:
         return None if self._process is None else self._process.pid
 
     def command(self) -> list[str]:
-        envoy = [self.binary, "--config-path", str(self.config_path), "--disable-hot-restart",
-                 "--concurrency", str(self.concurrency), "--log-level", self.log_level,
-                 "--log-format", LOG_FORMAT, "--admin-address-path", str(self.admin_address_path)]
+        envoy = [
+            self.binary,
+            "--config-path",
+            str(self.config_path),
+            "--disable-hot-restart",
+            "--concurrency",
+            str(self.concurrency),
+            "--log-level",
+            self.log_level,
+            "--log-format",
+            LOG_FORMAT,
+            "--admin-address-path",
+            str(self.admin_address_path),
+        ]
         # Envoy gets SIGTERM if its parent dies without stopping it (a SIGKILLed launcher must not
         # leave it holding the port). setpriv (util-linux) sets that and execs Envoy, same pid.
         setpriv = shutil.which("setpriv")
@@ -94,8 +118,9 @@ class Envoy:
         self.admin_address_path.unlink(missing_ok=True)
         self.admin_url, self.port, self._stopping = None, None, False
         self._last_lines.clear()
-        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE, process_group=0)
+        self._process = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0
+        )
         threading.Thread(target=self._forward_logs, args=(self._process,), name="envoy-logs", daemon=True).start()
         try:
             self._wait_ready(timeout_s)
@@ -203,5 +228,8 @@ class Envoy:
     def healthy_ports(self) -> set[int]:
         """Engine ports Envoy's active health checks pass (its admin /clusters)."""
         text = self._admin_get("/clusters") or ""
-        return {int(line.split("::")[1].rsplit(":", 1)[1]) for line in text.splitlines()
-                if line.startswith(f"{CLUSTER}::") and line.endswith("::health_flags::healthy")}
+        return {
+            int(line.split("::")[1].rsplit(":", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"{CLUSTER}::") and line.endswith("::health_flags::healthy")
+        }

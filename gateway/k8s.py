@@ -59,10 +59,19 @@ def _meta(name: str, deployment: Deployment, component: str) -> dict[str, Any]:
 
 
 def settings(deployment: Deployment) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{NAME}-settings", deployment, "engine"),
-            "data": {"MODEL_ID": deployment.model_id, "GRPC_PORT": str(GRPC_PORT),
-                     "PROMETHEUS_PORT": str(METRICS_PORT), "GRACEFUL_TERMINATION_TIMEOUT": str(DRAIN_S),
-                     "JSON_OUTPUT": "true", "OTLP_ENDPOINT": deployment.otlp_endpoint}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(f"{NAME}-settings", deployment, "engine"),
+        "data": {
+            "MODEL_ID": deployment.model_id,
+            "GRPC_PORT": str(GRPC_PORT),
+            "PROMETHEUS_PORT": str(METRICS_PORT),
+            "GRACEFUL_TERMINATION_TIMEOUT": str(DRAIN_S),
+            "JSON_OUTPUT": "true",
+            "OTLP_ENDPOINT": deployment.otlp_endpoint,
+        },
+    }
 
 
 def _grpc_probe(service: str | None, period_s: int, failures: int) -> dict[str, Any]:
@@ -77,12 +86,13 @@ def engine_deployment(deployment: Deployment, gpu: bool = False) -> dict[str, An
     args = ["serve", "--hostname", "0.0.0.0"]  # flags win over the pod's own HOSTNAME variable
     pod: dict[str, Any] = {}
     if gpu:
-        resources = {"requests": {"cpu": "4", "memory": "16Gi"},
-                     "limits": {"memory": "32Gi", "nvidia.com/gpu": 1}}
+        resources = {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi", "nvidia.com/gpu": 1}}
         args += ["--device", "cuda"]
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     container = {
-        "name": "engine", "image": deployment.image, "args": args,
+        "name": "engine",
+        "image": deployment.image,
+        "args": args,
         "envFrom": [{"configMapRef": {"name": f"{NAME}-settings"}}],
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
         # Loading may take minutes: the startup probe gives it 20 minutes before liveness counts.
@@ -92,51 +102,90 @@ def engine_deployment(deployment: Deployment, gpu: bool = False) -> dict[str, An
         "resources": resources,
     }
     template = {
-        "metadata": {"labels": _labels("engine"), "annotations": {
-            "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}},
+        "metadata": {
+            "labels": _labels("engine"),
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)},
+        },
         # SIGTERM drains for DRAIN_S; the grace must outlast it or in-flight requests are killed.
         "spec": {"terminationGracePeriodSeconds": DRAIN_S + 30, "containers": [container], **pod},
     }
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(ENGINE, deployment, "engine"),
-            "spec": {"replicas": deployment.replicas, "selector": {"matchLabels": _labels("engine")},
-                     "template": template}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ENGINE, deployment, "engine"),
+        "spec": {"replicas": deployment.replicas, "selector": {"matchLabels": _labels("engine")}, "template": template},
+    }
 
 
 def engine_service(deployment: Deployment) -> dict[str, Any]:
     """Headless: DNS answers every ready pod's address, which Envoy's cluster balances over."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(ENGINE, deployment, "engine"),
-            "spec": {"clusterIP": "None", "selector": _labels("engine"),
-                     "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "appProtocol": "grpc"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ENGINE, deployment, "engine"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": _labels("engine"),
+            "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "appProtocol": "grpc"}],
+        },
+    }
 
 
 def disruption_budget(deployment: Deployment) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(ENGINE, deployment, "engine"),
-            "spec": {"minAvailable": 1, "selector": {"matchLabels": _labels("engine")}}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(ENGINE, deployment, "engine"),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": _labels("engine")}},
+    }
 
 
 def autoscaler(deployment: Deployment) -> dict[str, Any]:
     """Scale on `tgi_queue_size` per pod (served to the metrics API by e.g. prometheus-adapter)."""
-    metric = {"type": "Pods", "pods": {"metric": {"name": "tgi_queue_size"}, "target": {
-        "type": "AverageValue", "averageValue": str(deployment.queue_per_replica)}}}
-    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": _meta(ENGINE, deployment, "engine"),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": ENGINE},
-                     "minReplicas": 1, "maxReplicas": deployment.max_replicas, "metrics": [metric],
-                     # A new replica loads a model for a while: don't scale down on a short lull.
-                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+    metric = {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": "tgi_queue_size"},
+            "target": {"type": "AverageValue", "averageValue": str(deployment.queue_per_replica)},
+        },
+    }
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(ENGINE, deployment, "engine"),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": ENGINE},
+            "minReplicas": 1,
+            "maxReplicas": deployment.max_replicas,
+            "metrics": [metric],
+            # A new replica loads a model for a while: don't scale down on a short lull.
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        },
+    }
 
 
 def envoy_config(deployment: Deployment) -> GatewayConfig:
-    return GatewayConfig(hostname="0.0.0.0", port=REST_PORT, upstream_host=deployment.engine_host,
-                         upstream_port=GRPC_PORT, admin_port=9901, otlp_endpoint=deployment.otlp_endpoint,
-                         otlp_service_name=GATEWAY)
+    return GatewayConfig(
+        hostname="0.0.0.0",
+        port=REST_PORT,
+        upstream_host=deployment.engine_host,
+        upstream_port=GRPC_PORT,
+        admin_port=9901,
+        otlp_endpoint=deployment.otlp_endpoint,
+        otlp_service_name=GATEWAY,
+    )
 
 
 def gateway_manifests(deployment: Deployment) -> list[dict[str, Any]]:
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(GATEWAY, deployment, "gateway"),
-                  "data": {"envoy.yaml": render_yaml(envoy_config(deployment))}}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(GATEWAY, deployment, "gateway"),
+        "data": {"envoy.yaml": render_yaml(envoy_config(deployment))},
+    }
     container = {
-        "name": "envoy", "image": ENVOY_IMAGE,
+        "name": "envoy",
+        "image": ENVOY_IMAGE,
         "args": ["--config-path", "/etc/envoy/envoy.yaml", "--disable-hot-restart", "--log-level", "warning"],
         "ports": [{"name": "http", "containerPort": REST_PORT}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
@@ -144,22 +193,38 @@ def gateway_manifests(deployment: Deployment) -> list[dict[str, Any]]:
         "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy", "readOnly": True}],
         "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
     }
-    envoy = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(GATEWAY, deployment, "gateway"),
-             "spec": {"replicas": 2, "selector": {"matchLabels": _labels("gateway")}, "template": {
-                 "metadata": {"labels": _labels("gateway")},
-                 "spec": {"containers": [container],
-                          "volumes": [{"name": "config", "configMap": {"name": GATEWAY}}]}}}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(NAME, deployment, "gateway"),
-               "spec": {"selector": _labels("gateway"),
-                        "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+    envoy = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(GATEWAY, deployment, "gateway"),
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": _labels("gateway")},
+            "template": {
+                "metadata": {"labels": _labels("gateway")},
+                "spec": {"containers": [container], "volumes": [{"name": "config", "configMap": {"name": GATEWAY}}]},
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(NAME, deployment, "gateway"),
+        "spec": {"selector": _labels("gateway"), "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
+    }
     return [config_map, envoy, service]
 
 
 def manifests(deployment: Deployment) -> dict[str, list[dict[str, Any]]]:
     """{file name: its documents}."""
     return {
-        "engine.yaml": [settings(deployment), engine_deployment(deployment), engine_service(deployment),
-                        disruption_budget(deployment), autoscaler(deployment)],
+        "engine.yaml": [
+            settings(deployment),
+            engine_deployment(deployment),
+            engine_service(deployment),
+            disruption_budget(deployment),
+            autoscaler(deployment),
+        ],
         "engine-gpu.yaml": [engine_deployment(deployment, gpu=True)],
         "gateway.yaml": gateway_manifests(deployment),
     }
@@ -169,8 +234,9 @@ HEADER = "# Rendered by gateway/k8s.py (`python -m gateway.k8s --help`); edit th
 
 
 def render_files(deployment: Deployment) -> dict[str, str]:
-    return {name: HEADER + "---\n".join(yaml_text.dump(doc) for doc in docs)
-            for name, docs in manifests(deployment).items()}
+    return {
+        name: HEADER + "---\n".join(yaml_text.dump(doc) for doc in docs) for name, docs in manifests(deployment).items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=defaults.replicas)
     parser.add_argument("--otlp-endpoint", default=defaults.otlp_endpoint)
     args = parser.parse_args(argv)
-    deployment = Deployment(namespace=args.namespace, image=args.image, model_id=args.model_id,
-                            replicas=args.replicas, otlp_endpoint=args.otlp_endpoint)
+    deployment = Deployment(
+        namespace=args.namespace,
+        image=args.image,
+        model_id=args.model_id,
+        replicas=args.replicas,
+        otlp_endpoint=args.otlp_endpoint,
+    )
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for name, text in render_files(deployment).items():
         (args.output_dir / name).write_text(text, encoding="utf-8")

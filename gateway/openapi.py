@@ -26,9 +26,18 @@ from gateway.contract import SERVICE, RestRoute, load_descriptor_set, rest_route
 
 FD = descriptor_pb2.FieldDescriptorProto
 OUTPUT = Path(__file__).resolve().parent.parent / "protos" / "textgen" / "openapi.json"
-_INTEGERS = {FD.TYPE_INT32: "int32", FD.TYPE_SINT32: "int32", FD.TYPE_SFIXED32: "int32", FD.TYPE_UINT32: "int32",
-             FD.TYPE_FIXED32: "int32", FD.TYPE_INT64: "int64", FD.TYPE_SINT64: "int64", FD.TYPE_SFIXED64: "int64",
-             FD.TYPE_UINT64: "int64", FD.TYPE_FIXED64: "int64"}
+_INTEGERS = {
+    FD.TYPE_INT32: "int32",
+    FD.TYPE_SINT32: "int32",
+    FD.TYPE_SFIXED32: "int32",
+    FD.TYPE_UINT32: "int32",
+    FD.TYPE_FIXED32: "int32",
+    FD.TYPE_INT64: "int64",
+    FD.TYPE_SINT64: "int64",
+    FD.TYPE_SFIXED64: "int64",
+    FD.TYPE_UINT64: "int64",
+    FD.TYPE_FIXED64: "int64",
+}
 # Messages whose JSON is not an object of their fields.
 _SPECIAL = {
     ".google.protobuf.Value": {"description": "Any JSON value."},
@@ -38,31 +47,51 @@ _SPECIAL = {
 }
 # The Lua filter prints each TopTokens as the plain list of its tokens (TGI's list of lists).
 _FLATTENED = {".textgen.v1.TopTokens": "tokens"}
-TGI_ERRORS = {"400": "The body is not JSON this route reads (TGI: a syntax error)",
-              "401": "Missing or wrong API key (--api-key)", "413": "Payload too large",
-              "422": "Input validation error", "424": "Generation error", "429": "Model is overloaded",
-              "503": "The model is loading, the server is draining, or it is unreachable"}
+TGI_ERRORS = {
+    "400": "The body is not JSON this route reads (TGI: a syntax error)",
+    "401": "Missing or wrong API key (--api-key)",
+    "413": "Payload too large",
+    "422": "Input validation error",
+    "424": "Generation error",
+    "429": "Model is overloaded",
+    "503": "The model is loading, the server is draining, or it is unreachable",
+}
 # What the raw (HttpBody) routes answer, by RPC.
 RAW_CONTENT = {
     "Metrics": {"text/plain": {"schema": {"type": "string"}}},
     "OpenApi": {"application/json": {"schema": {"type": "object"}}},
-    "Docs": {media: {"schema": {"type": "string"}} for media in
-             ("text/html", "application/javascript", "text/css", "image/png")},
+    "Docs": {
+        media: {"schema": {"type": "string"}}
+        for media in ("text/html", "application/javascript", "text/css", "image/png")
+    },
 }
 # Routes the Lua filter sends to a stream RPC when the body says `"stream": true` (same path).
-STREAMED_BY_BODY = {"/": "GenerateStream", "/invocations": "GenerateStream",
-                    "/v1/chat/completions": "ChatCompletionStream", "/v1/completions": "CompletionStream"}
-OPENAI_ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key (--api-key)",
-                 "404": "No such model", "422": "Chat template or tool error", "429": "Model is overloaded",
-                 "500": "Generation error", "503": "The server is unavailable"}
+STREAMED_BY_BODY = {
+    "/": "GenerateStream",
+    "/invocations": "GenerateStream",
+    "/v1/chat/completions": "ChatCompletionStream",
+    "/v1/completions": "CompletionStream",
+}
+OPENAI_ERRORS = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key (--api-key)",
+    "404": "No such model",
+    "422": "Chat template or tool error",
+    "429": "Model is overloaded",
+    "500": "Generation error",
+    "503": "The server is unavailable",
+}
 
 
 class _Comments:
     """Leading comments of messages, fields and methods, from the descriptor's source info."""
 
     def __init__(self, file: descriptor_pb2.FileDescriptorProto):
-        self.by_path = {tuple(loc.path): loc.leading_comments.strip() for loc in file.source_code_info.location
-                        if loc.leading_comments.strip()}
+        self.by_path = {
+            tuple(loc.path): loc.leading_comments.strip()
+            for loc in file.source_code_info.location
+            if loc.leading_comments.strip()
+        }
 
     def get(self, *path: int) -> str | None:
         text = self.by_path.get(path)
@@ -130,8 +159,11 @@ class _Schemas:
         elif field.proto3_optional:
             schema["nullable"] = True  # TGI prints some unset optional fields as null
         if description:
-            schema = {**schema, "description": description} if "$ref" not in schema else {
-                "allOf": [schema], "description": description}
+            schema = (
+                {**schema, "description": description}
+                if "$ref" not in schema
+                else {"allOf": [schema], "description": description}
+            )
         return schema
 
     def _single(self, field) -> dict[str, Any]:
@@ -156,12 +188,27 @@ class _Schemas:
 
 def _error_schemas() -> dict[str, Any]:
     return {
-        "ErrorResponse": {"type": "object", "required": ["error", "error_type"], "properties": {
-            "error": {"type": "string"}, "error_type": {"type": "string"}}},
-        "OpenAIErrorResponse": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type"], "properties": {
-                "message": {"type": "string"}, "type": {"type": "string"},
-                "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}},
+        "ErrorResponse": {
+            "type": "object",
+            "required": ["error", "error_type"],
+            "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
+        },
+        "OpenAIErrorResponse": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type"],
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": "string", "nullable": True},
+                        "code": {"type": "string", "nullable": True},
+                    },
+                }
+            },
+        },
     }
 
 
@@ -172,8 +219,9 @@ def _openapi_path(route: RestRoute) -> tuple[str, list[dict[str, Any]]]:
     return path, [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
 
-def _operation(route: RestRoute, method, comments: str | None, schemas: _Schemas,
-               stream_outputs: dict[str, str]) -> dict[str, Any]:
+def _operation(
+    route: RestRoute, method, comments: str | None, schemas: _Schemas, stream_outputs: dict[str, str]
+) -> dict[str, Any]:
     openai = route.kind.startswith("openai") or route.path.startswith("/v1/")
     operation: dict[str, Any] = {"tags": ["OpenAI" if openai else "TGI"], "summary": route.rpc}
     if comments:
@@ -182,33 +230,44 @@ def _operation(route: RestRoute, method, comments: str | None, schemas: _Schemas
     if parameters:
         operation["parameters"] = parameters
     if route.method == "POST":
-        operation["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": schemas.ref(method.input_type)}}}
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schemas.ref(method.input_type)}},
+        }
     operation["responses"] = _responses(route, method, schemas, openai, stream_outputs)
     return operation
 
 
-def _responses(route: RestRoute, method, schemas: _Schemas, openai: bool,
-               stream_outputs: dict[str, str]) -> dict[str, Any]:
+def _responses(
+    route: RestRoute, method, schemas: _Schemas, openai: bool, stream_outputs: dict[str, str]
+) -> dict[str, Any]:
     if route.kind == "health":
-        return {"200": {"description": "Ready to generate (an empty body)"},
-                "503": {"description": "Not ready", "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}
+        return {
+            "200": {"description": "Ready to generate (an empty body)"},
+            "503": {
+                "description": "Not ready",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+            },
+        }
     if route.kind == "raw":
         responses = {"200": {"description": "OK", "content": RAW_CONTENT[route.rpc]}}
         if route.rpc == "Docs":
-            responses["404"] = {"description": "No such file", "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            responses["404"] = {
+                "description": "No such file",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+            }
         return responses
     schema = schemas.unwrapped(method.output_type, route.unwrap) if route.unwrap else schemas.ref(method.output_type)
     if route.streams:
-        ok = {"description": "Server-sent events, each `data:` line one JSON object of this schema"
-                             + (", ending with `data: [DONE]`" if openai else "; errors arrive as a last event"),
-              "content": {"text/event-stream": {"schema": schema}}}
+        ok = {
+            "description": "Server-sent events, each `data:` line one JSON object of this schema"
+            + (", ending with `data: [DONE]`" if openai else "; errors arrive as a last event"),
+            "content": {"text/event-stream": {"schema": schema}},
+        }
     else:
         ok = {"description": "OK", "content": {"application/json": {"schema": schema}}}
         if route.path in STREAMED_BY_BODY:  # `"stream": true`: the stream RPC's events
-            ok["description"] = "OK; with `\"stream\": true` in the body, server-sent events of the stream route"
+            ok["description"] = 'OK; with `"stream": true` in the body, server-sent events of the stream route'
             ok["content"]["text/event-stream"] = {"schema": schemas.ref(stream_outputs[STREAMED_BY_BODY[route.path]])}
     errors = OPENAI_ERRORS if openai else TGI_ERRORS
     error_schema = {"$ref": f"#/components/schemas/{'OpenAIErrorResponse' if openai else 'ErrorResponse'}"}
@@ -221,8 +280,9 @@ def _responses(route: RestRoute, method, schemas: _Schemas, openai: bool,
 def document(descriptor_set: descriptor_pb2.FileDescriptorSet | None = None) -> dict[str, Any]:
     descriptor_set = descriptor_set or load_descriptor_set()
     package, _, service_name = SERVICE.rpartition(".")
-    file = next(f for f in descriptor_set.file if f.package == package and any(s.name == service_name
-                                                                             for s in f.service))
+    file = next(
+        f for f in descriptor_set.file if f.package == package and any(s.name == service_name for s in f.service)
+    )
     service_index = next(i for i, s in enumerate(file.service) if s.name == service_name)
     service, comments = file.service[service_index], _Comments(file)
     methods = {m.name: (index, m) for index, m in enumerate(service.method)}
@@ -231,17 +291,24 @@ def document(descriptor_set: descriptor_pb2.FileDescriptorSet | None = None) -> 
     seen: dict[str, int] = {}
     for route in rest_routes(descriptor_set):
         index, method = methods[route.rpc]
-        operation = _operation(route, method, comments.get(6, service_index, 2, index), schemas,
-                               {name: m.output_type for name, (_, m) in methods.items()})
+        operation = _operation(
+            route,
+            method,
+            comments.get(6, service_index, 2, index),
+            schemas,
+            {name: m.output_type for name, (_, m) in methods.items()},
+        )
         seen[route.rpc] = seen.get(route.rpc, 0) + 1
         operation["operationId"] = route.rpc if seen[route.rpc] == 1 else f"{route.rpc}_{seen[route.rpc]}"
         paths.setdefault(_openapi_path(route)[0], {})[route.method.lower()] = operation
     return {
         "openapi": "3.0.3",
-        "info": {"title": "inference-service REST API",
-                 "description": "TGI's and OpenAI's REST routes, served by Envoy in front of the gRPC API "
-                                "(textgen.v1.TextGeneration). Generated from the proto.",
-                 "version": "1"},
+        "info": {
+            "title": "inference-service REST API",
+            "description": "TGI's and OpenAI's REST routes, served by Envoy in front of the gRPC API "
+            "(textgen.v1.TextGeneration). Generated from the proto.",
+            "version": "1",
+        },
         "paths": paths,
         "components": {"schemas": {**schemas.components, **_error_schemas()}},
     }

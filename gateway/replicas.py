@@ -89,8 +89,14 @@ class ReplicaSet:
             args = _without(args, name)
         if self._engine_config.model.device.startswith("cuda"):  # cuda:N → its own GPU, seen as cuda
             args = [*_without(args, "--device"), "--device", "cuda"]
-        args += ["--grpc-port", str(replica.port), "--num-threads", str(self._threads),
-                 "--prometheus-port", str(metrics_port + replica.index if metrics_port else 0)]
+        args += [
+            "--grpc-port",
+            str(replica.port),
+            "--num-threads",
+            str(self._threads),
+            "--prometheus-port",
+            str(metrics_port + replica.index if metrics_port else 0),
+        ]
         serve = [sys.executable, "-m", "inference_service", "serve", *args]
         setpriv = shutil.which("setpriv")
         return [setpriv, "--pdeathsig", "TERM", *serve] if setpriv else serve
@@ -108,10 +114,12 @@ class ReplicaSet:
         return env
 
     def start(self, replica: Replica) -> None:
-        replica.process = subprocess.Popen(self.command(replica), stdin=subprocess.DEVNULL,
-                                           env=self.environment(replica))
-        logger.info("replica %d (pid %d): gRPC port %d, %d threads", replica.index, replica.pid, replica.port,
-                    self._threads)
+        replica.process = subprocess.Popen(
+            self.command(replica), stdin=subprocess.DEVNULL, env=self.environment(replica)
+        )
+        logger.info(
+            "replica %d (pid %d): gRPC port %d, %d threads", replica.index, replica.pid, replica.port, self._threads
+        )
 
     def start_all(self) -> None:
         for replica in self.replicas:
@@ -135,16 +143,22 @@ class ReplicaSet:
             now = time.monotonic()
             replica.restarts = [t for t in replica.restarts if now - t < RESTART_WINDOW_S]
             if len(replica.restarts) >= MAX_RESTARTS:
-                logger.error("replica %d exited with code %d, %d times within %.0fs: leaving it down",
-                             replica.index, code, len(replica.restarts) + 1, RESTART_WINDOW_S)
+                logger.error(
+                    "replica %d exited with code %d, %d times within %.0fs: leaving it down",
+                    replica.index,
+                    code,
+                    len(replica.restarts) + 1,
+                    RESTART_WINDOW_S,
+                )
                 return
             logger.warning("replica %d (pid %d) exited with code %d: restarting", replica.index, replica.pid, code)
             replica.restarts.append(now)
             self.start(replica)
             asyncio.ensure_future(self._announce_when_serving(replica, replica.process, serving))
 
-    async def _announce_when_serving(self, replica: Replica, process: subprocess.Popen,
-                                     serving: Callable[[int], bool]) -> None:
+    async def _announce_when_serving(
+        self, replica: Replica, process: subprocess.Popen, serving: Callable[[int], bool]
+    ) -> None:
         """Log once Envoy's health checks pass on the new process: after they have seen the old one
         gone (Envoy's flag lags a death by a couple of checks), or after `STALE_S` at the latest."""
         started, seen_down = time.monotonic(), False

@@ -80,6 +80,7 @@ async def _announce(replicas: ReplicaSet, envoy: Envoy) -> None:
         some_serve = len(pending) < len(replicas.replicas)
         if not ready and some_serve and await asyncio.to_thread(healthy, envoy.url("/health"), envoy.ssl_context()):
             ready = True
-            logger.info("ready: TGI REST API on %s (gRPC too), balanced over %d replicas", envoy.url(),
-                        len(replicas.replicas))
+            logger.info(
+                "ready: TGI REST API on %s (gRPC too), balanced over %d replicas", envoy.url(), len(replicas.replicas)
+            )
         await asyncio.sleep(POLL_S)

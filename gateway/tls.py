@@ -26,7 +26,6 @@ class TlsFiles:
     ca: str | None = None  # listener: clients must be signed by it; upstream: the engine must be
 
 
-
 def _certificates(files: TlsFiles) -> list[dict[str, Any]]:
     if files.cert is None:
         return []
@@ -37,8 +36,10 @@ def listener_tls(files: TlsFiles) -> dict[str, Any]:
     if files.cert is None or files.key is None:
         raise ValueError("TLS on the listener needs a certificate and its key")
     context: dict[str, Any] = {"alpn_protocols": ["h2", "http/1.1"], "tls_certificates": _certificates(files)}
-    tls: dict[str, Any] = {"@type": type_url("envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"),
-                           "common_tls_context": context}
+    tls: dict[str, Any] = {
+        "@type": type_url("envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"),
+        "common_tls_context": context,
+    }
     if files.ca:
         context["validation_context"] = {"trusted_ca": {"filename": files.ca}}
         tls["require_client_certificate"] = True
@@ -46,11 +47,16 @@ def listener_tls(files: TlsFiles) -> dict[str, Any]:
 
 
 def upstream_tls(files: TlsFiles) -> dict[str, Any]:
-    validation = ({"trusted_ca": {"filename": files.ca}} if files.ca
-                  else {"trust_chain_verification": "ACCEPT_UNTRUSTED"})
+    validation = (
+        {"trusted_ca": {"filename": files.ca}} if files.ca else {"trust_chain_verification": "ACCEPT_UNTRUSTED"}
+    )
     context: dict[str, Any] = {"alpn_protocols": ["h2"], "validation_context": validation}
     if files.cert:
         context["tls_certificates"] = _certificates(files)
-    return {"name": TLS_SOCKET, "typed_config": {
-        "@type": type_url("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
-        "common_tls_context": context}}
+    return {
+        "name": TLS_SOCKET,
+        "typed_config": {
+            "@type": type_url("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
+            "common_tls_context": context,
+        },
+    }

@@ -28,10 +28,9 @@ ROUTINGS = ("least-request", "prefix")
 HEALTH_CHECK_INTERVAL = "1s"
 
 
-
-
-def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
-                   protocol_options: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
+def engine_cluster(
+    name: str, host: str, ports: tuple[int, ...], routing: str, protocol_options: dict[str, Any], limits: dict[str, int]
+) -> dict[str, Any]:
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
     endpoints = [{"endpoint": {"address": socket_address(host, port)}} for port in ports]
@@ -42,9 +41,16 @@ def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
         "lb_policy": "RING_HASH" if routing == "prefix" else "LEAST_REQUEST",
         "typed_extension_protocol_options": protocol_options,
         "circuit_breakers": {"thresholds": [limits]},
-        "health_checks": [{
-            "timeout": "1s", "interval": HEALTH_CHECK_INTERVAL, "no_traffic_interval": HEALTH_CHECK_INTERVAL,
-            "unhealthy_threshold": 2, "healthy_threshold": 1, "grpc_health_check": {}}],
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": HEALTH_CHECK_INTERVAL,
+                "no_traffic_interval": HEALTH_CHECK_INTERVAL,
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ],
         "outlier_detection": {
             # Only failures Envoy meets itself (a refused or reset connection: a replica that
             # crashed) eject a replica, for a few seconds. No gRPC status does: a request's own
@@ -52,11 +58,17 @@ def engine_cluster(name: str, host: str, ports: tuple[int, ...], routing: str,
             # retried and seen by the health checks, and DEADLINE_EXCEEDED, which a replica answers
             # when a client's own deadline expires, counts as a gateway failure: three of those
             # ejected a healthy replica.
-            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 3,
-            "enforcing_consecutive_local_origin_failure": 100, "enforcing_consecutive_5xx": 0,
-            "enforcing_consecutive_gateway_failure": 0, "enforcing_success_rate": 0,
-            "enforcing_local_origin_success_rate": 0, "interval": "2s", "base_ejection_time": "5s",
-            "max_ejection_percent": 100},
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 3,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0,
+            "interval": "2s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }
 
@@ -65,8 +77,14 @@ def retry_policy() -> dict[str, Any]:
     return {
         "retry_on": "connect-failure,refused-stream,unavailable,resource-exhausted",
         "num_retries": 2,
-        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
-            "@type": type_url("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")}}],
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": type_url("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                },
+            }
+        ],
         "host_selection_retry_max_attempts": 3,
     }
 

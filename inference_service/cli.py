@@ -57,18 +57,20 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 DOWNLOAD_FLAGS = (
-    Flag("--revision", "model.revision", "Hub revision: a commit, branch or tag.",
-         default_text="the default branch"),
-    Flag("--huggingface-hub-cache", "model.huggingface_hub_cache", "Hub cache folder.",
-         default_text="the hub's"),
+    Flag("--revision", "model.revision", "Hub revision: a commit, branch or tag.", default_text="the default branch"),
+    Flag("--huggingface-hub-cache", "model.huggingface_hub_cache", "Hub cache folder.", default_text="the hub's"),
     Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", parse_bool),
     Flag("--log-level", "server.log_level", "debug, info, warning or error."),
 )
 
 
 def _configure_download(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_id", nargs="?", metavar="MODEL_ID",
-                        help=f"hub id, local folder or .gguf file (default: $MODEL_ID, else {DEMO_MODEL_ID})")
+    parser.add_argument(
+        "model_id",
+        nargs="?",
+        metavar="MODEL_ID",
+        help=f"hub id, local folder or .gguf file (default: $MODEL_ID, else {DEMO_MODEL_ID})",
+    )
     add_flags(parser, DOWNLOAD_FLAGS, "download")
 
 
@@ -105,18 +107,23 @@ class Command:
 
 
 COMMANDS: list[Command] = [
-    Command("serve", "serve the gRPC API (health, reflection, TextGeneration) on one model",
-            _configure_serve, _run_serve),
-    Command("launch", "serve the gRPC API and TGI's REST API (through Envoy) together",
-            _configure_launch, _run_launch),
-    Command("download-weights", "fetch (and convert) a model's weights into the cache, print its folder",
-            _configure_download, _run_download),
+    Command(
+        "serve", "serve the gRPC API (health, reflection, TextGeneration) on one model", _configure_serve, _run_serve
+    ),
+    Command("launch", "serve the gRPC API and TGI's REST API (through Envoy) together", _configure_launch, _run_launch),
+    Command(
+        "download-weights",
+        "fetch (and convert) a model's weights into the cache, print its folder",
+        _configure_download,
+        _run_download,
+    ),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS:

@@ -12,8 +12,17 @@ from dataclasses import dataclass, field
 
 DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # TGI's --quantize values and ours (gguf); worker/weights/schemes.py says what each one does.
-QUANTIZE_SCHEMES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "fp8", "gptq", "awq",
-                    "compressed-tensors", "gguf")
+QUANTIZE_SCHEMES = (
+    "bitsandbytes",
+    "bitsandbytes-nf4",
+    "bitsandbytes-fp4",
+    "eetq",
+    "fp8",
+    "gptq",
+    "awq",
+    "compressed-tensors",
+    "gguf",
+)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -36,13 +45,19 @@ class ModelConfig:
     quantize: str | None = None  # a scheme of worker/weights/schemes.py; None: as the checkpoint is stored
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                 f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        _require(self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-                 f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}",
+        )
+        _require(
+            self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}",
+        )
         _require(self.num_threads is None or self.num_threads > 0, "--num-threads must be > 0")
-        _require(self.quantize is None or self.quantize in QUANTIZE_SCHEMES,
-                 f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, not {self.quantize!r}")
+        _require(
+            self.quantize is None or self.quantize in QUANTIZE_SCHEMES,
+            f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, not {self.quantize!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block size must be > 0")
-        _require(self.max_batch_total_tokens is None or self.max_batch_total_tokens > 0,
-                 "--max-batch-total-tokens must be > 0")
+        _require(
+            self.max_batch_total_tokens is None or self.max_batch_total_tokens > 0,
+            "--max-batch-total-tokens must be > 0",
+        )
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
 
@@ -80,8 +97,10 @@ class SchedulerConfig:
     speculate: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.max_batch_prefill_tokens is None or self.max_batch_prefill_tokens > 0,
-                 "--max-batch-prefill-tokens must be > 0")
+        _require(
+            self.max_batch_prefill_tokens is None or self.max_batch_prefill_tokens > 0,
+            "--max-batch-prefill-tokens must be > 0",
+        )
         _require(self.max_batch_size is None or self.max_batch_size > 0, "--max-batch-size must be > 0")
         _require(self.waiting_served_ratio >= 0, "--waiting-served-ratio must be >= 0")
         _require(self.max_waiting_tokens >= 0, "--max-waiting-tokens must be >= 0")
@@ -106,8 +125,7 @@ class LimitsConfig:
         _require(self.max_input_tokens is None or self.max_input_tokens > 0, "--max-input-tokens must be > 0")
         _require(self.max_total_tokens is None or self.max_total_tokens > 1, "--max-total-tokens must be > 1")
         if self.max_input_tokens is not None and self.max_total_tokens is not None:
-            _require(self.max_input_tokens < self.max_total_tokens,
-                     "`max_input_tokens` must be < `max_total_tokens`")
+            _require(self.max_input_tokens < self.max_total_tokens, "`max_input_tokens` must be < `max_total_tokens`")
         _require(self.max_stop_sequences >= 0, "--max-stop-sequences must be >= 0")
         _require(self.max_top_n_tokens >= 0, "--max-top-n-tokens must be >= 0")
         _require(self.max_best_of >= 1, "--max-best-of must be >= 1")
@@ -125,8 +143,7 @@ class EngineConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_memory(text: str) -> tuple[float | None, int | None]:

@@ -22,8 +22,11 @@ from inference_service.observability import logging as observability_logging
 
 # Which dataclass each flag group fills.
 AREAS: dict[str, type] = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "limits": LimitsConfig, "server": ServerConfig,
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "limits": LimitsConfig,
+    "server": ServerConfig,
 }
 
 
@@ -85,101 +88,204 @@ class Flag(NamedFlag):
 
 
 MODEL_FLAGS = (
-    Flag("--model-id", "model.model_id",
-         "Model to serve: a hub id (org/name), a local transformers folder or a .gguf file. "
-         "The default is the demo model, fetched and converted on first use."),
-    Flag("--revision", "model.revision", "Hub revision: a commit, branch or tag (hub ids only).",
-         default_text="the default branch"),
-    Flag("--dtype", "model.dtype",
-         "Weights and compute dtype: auto, float32, bfloat16 or float16. "
-         "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA."),
+    Flag(
+        "--model-id",
+        "model.model_id",
+        "Model to serve: a hub id (org/name), a local transformers folder or a .gguf file. "
+        "The default is the demo model, fetched and converted on first use.",
+    ),
+    Flag(
+        "--revision",
+        "model.revision",
+        "Hub revision: a commit, branch or tag (hub ids only).",
+        default_text="the default branch",
+    ),
+    Flag(
+        "--dtype",
+        "model.dtype",
+        "Weights and compute dtype: auto, float32, bfloat16 or float16. "
+        "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA.",
+    ),
     Flag("--device", "model.device", "Where the model runs: auto, cpu, cuda or cuda:N."),
-    Flag("--trust-remote-code", "model.trust_remote_code",
-         "Allow model code from the model's repository (only for models you trust).", parse_bool),
-    Flag("--num-threads", "model.num_threads", "Torch intra-op threads on CPU.", int,
-         default_text="torch's choice"),
-    Flag("--huggingface-hub-cache", "model.huggingface_hub_cache", "Hub cache folder.",
-         default_text="the hub's, e.g. ~/.cache/huggingface/hub"),
-    Flag("--chat-template", "model.chat_template",
-         "A Jinja chat template file (or a tokenizer_config.json holding one) for /v1/chat/completions, "
-         "replacing the model's own.", default_text="the model's"),
-    Flag("--quantize", "model.quantize",
-         "Weight quantization: bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, eetq or fp8 quantize while "
-         "loading; gptq, awq and compressed-tensors checkpoints are recognised without it; gguf keeps a GGUF "
-         "file's quantized tensors.", default_text="as the checkpoint is stored"),
+    Flag(
+        "--trust-remote-code",
+        "model.trust_remote_code",
+        "Allow model code from the model's repository (only for models you trust).",
+        parse_bool,
+    ),
+    Flag("--num-threads", "model.num_threads", "Torch intra-op threads on CPU.", int, default_text="torch's choice"),
+    Flag(
+        "--huggingface-hub-cache",
+        "model.huggingface_hub_cache",
+        "Hub cache folder.",
+        default_text="the hub's, e.g. ~/.cache/huggingface/hub",
+    ),
+    Flag(
+        "--chat-template",
+        "model.chat_template",
+        "A Jinja chat template file (or a tokenizer_config.json holding one) for /v1/chat/completions, "
+        "replacing the model's own.",
+        default_text="the model's",
+    ),
+    Flag(
+        "--quantize",
+        "model.quantize",
+        "Weight quantization: bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, eetq or fp8 quantize while "
+        "loading; gptq, awq and compressed-tensors checkpoints are recognised without it; gguf keeps a GGUF "
+        "file's quantized tensors.",
+        default_text="as the checkpoint is stored",
+    ),
 )
 
 ENGINE_FLAGS = (
-    Flag("--max-concurrent-requests", "limits.max_concurrent_requests",
-         "Requests in flight at once (a best_of=n request counts n); more get RESOURCE_EXHAUSTED "
-         "(REST 429).", int),
+    Flag(
+        "--max-concurrent-requests",
+        "limits.max_concurrent_requests",
+        "Requests in flight at once (a best_of=n request counts n); more get RESOURCE_EXHAUSTED (REST 429).",
+        int,
+    ),
     Flag("--max-best-of", "limits.max_best_of", "Largest best_of a request may ask for.", int),
     Flag("--max-stop-sequences", "limits.max_stop_sequences", "Most stop sequences per request.", int),
     Flag("--max-top-n-tokens", "limits.max_top_n_tokens", "Largest top_n_tokens per request.", int),
-    Flag("--max-input-tokens", "limits.max_input_tokens", "Longest prompt in tokens.", int,
-         default_text="max-total-tokens - 1"),
-    Flag("--max-input-length", "limits.max_input_tokens",
-         "Legacy name of --max-input-tokens (give only one).", int, alias_of="--max-input-tokens",
-         default_text="max-total-tokens - 1"),
-    Flag("--max-total-tokens", "limits.max_total_tokens", "Longest prompt + generation in tokens.", int,
-         default_text="the model's context, capped by the KV cache"),
-    Flag("--watermark-gamma", "limits.watermark_gamma",
-         "Green-list fraction of the watermark (requests with watermark=true).", float),
+    Flag(
+        "--max-input-tokens",
+        "limits.max_input_tokens",
+        "Longest prompt in tokens.",
+        int,
+        default_text="max-total-tokens - 1",
+    ),
+    Flag(
+        "--max-input-length",
+        "limits.max_input_tokens",
+        "Legacy name of --max-input-tokens (give only one).",
+        int,
+        alias_of="--max-input-tokens",
+        default_text="max-total-tokens - 1",
+    ),
+    Flag(
+        "--max-total-tokens",
+        "limits.max_total_tokens",
+        "Longest prompt + generation in tokens.",
+        int,
+        default_text="the model's context, capped by the KV cache",
+    ),
+    Flag(
+        "--watermark-gamma",
+        "limits.watermark_gamma",
+        "Green-list fraction of the watermark (requests with watermark=true).",
+        float,
+    ),
     Flag("--watermark-delta", "limits.watermark_delta", "Logit bias added to green-list tokens.", float),
-    Flag("--disable-grammar-support", "limits.disable_grammar_support",
-         "Refuse requests with a grammar (structured output) with a validation error.", parse_bool),
-    Flag("--max-batch-prefill-tokens", "scheduler.max_batch_prefill_tokens",
-         "Token budget of one engine step (prefill chunks + decodes).", int, default_text="by device"),
-    Flag("--max-batch-size", "scheduler.max_batch_size", "Most requests in one step.", int,
-         default_text="no cap"),
-    Flag("--waiting-served-ratio", "scheduler.waiting_served_ratio",
-         "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.", float),
-    Flag("--max-waiting-tokens", "scheduler.max_waiting_tokens",
-         "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.", int),
-    Flag("--speculate", "scheduler.speculate",
-         "Speculative decoding: up to N tokens per request and step guessed by prompt lookup (n-grams of "
-         "the request's own tokens) and verified in the same forward pass; outputs are unchanged.", int,
-         default_text="0: off"),
-    Flag("--max-batch-total-tokens", "cache.max_batch_total_tokens",
-         "KV cache capacity in tokens; wins over --kv-cache-memory.", int,
-         default_text="from --kv-cache-memory"),
-    Flag("--kv-cache-memory", "cache.kv_cache_memory",
-         "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
-         default_text="by device"),
+    Flag(
+        "--disable-grammar-support",
+        "limits.disable_grammar_support",
+        "Refuse requests with a grammar (structured output) with a validation error.",
+        parse_bool,
+    ),
+    Flag(
+        "--max-batch-prefill-tokens",
+        "scheduler.max_batch_prefill_tokens",
+        "Token budget of one engine step (prefill chunks + decodes).",
+        int,
+        default_text="by device",
+    ),
+    Flag("--max-batch-size", "scheduler.max_batch_size", "Most requests in one step.", int, default_text="no cap"),
+    Flag(
+        "--waiting-served-ratio",
+        "scheduler.waiting_served_ratio",
+        "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.",
+        float,
+    ),
+    Flag(
+        "--max-waiting-tokens",
+        "scheduler.max_waiting_tokens",
+        "Accepted for TGI compatibility; with chunked prefill (always on) it has no effect.",
+        int,
+    ),
+    Flag(
+        "--speculate",
+        "scheduler.speculate",
+        "Speculative decoding: up to N tokens per request and step guessed by prompt lookup (n-grams of "
+        "the request's own tokens) and verified in the same forward pass; outputs are unchanged.",
+        int,
+        default_text="0: off",
+    ),
+    Flag(
+        "--max-batch-total-tokens",
+        "cache.max_batch_total_tokens",
+        "KV cache capacity in tokens; wins over --kv-cache-memory.",
+        int,
+        default_text="from --kv-cache-memory",
+    ),
+    Flag(
+        "--kv-cache-memory",
+        "cache.kv_cache_memory",
+        "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
+        default_text="by device",
+    ),
     Flag("--block-size", "cache.block_size", "Tokens per KV cache block.", int),
-    Flag("--prefix-caching", "cache.prefix_caching",
-         "Reuse the KV cache of a prompt's longest cached prefix (full blocks, freed ones kept until the "
-         "pool needs them); --prefix-caching false turns it off.", parse_bool),
+    Flag(
+        "--prefix-caching",
+        "cache.prefix_caching",
+        "Reuse the KV cache of a prompt's longest cached prefix (full blocks, freed ones kept until the "
+        "pool needs them); --prefix-caching false turns it off.",
+        parse_bool,
+    ),
 )
 
 SERVER_FLAGS = (
     Flag("--hostname", "server.hostname", "Address the gRPC server listens on."),
     Flag("--grpc-port", "server.grpc_port", "gRPC port (0 = any free port, logged once bound).", int),
     Flag("--payload-limit", "server.payload_limit", "Largest request message in bytes.", int),
-    Flag("--graceful-termination-timeout", "server.graceful_termination_timeout",
-         "Seconds in-flight requests get to finish after SIGTERM; the rest are cancelled.", float,
-         short="-g"),
+    Flag(
+        "--graceful-termination-timeout",
+        "server.graceful_termination_timeout",
+        "Seconds in-flight requests get to finish after SIGTERM; the rest are cancelled.",
+        float,
+        short="-g",
+    ),
     Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", parse_bool),
     Flag("--log-level", "server.log_level", "debug, info, warning or error."),
-    Flag("--otlp-endpoint", "server.otlp_endpoint",
-         "OTLP/gRPC collector to export traces to, e.g. http://127.0.0.1:4317 (launch: Envoy's too); "
-         "unset, nothing is traced.", default_text="none"),
-    Flag("--otlp-service-name", "server.otlp_service_name",
-         "service.name of exported traces (launch: Envoy's spans get it + \"-gateway\")."),
-    Flag("--api-key", "server.api_key",
-         "Key the generation calls (Generate, GenerateStream, Tokenize; REST /, /generate, /generate_stream, "
-         "/tokenize) must carry as 'authorization: Bearer <key>'; health, info and metrics stay open.",
-         default_text="none: nothing is checked"),
-    Flag("--tls-cert", "server.tls_cert",
-         "TLS on the gRPC port (launch: on Envoy's port too, and from Envoy to the engine): the server's "
-         "certificate chain, PEM.", default_text="none: plaintext"),
+    Flag(
+        "--otlp-endpoint",
+        "server.otlp_endpoint",
+        "OTLP/gRPC collector to export traces to, e.g. http://127.0.0.1:4317 (launch: Envoy's too); "
+        "unset, nothing is traced.",
+        default_text="none",
+    ),
+    Flag(
+        "--otlp-service-name",
+        "server.otlp_service_name",
+        'service.name of exported traces (launch: Envoy\'s spans get it + "-gateway").',
+    ),
+    Flag(
+        "--api-key",
+        "server.api_key",
+        "Key the generation calls (Generate, GenerateStream, Tokenize; REST /, /generate, /generate_stream, "
+        "/tokenize) must carry as 'authorization: Bearer <key>'; health, info and metrics stay open.",
+        default_text="none: nothing is checked",
+    ),
+    Flag(
+        "--tls-cert",
+        "server.tls_cert",
+        "TLS on the gRPC port (launch: on Envoy's port too, and from Envoy to the engine): the server's "
+        "certificate chain, PEM.",
+        default_text="none: plaintext",
+    ),
     Flag("--tls-key", "server.tls_key", "The private key of --tls-cert, PEM.", default_text="none"),
-    Flag("--tls-client-ca", "server.tls_client_ca",
-         "Mutual TLS: callers must present a certificate signed by this CA (PEM).",
-         default_text="none: no client certificates"),
-    Flag("--prometheus-port", "server.prometheus_port",
-         "Port of the Prometheus metrics listener on --hostname (0 = any free port); the Metrics RPC "
-         "(GET /metrics through the gateway) serves the same metrics.", int),
+    Flag(
+        "--tls-client-ca",
+        "server.tls_client_ca",
+        "Mutual TLS: callers must present a certificate signed by this CA (PEM).",
+        default_text="none: no client certificates",
+    ),
+    Flag(
+        "--prometheus-port",
+        "server.prometheus_port",
+        "Port of the Prometheus metrics listener on --hostname (0 = any free port); the Metrics RPC "
+        "(GET /metrics through the gateway) serves the same metrics.",
+        int,
+    ),
 )
 
 SERVE_FLAGS = MODEL_FLAGS + ENGINE_FLAGS + SERVER_FLAGS
@@ -198,7 +304,9 @@ def _type_checked(flag: Flag) -> Callable[[str], Any]:
             return flag.type(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected {_TYPE_NAMES.get(flag.type, 'a value')}, not {text!r}") from None
+                f"expected {_TYPE_NAMES.get(flag.type, 'a value')}, not {text!r}"
+            ) from None
+
     convert.__name__ = _TYPE_NAMES.get(flag.type, "value")
     return convert
 
@@ -207,19 +315,28 @@ def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], title: str
     group = parser.add_argument_group(title)
     for flag in flags:
         default = flag.default()
-        shown = flag.default_text or ({False: "off", True: "on"}.get(default, default)
-                                       if isinstance(default, bool) else default)
+        shown = flag.default_text or (
+            {False: "off", True: "on"}.get(default, default) if isinstance(default, bool) else default
+        )
         help_text = f"{flag.help} (default: {shown}) [env: {flag.env}]"
         names = [flag.name] + ([flag.short] if flag.short else [])
         if flag.is_bool and default is True:  # on by default: `--flag false` turns it off
-            group.add_argument(*names, dest=flag.dest, nargs="?", const=True, type=_type_checked(flag),
-                               default=None, metavar="true|false", help=help_text)
+            group.add_argument(
+                *names,
+                dest=flag.dest,
+                nargs="?",
+                const=True,
+                type=_type_checked(flag),
+                default=None,
+                metavar="true|false",
+                help=help_text,
+            )
         elif flag.is_bool:
-            group.add_argument(*names, dest=flag.dest, action="store_const", const=True, default=None,
-                               help=help_text)
+            group.add_argument(*names, dest=flag.dest, action="store_const", const=True, default=None, help=help_text)
         else:
-            group.add_argument(*names, dest=flag.dest, type=_type_checked(flag), default=None,
-                               metavar=flag.env, help=help_text)
+            group.add_argument(
+                *names, dest=flag.dest, type=_type_checked(flag), default=None, metavar=flag.env, help=help_text
+            )
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -229,8 +346,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, SERVER_FLAGS, "server")
 
 
-def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag],
-                  environ: dict[str, str]) -> dict[str, Any]:
+def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag], environ: dict[str, str]) -> dict[str, Any]:
     """{flag name: value} of the flags set on the command line or in the environment."""
     values: dict[str, Any] = {}
     for flag in flags:
@@ -239,14 +355,16 @@ def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag],
             try:
                 value = flag.type(environ[flag.env])
             except ValueError:
-                raise CliError(f"{flag.env}={environ[flag.env]!r}: expected "
-                               f"{_TYPE_NAMES.get(flag.type, 'a value')}") from None
+                raise CliError(
+                    f"{flag.env}={environ[flag.env]!r}: expected {_TYPE_NAMES.get(flag.type, 'a value')}"
+                ) from None
         if value is not None:
             values[flag.name] = value
     for flag in flags:
         if flag.alias_of and flag.name in values and flag.alias_of in values:
-            raise CliError(f"{flag.alias_of} and {flag.name} are the same setting ({flag.name} is its "
-                           f"legacy name): give only one")
+            raise CliError(
+                f"{flag.alias_of} and {flag.name} are the same setting ({flag.name} is its legacy name): give only one"
+            )
     return values
 
 
@@ -263,12 +381,14 @@ def build_configs(values: dict[str, Any], flags: Sequence[Flag]) -> dict[str, An
         raise CliError(str(error)) from None
 
 
-def configs_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None,
-                      flags: Sequence[Flag] = SERVE_FLAGS) -> tuple[EngineConfig, ServerConfig]:
+def configs_from_args(
+    args: argparse.Namespace, environ: dict[str, str] | None = None, flags: Sequence[Flag] = SERVE_FLAGS
+) -> tuple[EngineConfig, ServerConfig]:
     environ = dict(os.environ) if environ is None else environ
     configs = build_configs(resolve_flags(args, flags, environ), flags)
-    engine = EngineConfig(model=configs["model"], cache=configs["cache"],
-                          scheduler=configs["scheduler"], limits=configs["limits"])
+    engine = EngineConfig(
+        model=configs["model"], cache=configs["cache"], scheduler=configs["scheduler"], limits=configs["limits"]
+    )
     return engine, configs["server"]
 
 
@@ -280,8 +400,13 @@ def configure_logging(server: ServerConfig) -> None:
 def args_for(engine: EngineConfig, server: ServerConfig, flags: Sequence[Flag] = SERVE_FLAGS) -> list[str]:
     """The command line that gives back these configs (the settings that differ from the defaults),
     e.g. to start another process with the same settings. Legacy aliases are never written."""
-    areas = {"model": engine.model, "cache": engine.cache, "scheduler": engine.scheduler,
-             "limits": engine.limits, "server": server}
+    areas = {
+        "model": engine.model,
+        "cache": engine.cache,
+        "scheduler": engine.scheduler,
+        "limits": engine.limits,
+        "server": server,
+    }
     args: list[str] = []
     for flag in flags:
         if flag.alias_of:

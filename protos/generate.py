@@ -48,8 +48,10 @@ def _plugin(name: str) -> str:
 
 def _protoc(args: list[str]) -> None:
     includes = [f"-I{d}" for d in _include_dirs()]
-    plugins = [f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
-               f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}"]
+    plugins = [
+        f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+        f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
+    ]
     if protoc.main(["grpc_tools.protoc", *includes, *plugins, *args, *PROTO_FILES]) != 0:
         raise SystemExit("protoc failed")
 
@@ -58,8 +60,14 @@ def generate(out_root: Path) -> list[Path]:
     """Write every artifact under `out_root` (paths relative to the repo); returns those paths."""
     server = out_root / SERVER_OUT
     server.mkdir(parents=True, exist_ok=True)
-    _protoc([f"--python_out={server}", f"--grpc_python_out={server}",
-             f"--mypy_out=quiet:{server}", f"--mypy_grpc_out=quiet:{server}"])
+    _protoc(
+        [
+            f"--python_out={server}",
+            f"--grpc_python_out={server}",
+            f"--mypy_out=quiet:{server}",
+            f"--mypy_grpc_out=quiet:{server}",
+        ]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         _protoc([f"--python_out={tmp}", f"--mypy_out=quiet:{tmp}"])
         for name in CLIENT_FILES:
@@ -73,13 +81,13 @@ def generate(out_root: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the committed files differ from a fresh generation")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the committed files differ from a fresh generation"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        stale = [p for p in fresh
-                 if not (ROOT / p).exists() or not filecmp.cmp(Path(tmp) / p, ROOT / p, shallow=False)]
+        stale = [p for p in fresh if not (ROOT / p).exists() or not filecmp.cmp(Path(tmp) / p, ROOT / p, shallow=False)]
         if args.check:
             for path in stale:
                 print(f"stale: {path} (run `make protos`)", file=sys.stderr)

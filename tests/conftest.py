@@ -6,9 +6,11 @@ import random
 
 import pytest
 
-_TEXT = ("the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
-         "café naïve résumé Grüße Ελληνικά Привет мир ¿Qué? 日本語 東京 こんにちは 世界 中文 "
-         "😀 🎉 👍🏽 🇯🇵 ✨ <tag> 1234 3.14 , . ! ?")
+_TEXT = (
+    "the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
+    "café naïve résumé Grüße Ελληνικά Привет мир ¿Qué? 日本語 東京 こんにちは 世界 中文 "
+    "😀 🎉 👍🏽 🇯🇵 ✨ <tag> 1234 3.14 , . ! ?"
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,14 +29,25 @@ def byte_tokenizer():
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=330, special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=330,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     backend.post_processor = processors.TemplateProcessing(
-        single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", backend.token_to_id(specials[0]))])
+        single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", backend.token_to_id(specials[0]))]
+    )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=specials[0], eos_token=specials[1], pad_token=specials[2],
-        additional_special_tokens=specials[3:])
+        tokenizer_object=backend,
+        bos_token=specials[0],
+        eos_token=specials[1],
+        pad_token=specials[2],
+        additional_special_tokens=specials[3:],
+    )
     tokenizer.add_tokens(["<|tool|>"])
     return tokenizer
 
@@ -61,11 +74,19 @@ def tiny_model_dir(tmp_path_factory, byte_tokenizer):
     folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(byte_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MODEL_MAX_POSITIONS,
-        initializer_range=0.1, bos_token_id=byte_tokenizer.bos_token_id,
-        eos_token_id=byte_tokenizer.eos_token_id, pad_token_id=byte_tokenizer.pad_token_id,
-        tie_word_embeddings=False)
+        vocab_size=len(byte_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_MODEL_MAX_POSITIONS,
+        initializer_range=0.1,
+        bos_token_id=byte_tokenizer.bos_token_id,
+        eos_token_id=byte_tokenizer.eos_token_id,
+        pad_token_id=byte_tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     byte_tokenizer.save_pretrained(folder)
     return folder
@@ -132,8 +153,7 @@ class GrpcServerThread:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
-            idle = (stats.num_running == 0 and stats.num_waiting == 0
-                    and stats.num_free_blocks == stats.num_total_blocks)
+            idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
             if idle or time.monotonic() > deadline:
                 return stats
             time.sleep(0.02)
@@ -159,14 +179,18 @@ def tiny_engine_config(tiny_model_dir):
     """The tiny model on CPU with small, fixed limits (no dependence on the machine's memory)."""
     from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
 
-    return EngineConfig(model=ModelConfig(model_id=str(tiny_model_dir), device="cpu", dtype="float32"),
-                        cache=CacheConfig(max_batch_total_tokens=4096),
-                        limits=LimitsConfig(max_total_tokens=TINY_MODEL_MAX_POSITIONS))
+    return EngineConfig(
+        model=ModelConfig(model_id=str(tiny_model_dir), device="cpu", dtype="float32"),
+        cache=CacheConfig(max_batch_total_tokens=4096),
+        limits=LimitsConfig(max_total_tokens=TINY_MODEL_MAX_POSITIONS),
+    )
 
 
 # ChatML, as many instruct models (the demo model too) write it; the tiny model has no template.
-CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -176,8 +200,9 @@ def tiny_chat_engine_config(tiny_engine_config, tmp_path_factory):
 
     template = tmp_path_factory.mktemp("chat-template") / "chatml.jinja"
     template.write_text(CHATML_TEMPLATE)
-    return dataclasses.replace(tiny_engine_config,
-                               model=dataclasses.replace(tiny_engine_config.model, chat_template=str(template)))
+    return dataclasses.replace(
+        tiny_engine_config, model=dataclasses.replace(tiny_engine_config.model, chat_template=str(template))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +240,11 @@ def demo_grpc_server():
     """A loaded server on the demo model (the default model id), with a small fixed KV cache."""
     from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
 
-    config = EngineConfig(model=ModelConfig(device="cpu"), cache=CacheConfig(max_batch_total_tokens=4096),
-                          limits=LimitsConfig(max_total_tokens=1024))
+    config = EngineConfig(
+        model=ModelConfig(device="cpu"),
+        cache=CacheConfig(max_batch_total_tokens=4096),
+        limits=LimitsConfig(max_total_tokens=1024),
+    )
     server = GrpcServerThread(config)
     yield server
     server.stop(timeout_s=1.0)
@@ -244,8 +272,11 @@ def greedy_token_ids(engine, prompt: str = "the quick brown fox", max_new_tokens
         async_engine = AsyncEngine(engine, max_concurrent_requests=4)
         async_engine.start()
         try:
-            request = await validated(async_engine, GenerateRequest(prompt, GenerateParameters(
-                max_new_tokens=max_new_tokens, details=True)), stream=False)
+            request = await validated(
+                async_engine,
+                GenerateRequest(prompt, GenerateParameters(max_new_tokens=max_new_tokens, details=True)),
+                stream=False,
+            )
             return await async_engine.generate(request)
         finally:
             await async_engine.shutdown(timeout_s=1)

@@ -27,8 +27,9 @@ async def generate_tgi(engine: AsyncEngine, request: GenerateRequest) -> Generat
 
 async def generate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
     """(engine request, result) of one unary generation with details."""
-    request = await validated(engine, GenerateRequest(inputs, GenerateParameters(
-        max_new_tokens=max_new_tokens, details=True, **parameters)))
+    request = await validated(
+        engine, GenerateRequest(inputs, GenerateParameters(max_new_tokens=max_new_tokens, details=True, **parameters))
+    )
     return request, await engine.generate(request)
 
 
@@ -47,8 +48,11 @@ async def seeded_alone_and_among_others(engine: AsyncEngine):
     stream cancelled after its first output (the caller checks nothing was left behind)."""
     seeded = {"do_sample": True, "seed": 5, "temperature": 0.9, "top_k": 40}
     _, alone = await generate(engine, "the quick brown fox", 15, **seeded)
-    together = await asyncio.gather(generate(engine, "the quick brown fox", 15, **seeded),
-                                    generate(engine, "a", 25), generate(engine, "café", 9, do_sample=True))
+    together = await asyncio.gather(
+        generate(engine, "the quick brown fox", 15, **seeded),
+        generate(engine, "a", 25),
+        generate(engine, "café", 9, do_sample=True),
+    )
     request = await validated(engine, GenerateRequest("a", GenerateParameters(max_new_tokens=60)), stream=True)
     stream = engine.generate_stream(request)
     async for _output in stream:

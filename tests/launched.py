@@ -26,12 +26,30 @@ class Launched:
     """
 
     def __init__(self, model_dir: Path, *extra_args: str, message_of: Callable[[str], str | None] = whole_line):
-        command = [str(Path(sys.executable).with_name("inference-service")), "launch",
-                   "--model-id", str(model_dir), "--device", "cpu", "--hostname", "127.0.0.1",
-                   "--port", "0", "--grpc-port", "0", "--max-total-tokens", "512",
-                   "--max-batch-total-tokens", "4096", "--graceful-termination-timeout", "5", *extra_args]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
+        command = [
+            str(Path(sys.executable).with_name("inference-service")),
+            "launch",
+            "--model-id",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--max-total-tokens",
+            "512",
+            "--max-batch-total-tokens",
+            "4096",
+            "--graceful-termination-timeout",
+            "5",
+            *extra_args,
+        ]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self._message_of = message_of
         threading.Thread(target=self._collect, daemon=True).start()

@@ -64,9 +64,14 @@ class IntegerCode:
     def packed(self) -> PackedWeight:
         """The canonical form; the readers must return exactly this."""
         scales = self.scales.float()
-        return PackedWeight(bits=self.bits, codes=pack_codes(self.codes, self.bits), scales=scales,
-                            offsets=-(self.zeros.float() * scales), group_size=self.group_size,
-                            in_features=self.codes.shape[1])
+        return PackedWeight(
+            bits=self.bits,
+            codes=pack_codes(self.codes, self.bits),
+            scales=scales,
+            offsets=-(self.zeros.float() * scales),
+            group_size=self.group_size,
+            in_features=self.codes.shape[1],
+        )
 
 
 @dataclass
@@ -86,8 +91,9 @@ class WrittenLinear:
         return original
 
 
-def quantize_integer(weight: Tensor, bits: int, group_size: int, sym: bool,
-                     scale_dtype: torch.dtype = torch.float16) -> IntegerCode:
+def quantize_integer(
+    weight: Tensor, bits: int, group_size: int, sym: bool, scale_dtype: torch.dtype = torch.float16
+) -> IntegerCode:
     """Round-to-nearest on the grid a checkpoint can hold: `quantize_rtn`'s group scales rounded to
     `scale_dtype`, integer zeros (symmetric: 2**(bits-1), GPTQ's sym), codes recomputed against them.
 
@@ -122,8 +128,12 @@ def gptq_tensors(code: IntegerCode, g_idx: Tensor, checkpoint_format: str = "gpt
         qzeros = add_words(qzeros, -sum(1 << shift for shift in range(0, 32, code.bits)))
     elif checkpoint_format != "gptq_v2":
         raise ValueError(f"checkpoint_format {checkpoint_format!r}: gptq or gptq_v2")
-    return {"qweight": qweight, "qzeros": qzeros.contiguous(), "scales": code.scales.T.contiguous(),
-            "g_idx": g_idx.to(torch.int32)}
+    return {
+        "qweight": qweight,
+        "qzeros": qzeros.contiguous(),
+        "scales": code.scales.T.contiguous(),
+        "g_idx": g_idx.to(torch.int32),
+    }
 
 
 def awq_tensors(code: IntegerCode, version: str = "gemm") -> dict[str, Tensor]:
@@ -140,8 +150,11 @@ def awq_tensors(code: IntegerCode, version: str = "gemm") -> dict[str, Tensor]:
         def pack_columns(codes: Tensor) -> Tensor:  # [R, N] → [R, N/8], nibble i = column AWQ_ORDER[i]
             return pack_words(codes.view(codes.shape[0], -1, 8)[..., interleave].flatten(1), 4)
 
-        return {"qweight": pack_columns(code.codes.T), "qzeros": pack_columns(code.zeros.T),
-                "scales": code.scales.T.contiguous()}
+        return {
+            "qweight": pack_columns(code.codes.T),
+            "qzeros": pack_columns(code.zeros.T),
+            "scales": code.scales.T.contiguous(),
+        }
     if version == "gemv":
         if k % code.group_size or k % 8:
             raise ValueError("AWQ GEMV needs K divisible by 8 and by the group size")
@@ -151,8 +164,11 @@ def awq_tensors(code: IntegerCode, version: str = "gemm") -> dict[str, Tensor]:
         width = -(-words // multiple) * multiple
         zeros = torch.nn.functional.pad(code.zeros, (0, width * 8 - groups))
         scales = torch.nn.functional.pad(code.scales, (0, width * 8 - groups))
-        return {"qweight": pack_words(code.codes, 4), "qzeros": pack_words(zeros, 4)[:, :width].contiguous(),
-                "scales": scales.contiguous()}
+        return {
+            "qweight": pack_words(code.codes, 4),
+            "qzeros": pack_words(zeros, 4)[:, :width].contiguous(),
+            "scales": scales.contiguous(),
+        }
     raise ValueError(f"AWQ version {version!r}: gemm or gemv")
 
 
@@ -179,33 +195,71 @@ def compressed_tensors_tensors(code: IntegerCode, sym: bool, fmt: str = "pack-qu
 # -- quantization_config as the tools write it ------------------------------------------------------
 def gptq_config(bits: int, group_size: int, sym: bool, desc_act: bool, checkpoint_format: str) -> dict:
     """GPTQModel's `QuantizeConfig.to_dict()` keys (the `meta` block names this writer, not GPTQModel)."""
-    return {"bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym, "lm_head": False,
-            "method": "gptq", "quant_method": "gptq", "format": checkpoint_format,
-            "checkpoint_format": checkpoint_format, "pack_dtype": "int32",
-            "meta": {"quantizer": ["tools.checkpoint_writers"], "rounding": "rtn"}}
+    return {
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": sym,
+        "lm_head": False,
+        "method": "gptq",
+        "quant_method": "gptq",
+        "format": checkpoint_format,
+        "checkpoint_format": checkpoint_format,
+        "pack_dtype": "int32",
+        "meta": {"quantizer": ["tools.checkpoint_writers"], "rounding": "rtn"},
+    }
 
 
 def awq_config(group_size: int, sym: bool, version: str, modules_to_not_convert: list[str] | None) -> dict:
     """AutoAWQ's `AwqConfig.to_transformers_dict()`."""
-    return {"quant_method": "awq", "zero_point": not sym, "group_size": group_size, "bits": 4,
-            "version": version, "modules_to_not_convert": modules_to_not_convert}
+    return {
+        "quant_method": "awq",
+        "zero_point": not sym,
+        "group_size": group_size,
+        "bits": 4,
+        "version": version,
+        "modules_to_not_convert": modules_to_not_convert,
+    }
 
 
 def compressed_tensors_config(bits: int, group_size: int, sym: bool, fmt: str, ignore: list[str]) -> dict:
     """compressed-tensors' `ModelCompressor.update_config` output for one config group over `Linear`."""
     strategy = "channel" if group_size == -1 else "group"
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy, "dynamic": False,
-               "group_size": None if group_size == -1 else group_size}
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": sym,
+        "strategy": strategy,
+        "dynamic": False,
+        "group_size": None if group_size == -1 else group_size,
+    }
     # int-quantized is llm-compressor's W8A8 format: its activations are quantized per token, dynamically.
-    activations = ({"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token",
-                    "dynamic": True} if fmt == "int-quantized" else None)
-    return {"version": COMPRESSED_TENSORS_VERSION, "quant_method": "compressed-tensors", "sparsity_config": {},
-            "transform_config": {},
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": activations, "output_activations": None,
-                                          "format": fmt}},
-            "kv_cache_scheme": None, "format": fmt, "quantization_status": "compressed",
-            "global_compression_ratio": None, "ignore": ignore, "moe_sparsity_config": None}
+    activations = (
+        {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token", "dynamic": True}
+        if fmt == "int-quantized"
+        else None
+    )
+    return {
+        "version": COMPRESSED_TENSORS_VERSION,
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": activations,
+                "output_activations": None,
+                "format": fmt,
+            }
+        },
+        "kv_cache_scheme": None,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "moe_sparsity_config": None,
+    }
 
 
 # -- the checkpoint ---------------------------------------------------------------------------------
@@ -223,10 +277,21 @@ def decoder_linear_names(src: str | Path) -> tuple[list[str], list[str]]:
     return inside, outside
 
 
-def write_checkpoint(src: str | Path, dst: str | Path, *, format: str, bits: int = 4, group_size: int = 128,
-                     sym: bool = True, desc_act: bool = False, checkpoint_format: str = "gptq",
-                     awq_version: str = "gemm", ct_format: str = "pack-quantized",
-                     scale_dtype: torch.dtype | None = None, seed: int = 0) -> dict[str, WrittenLinear]:
+def write_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    format: str,
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    desc_act: bool = False,
+    checkpoint_format: str = "gptq",
+    awq_version: str = "gemm",
+    ct_format: str = "pack-quantized",
+    scale_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> dict[str, WrittenLinear]:
     """Quantize `src`'s decoder-layer linears into a `format` checkpoint at `dst`; what was written, by module.
 
     scale_dtype: fp16 for GPTQ/AWQ (what their tools store), the weight's own dtype for
@@ -272,8 +337,11 @@ def write_checkpoint(src: str | Path, dst: str | Path, *, format: str, bits: int
             tensors[f"{name}.bias"] = tensors[f"{name}.bias"].to(dtype)
         tensors.update({f"{name}.{key}": value for key, value in parts.items()})
 
-    save_file({key: value.contiguous() for key, value in tensors.items()}, dst / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {key: value.contiguous() for key, value in tensors.items()},
+        dst / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     if format == "gptq":
         quantization_config = gptq_config(bits, group_size, sym, desc_act, checkpoint_format)
         (dst / "quantize_config.json").write_text(json.dumps(quantization_config, indent=2) + "\n")
@@ -319,10 +387,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     written = write_checkpoint(
-        args.src, args.dst, format=args.format, bits=args.bits, group_size=args.group_size, sym=not args.asym,
-        desc_act=args.desc_act, checkpoint_format=args.checkpoint_format, awq_version=args.awq_version,
-        ct_format=args.ct_format, scale_dtype=getattr(torch, args.scale_dtype) if args.scale_dtype else None,
-        seed=args.seed)
+        args.src,
+        args.dst,
+        format=args.format,
+        bits=args.bits,
+        group_size=args.group_size,
+        sym=not args.asym,
+        desc_act=args.desc_act,
+        checkpoint_format=args.checkpoint_format,
+        awq_version=args.awq_version,
+        ct_format=args.ct_format,
+        scale_dtype=getattr(torch, args.scale_dtype) if args.scale_dtype else None,
+        seed=args.seed,
+    )
     logger.info("wrote %d quantized linears (%s) to %s", len(written), args.format, args.dst)
 
 

@@ -20,9 +20,19 @@ from inference_service.errors import UnauthorizedError
 from textgen.v1 import generate_pb2
 
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-GUARDED_METHODS = frozenset(f"/{_SERVICE}/{name}" for name in (
-    "Generate", "GenerateStream", "CompatGenerate", "Tokenize",
-    "ChatCompletion", "ChatCompletionStream", "Completion", "CompletionStream"))
+GUARDED_METHODS = frozenset(
+    f"/{_SERVICE}/{name}"
+    for name in (
+        "Generate",
+        "GenerateStream",
+        "CompatGenerate",
+        "Tokenize",
+        "ChatCompletion",
+        "ChatCompletionStream",
+        "Completion",
+        "CompletionStream",
+    )
+)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -36,8 +46,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         value = value.decode() if isinstance(value, bytes) else value
         return hmac.compare_digest(value.lower().encode(), self._expected)
 
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
         handler = await continuation(details)
         if handler is None or details.method not in GUARDED_METHODS or self.authorized(details.invocation_metadata):
             return handler
@@ -55,8 +66,7 @@ def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         await errors.abort(context, UnauthorizedError(), name)
         yield  # never reached: makes this the async generator a streaming handler must be
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+    codecs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, **codecs)
     return grpc.unary_unary_rpc_method_handler(refuse, **codecs)

@@ -56,7 +56,11 @@ class ServerConfig:
             otlp_target(self.otlp_endpoint)  # a ValueError that says what it should look like
         _require(self.graceful_termination_timeout >= 0, "--graceful-termination-timeout must be >= 0")
         _require((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
-        _require(self.tls_client_ca is None or self.tls_cert is not None,
-                 "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-        _require(self.log_level.lower() in ("debug", "info", "warning", "error"),
-                 f"--log-level must be debug, info, warning or error, not {self.log_level!r}")
+        _require(
+            self.tls_client_ca is None or self.tls_cert is not None,
+            "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key",
+        )
+        _require(
+            self.log_level.lower() in ("debug", "info", "warning", "error"),
+            f"--log-level must be debug, info, warning or error, not {self.log_level!r}",
+        )

@@ -9,8 +9,13 @@ from importlib import resources
 
 OPENAPI_CONTENT_TYPE = "application/json"
 # The assets the page loads, and their types; anything else is not served.
-ASSETS = {"swagger-ui-bundle.js": "application/javascript", "swagger-ui-standalone-preset.js": "application/javascript",
-          "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png", "favicon-16x16.png": "image/png"}
+ASSETS = {
+    "swagger-ui-bundle.js": "application/javascript",
+    "swagger-ui-standalone-preset.js": "application/javascript",
+    "swagger-ui.css": "text/css",
+    "favicon-32x32.png": "image/png",
+    "favicon-16x16.png": "image/png",
+}
 # Relative links: the page is /docs, so `docs/x` is /docs/x and `openapi.json` is /openapi.json.
 PAGE = """<!DOCTYPE html>
 <html lang="en">

@@ -50,8 +50,11 @@ def describe(error: Exception) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(error, InferenceError):
         error_type = error.error_type if error.error_type in STATUS_CODES else UNEXPECTED_ERROR_TYPE
         return STATUS_CODES[error_type], error.message, error_type
-    return (STATUS_CODES[UNEXPECTED_ERROR_TYPE], f"Unexpected server error: {type(error).__name__}: {error}",
-            UNEXPECTED_ERROR_TYPE)
+    return (
+        STATUS_CODES[UNEXPECTED_ERROR_TYPE],
+        f"Unexpected server error: {type(error).__name__}: {error}",
+        UNEXPECTED_ERROR_TYPE,
+    )
 
 
 def trailing_metadata(code: grpc.StatusCode, message: str, error_type: str) -> tuple[tuple[str, Any], ...]:
@@ -63,8 +66,7 @@ def trailing_metadata(code: grpc.StatusCode, message: str, error_type: str) -> t
 
 
 def wants_inband_errors(context: grpc.aio.ServicerContext) -> bool:
-    return any(key == INBAND_ERRORS_KEY and value == "1"
-               for key, value in (context.invocation_metadata() or ()))
+    return any(key == INBAND_ERRORS_KEY and value == "1" for key, value in (context.invocation_metadata() or ()))
 
 
 def log_failure(error: Exception, code: grpc.StatusCode, method: str) -> None:

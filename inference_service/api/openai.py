@@ -33,8 +33,11 @@ def _header(model_id: str, prefix: str) -> ResponseHeader:
 
 
 def _errors_of(chunk_type: type) -> Callable:
-    return stream_errors(lambda message, error_type: chunk_type(error=pb.OpenAIError(message=message, code=error_type)),
-                         done_message=lambda: chunk_type(done=True), status_before_first=True)
+    return stream_errors(
+        lambda message, error_type: chunk_type(error=pb.OpenAIError(message=message, code=error_type)),
+        done_message=lambda: chunk_type(done=True),
+        status_before_first=True,
+    )
 
 
 class OpenAIRoutes:
@@ -54,17 +57,23 @@ class OpenAIRoutes:
             return openai_responses.chat_response(results, plan, _header(engine.info.model_id, "chatcmpl"))
 
     @_errors_of(pb.ChatCompletionChunk)
-    async def ChatCompletionStream(self, request: pb.ChatCompletionRequest,
-                                   context: Context) -> AsyncIterator[pb.ChatCompletionChunk]:
+    async def ChatCompletionStream(
+        self, request: pb.ChatCompletionRequest, context: Context
+    ) -> AsyncIterator[pb.ChatCompletionChunk]:
         with self._backend.observer.track("ChatCompletionStream", context) as call:
             plan, choices = await self._backend.front_end().chat(request, stream=True)
             header = _header(self._backend.engine().info.model_id, "chatcmpl")
             readers = [ChatChoiceStream(i, plan) for i in range(len(choices))]
-            chunks = self._stream_choices(call, context, choices, readers, num_prompts=1,
-                                          chunk=lambda choices_, usage: openai_responses.chat_chunk(
-                                              header, choices_, usage_=usage),
-                                          keep_alive=pb.ChatCompletionChunk(keep_alive=True),
-                                          include_usage=plan.include_usage)
+            chunks = self._stream_choices(
+                call,
+                context,
+                choices,
+                readers,
+                num_prompts=1,
+                chunk=lambda choices_, usage: openai_responses.chat_chunk(header, choices_, usage_=usage),
+                keep_alive=pb.ChatCompletionChunk(keep_alive=True),
+                include_usage=plan.include_usage,
+            )
             async for chunk in chunks:
                 yield chunk
 
@@ -79,25 +88,40 @@ class OpenAIRoutes:
             return openai_responses.completion_response(results, plan, _header(engine.info.model_id, "cmpl"))
 
     @_errors_of(pb.CompletionResponse)
-    async def CompletionStream(self, request: pb.CompletionRequest,
-                               context: Context) -> AsyncIterator[pb.CompletionResponse]:
+    async def CompletionStream(
+        self, request: pb.CompletionRequest, context: Context
+    ) -> AsyncIterator[pb.CompletionResponse]:
         with self._backend.observer.track("CompletionStream", context) as call:
             plan, choices = await self._backend.front_end().completion(request, stream=True)
             header = _header(self._backend.engine().info.model_id, "cmpl")
-            readers = [CompletionChoiceStream(i, plan.prompts[i // plan.num_choices], plan)
-                       for i in range(len(choices))]
-            chunks = self._stream_choices(call, context, choices, readers, num_prompts=len(plan.prompts),
-                                          chunk=lambda choices_, usage: openai_responses.completion_chunk(
-                                              header, choices_, usage_=usage),
-                                          keep_alive=pb.CompletionResponse(keep_alive=True),
-                                          include_usage=plan.include_usage)
+            readers = [
+                CompletionChoiceStream(i, plan.prompts[i // plan.num_choices], plan) for i in range(len(choices))
+            ]
+            chunks = self._stream_choices(
+                call,
+                context,
+                choices,
+                readers,
+                num_prompts=len(plan.prompts),
+                chunk=lambda choices_, usage: openai_responses.completion_chunk(header, choices_, usage_=usage),
+                keep_alive=pb.CompletionResponse(keep_alive=True),
+                include_usage=plan.include_usage,
+            )
             async for chunk in chunks:
                 yield chunk
 
-    async def _stream_choices(self, call: Any, context: Context, choices: Sequence[EngineRequest],
-                              readers: Sequence[ChatChoiceStream | CompletionChoiceStream], *, num_prompts: int,
-                              chunk: Callable[[Sequence[Any], pb.Usage | None], Any], keep_alive: Any,
-                              include_usage: bool) -> AsyncIterator[Any]:
+    async def _stream_choices(
+        self,
+        call: Any,
+        context: Context,
+        choices: Sequence[EngineRequest],
+        readers: Sequence[ChatChoiceStream | CompletionChoiceStream],
+        *,
+        num_prompts: int,
+        chunk: Callable[[Sequence[Any], pb.Usage | None], Any],
+        keep_alive: Any,
+        include_usage: bool,
+    ) -> AsyncIterator[Any]:
         """The chunks of every choice as their outputs come, then the usage chunk when asked; each
         prompt's first choice counts its prompt tokens once."""
         call.validated(choices[0])

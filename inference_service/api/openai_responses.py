@@ -31,9 +31,16 @@ def _top(token: Token) -> pb.TopLogprob:
 
 
 def chat_logprobs(tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]]) -> pb.ChoiceLogprobs:
-    content = [pb.TokenLogprob(token=token.text, logprob=_logprob(token.logprob), bytes=token.text.encode(),
-                               top_logprobs=[_top(t) for t in (top_tokens[i] if i < len(top_tokens) else ())])
-               for i, token in enumerate(tokens) if not token.special]
+    content = [
+        pb.TokenLogprob(
+            token=token.text,
+            logprob=_logprob(token.logprob),
+            bytes=token.text.encode(),
+            top_logprobs=[_top(t) for t in (top_tokens[i] if i < len(top_tokens) else ())],
+        )
+        for i, token in enumerate(tokens)
+        if not token.special
+    ]
     return pb.ChoiceLogprobs(content=content)
 
 
@@ -44,13 +51,20 @@ def finish_reason(reason: FinishReason, called_tools: bool) -> str:
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> pb.Usage:
-    return pb.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                    total_tokens=num_prompt_tokens + num_completion_tokens)
+    return pb.Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
 
 
 def _tool_call(call: dict, index: int | None = None) -> pb.ToolCall:
-    return pb.ToolCall(index=index, id=call["id"], type="function", function=pb.FunctionCall(
-        name=call["function"]["name"], arguments=call["function"]["arguments"]))
+    return pb.ToolCall(
+        index=index,
+        id=call["id"],
+        type="function",
+        function=pb.FunctionCall(name=call["function"]["name"], arguments=call["function"]["arguments"]),
+    )
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,9 @@ class ResponseHeader:
     model: str
 
 
-def chat_response(results: Sequence[GenerateResult], plan: ChatPlan,
-                  header: ResponseHeader) -> pb.ChatCompletionResponse:
+def chat_response(
+    results: Sequence[GenerateResult], plan: ChatPlan, header: ResponseHeader
+) -> pb.ChatCompletionResponse:
     choices = []
     for index, result in enumerate(results):
         calls = parse_tool_calls(result.generated_text) if plan.tool_calls is not None else None
@@ -72,22 +87,35 @@ def chat_response(results: Sequence[GenerateResult], plan: ChatPlan,
             message.tool_calls.extend(_tool_call(call) for call in calls)
         else:
             message.content = result.generated_text
-        choice = pb.ChatCompletionChoice(index=index, finish_reason=finish_reason(result.finish_reason, bool(calls)),
-                                         message=message)
+        choice = pb.ChatCompletionChoice(
+            index=index, finish_reason=finish_reason(result.finish_reason, bool(calls)), message=message
+        )
         if plan.logprobs:
             choice.logprobs.CopyFrom(chat_logprobs(result.tokens, result.top_tokens))
         choices.append(choice)
     return pb.ChatCompletionResponse(
-        id=header.id, object="chat.completion", created=header.created, model=header.model,
-        system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,
-        usage=usage(results[0].num_prompt_tokens, sum(r.num_generated_tokens for r in results)))
+        id=header.id,
+        object="chat.completion",
+        created=header.created,
+        model=header.model,
+        system_fingerprint=SYSTEM_FINGERPRINT,
+        choices=choices,
+        usage=usage(results[0].num_prompt_tokens, sum(r.num_generated_tokens for r in results)),
+    )
 
 
-def chat_chunk(header: ResponseHeader, choices: Sequence[pb.ChatCompletionChunkChoice] = (),
-               usage_: pb.Usage | None = None) -> pb.ChatCompletionChunk:
-    return pb.ChatCompletionChunk(id=header.id, object="chat.completion.chunk", created=header.created,
-                                  model=header.model, system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,
-                                  usage=usage_)
+def chat_chunk(
+    header: ResponseHeader, choices: Sequence[pb.ChatCompletionChunkChoice] = (), usage_: pb.Usage | None = None
+) -> pb.ChatCompletionChunk:
+    return pb.ChatCompletionChunk(
+        id=header.id,
+        object="chat.completion.chunk",
+        created=header.created,
+        model=header.model,
+        system_fingerprint=SYSTEM_FINGERPRINT,
+        choices=choices,
+        usage=usage_,
+    )
 
 
 def _visible_text(output: RequestOutput) -> str:
@@ -114,7 +142,7 @@ class ChatChoiceStream:
     def choices(self, output: RequestOutput) -> list[pb.ChatCompletionChunkChoice]:
         text = _visible_text(output)
         if output.finished and output.generated_text is not None:
-            text = output.generated_text[len(self._fed):] if output.generated_text.startswith(self._fed) else ""
+            text = output.generated_text[len(self._fed) :] if output.generated_text.startswith(self._fed) else ""
         self._fed += text
         delta = pb.ChatCompletionDelta()
         if not self._started:
@@ -141,16 +169,20 @@ class ChatChoiceStream:
                 delta.content = delta.content + item[1]
             elif item[0] == "call":
                 _, index, call_id, name = item
-                delta.tool_calls.append(pb.ToolCall(index=index, id=call_id, type="function",
-                                                    function=pb.FunctionCall(name=name, arguments="")))
+                delta.tool_calls.append(
+                    pb.ToolCall(
+                        index=index, id=call_id, type="function", function=pb.FunctionCall(name=name, arguments="")
+                    )
+                )
             else:
                 _, index, piece = item
                 delta.tool_calls.append(pb.ToolCall(index=index, function=pb.FunctionCall(arguments=piece)))
 
 
 # -- text completions ------------------------------------------------------------------------------
-def completion_logprobs(tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]],
-                        offset: int) -> pb.CompletionLogprobs:
+def completion_logprobs(
+    tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]], offset: int
+) -> pb.CompletionLogprobs:
     """The legacy shape: parallel lists, and `top_logprobs` as one {token: logprob} object each."""
     logprobs = pb.CompletionLogprobs()
     for i, token in enumerate(tokens):
@@ -165,8 +197,9 @@ def completion_logprobs(tokens: Sequence[Token], top_tokens: Sequence[Sequence[T
     return logprobs
 
 
-def completion_choice(index: int, text: str, result: GenerateResult | RequestOutput, plan: CompletionPlan,
-                      echoed: str, offset: int) -> pb.CompletionChoice:
+def completion_choice(
+    index: int, text: str, result: GenerateResult | RequestOutput, plan: CompletionPlan, echoed: str, offset: int
+) -> pb.CompletionChoice:
     """`echoed`: the prompt when this choice's first text is sent with `echo`, else ""; `offset`:
     characters of this choice's text sent before (logprobs' text offsets count the prompt too)."""
     choice = pb.CompletionChoice(index=index, text=echoed + text)
@@ -177,20 +210,29 @@ def completion_choice(index: int, text: str, result: GenerateResult | RequestOut
     return choice
 
 
-def completion_response(results: Sequence[GenerateResult], plan: CompletionPlan,
-                        header: ResponseHeader) -> pb.CompletionResponse:
-    choices = [completion_choice(i, r.generated_text, r, plan,
-                                 plan.prompts[i // plan.num_choices] if plan.echo else "", 0)
-               for i, r in enumerate(results)]
+def completion_response(
+    results: Sequence[GenerateResult], plan: CompletionPlan, header: ResponseHeader
+) -> pb.CompletionResponse:
+    choices = [
+        completion_choice(i, r.generated_text, r, plan, plan.prompts[i // plan.num_choices] if plan.echo else "", 0)
+        for i, r in enumerate(results)
+    ]
     num_prompt_tokens = sum(results[i * plan.num_choices].num_prompt_tokens for i in range(len(plan.prompts)))
     return completion_chunk(header, choices, usage(num_prompt_tokens, sum(r.num_generated_tokens for r in results)))
 
 
-def completion_chunk(header: ResponseHeader, choices: Sequence[pb.CompletionChoice] = (),
-                     usage_: pb.Usage | None = None) -> pb.CompletionResponse:
-    return pb.CompletionResponse(id=header.id, object="text_completion", created=header.created,
-                                 model=header.model, system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,
-                                 usage=usage_)
+def completion_chunk(
+    header: ResponseHeader, choices: Sequence[pb.CompletionChoice] = (), usage_: pb.Usage | None = None
+) -> pb.CompletionResponse:
+    return pb.CompletionResponse(
+        id=header.id,
+        object="text_completion",
+        created=header.created,
+        model=header.model,
+        system_fingerprint=SYSTEM_FINGERPRINT,
+        choices=choices,
+        usage=usage_,
+    )
 
 
 @dataclass
@@ -208,7 +250,7 @@ class CompletionChoiceStream:
     def choices(self, output: RequestOutput) -> list[pb.CompletionChoice]:
         text = _visible_text(output)
         if output.finished and output.generated_text is not None:
-            text = output.generated_text[len(self._sent):] if output.generated_text.startswith(self._sent) else ""
+            text = output.generated_text[len(self._sent) :] if output.generated_text.startswith(self._sent) else ""
         echoed = self.prompt if self.plan.echo and not self._echoed else ""
         if not text and not echoed and output.finish_reason is None:
             return []

@@ -51,8 +51,12 @@ class StartupError(Exception):
 class ApiServer:
     """One grpc.aio server for one engine: start, load the engine, shut down gracefully."""
 
-    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
-                 load_engine: Callable[[EngineConfig], AsyncEngine] = AsyncEngine.from_config):
+    def __init__(
+        self,
+        server_config: ServerConfig,
+        engine_config: EngineConfig,
+        load_engine: Callable[[EngineConfig], AsyncEngine] = AsyncEngine.from_config,
+    ):
         self.config = server_config
         self._engine_config = engine_config
         self._load_engine = load_engine
@@ -61,21 +65,26 @@ class ApiServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.observability = Observability(server_config)
-        self.servicer = TextGenerationServicer(engine_config.scheduler, metrics=self.observability.metrics.render,
-                                               observer=self.observability.requests)
+        self.servicer = TextGenerationServicer(
+            engine_config.scheduler, metrics=self.observability.metrics.render, observer=self.observability.requests
+        )
         self.health = HealthServicer()
         interceptors = self.observability.server_interceptors()
         if server_config.api_key:
             interceptors.append(ApiKeyInterceptor(server_config.api_key))
-        self._server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", server_config.payload_limit),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
-        ])
+        self._server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", server_config.payload_limit),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+            ],
+        )
         generate_pb2_grpc.add_TextGenerationServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self._server)
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server,
+        )
 
     @property
     def address(self) -> str:
@@ -99,8 +108,12 @@ class ApiServer:
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {target}: {error}") from None
         await self._server.start()
-        logger.info("gRPC API listening on %s:%d%s", self.address, self.port,
-                    (" (mutual TLS)" if self.config.tls_client_ca else " (TLS)") if self.config.tls else "")
+        logger.info(
+            "gRPC API listening on %s:%d%s",
+            self.address,
+            self.port,
+            (" (mutual TLS)" if self.config.tls_client_ca else " (TLS)") if self.config.tls else "",
+        )
         self.metrics_port = self.observability.start_metrics_port(self.config.hostname, self.config.prometheus_port)
         return self.port
 
@@ -165,8 +178,9 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         return None
     key, chain = read_pem(config.tls_key, "--tls-key"), read_pem(config.tls_cert, "--tls-cert")
     client_ca = read_pem(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
-    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:

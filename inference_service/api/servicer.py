@@ -41,8 +41,12 @@ def render_prometheus_registry() -> tuple[str, bytes]:
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     """textgen.v1.TextGeneration over one engine (attached once the model is loaded)."""
 
-    def __init__(self, scheduler: SchedulerConfig, metrics: MetricsRenderer = render_prometheus_registry,
-                 observer: RequestObserver | None = None):
+    def __init__(
+        self,
+        scheduler: SchedulerConfig,
+        metrics: MetricsRenderer = render_prometheus_registry,
+        observer: RequestObserver | None = None,
+    ):
         self._scheduler = scheduler
         self._metrics = metrics
         self._backend = Backend(observer)

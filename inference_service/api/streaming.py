@@ -25,8 +25,9 @@ from inference_service.sampling_params import EngineRequest
 ErrorMessage = Callable[[str, str], Any]
 
 
-def stream_errors(error_message: ErrorMessage, *, done_message: Callable[[], Any] | None = None,
-                  status_before_first: bool = False) -> Callable:
+def stream_errors(
+    error_message: ErrorMessage, *, done_message: Callable[[], Any] | None = None, status_before_first: bool = False
+) -> Callable:
     """Wrap a streaming servicer method as the module docstring says; `status_before_first`: an
     error before the first message is a status even for an in-band caller (OpenAI's routes: the
     HTTP error then has OpenAI's shape)."""
@@ -56,10 +57,13 @@ def stream_errors(error_message: ErrorMessage, *, done_message: Callable[[], Any
     return decorate
 
 
-async def engine_events(engine: AsyncEngine, requests: Sequence[EngineRequest],
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+async def engine_events(
+    engine: AsyncEngine, requests: Sequence[EngineRequest], context: grpc.aio.ServicerContext
+) -> AsyncIterator[tuple[int, RequestOutput] | None]:
     """(request index, output) as they come, and None as a heartbeat when the caller asked for them."""
-    async with (contextlib.aclosing(engine.stream_all(requests)) as outputs,
-                contextlib.aclosing(with_keepalives(outputs, requested_interval(context))) as events):
+    async with (
+        contextlib.aclosing(engine.stream_all(requests)) as outputs,
+        contextlib.aclosing(with_keepalives(outputs, requested_interval(context))) as events,
+    ):
         async for event in events:
             yield event

@@ -46,8 +46,9 @@ class TgiRoutes:
     def __init__(self, backend: Backend):
         self._backend = backend
 
-    async def _generate(self, request: pb.GenerateRequest, context: Context, method: str,
-                        compat_route: bool) -> pb.GenerateResponse:
+    async def _generate(
+        self, request: pb.GenerateRequest, context: Context, method: str, compat_route: bool
+    ) -> pb.GenerateResponse:
         with self._backend.observer.track(method, context) as call:
             engine, front_end = self._backend.engine(), self._backend.front_end()
             validated = await front_end.generate(request, stream=False, compat_route=compat_route)
@@ -65,8 +66,7 @@ class TgiRoutes:
         return pb.CompatGenerateResponse(responses=[response])
 
     @stream_errors(_stream_error)
-    async def GenerateStream(self, request: pb.GenerateRequest,
-                             context: Context) -> AsyncIterator[pb.StreamResponse]:
+    async def GenerateStream(self, request: pb.GenerateRequest, context: Context) -> AsyncIterator[pb.StreamResponse]:
         with self._backend.observer.track("GenerateStream", context) as call:
             engine, front_end = self._backend.engine(), self._backend.front_end()
             validated = await front_end.generate(request, stream=True)

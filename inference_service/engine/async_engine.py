@@ -114,8 +114,9 @@ class AsyncEngine:
         self._engine.step_observer = observer
 
     # -- requests -------------------------------------------------------------------------
-    async def generate_stream(self, request: EngineRequest,
-                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_stream(
+        self, request: EngineRequest, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; raises the request's error instead of yielding it."""
         self._admit(1)
         try:
@@ -132,8 +133,9 @@ class AsyncEngine:
         finally:
             self._release(1)
 
-    async def generate_all(self, requests: Sequence[EngineRequest],
-                           request_id: str | None = None) -> list[GenerateResult]:
+    async def generate_all(
+        self, requests: Sequence[EngineRequest], request_id: str | None = None
+    ) -> list[GenerateResult]:
         """Several whole generations admitted together, so they decode in the same batches (OpenAI's
         `n`, a list of prompts, TGI's `best_of`); each counts against --max-concurrent-requests."""
         self._admit(len(requests))
@@ -143,8 +145,9 @@ class AsyncEngine:
         finally:
             self._release(len(requests))
 
-    async def stream_all(self, requests: Sequence[EngineRequest],
-                         request_id: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream_all(
+        self, requests: Sequence[EngineRequest], request_id: str | None = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of several generations as they come, each with its request's index. The first
         error ends the whole call (closing it aborts the requests still running)."""
         self._admit(len(requests))
@@ -166,10 +169,16 @@ class AsyncEngine:
                 prefill = output.prefill_tokens
             if output.finish_reason is not None:  # an error was raised by `_stream`
                 return GenerateResult(
-                    generated_text=output.generated_text or "", finish_reason=output.finish_reason,
+                    generated_text=output.generated_text or "",
+                    finish_reason=output.finish_reason,
                     num_generated_tokens=output.num_generated_tokens,
-                    num_prompt_tokens=output.num_prompt_tokens, seed=output.seed, tokens=tokens,
-                    top_tokens=top_tokens, prefill_tokens=prefill, timings=output.timings)
+                    num_prompt_tokens=output.num_prompt_tokens,
+                    seed=output.seed,
+                    tokens=tokens,
+                    top_tokens=top_tokens,
+                    prefill_tokens=prefill,
+                    timings=output.timings,
+                )
         raise RuntimeError("request stream ended without a final output")
 
     async def _stream(self, request: EngineRequest, request_id: str) -> AsyncIterator[RequestOutput]:

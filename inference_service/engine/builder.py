@@ -80,27 +80,56 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
         num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
         kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
-        runner = ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel_for(loaded.device, dtype),
-                             decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)))
+        runner = ModelRunner(
+            loaded.model,
+            kv_cache,
+            loaded.device,
+            decode_kernel_for(loaded.device, dtype),
+            decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
+        )
     else:  # blocks stay the memory budget of the per-request caches
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
         runner = TransformersRunner(loaded.model, loaded.device)
-        logger.warning("serving %s through transformers' attention, one cache per request (no prefix caching): %s",
-                       config.model.model_id, loaded.fallback_reason)
+        logger.warning(
+            "serving %s through transformers' attention, one cache per request (no prefix caching): %s",
+            config.model.model_id,
+            loaded.fallback_reason,
+        )
     info = make_info(config, loaded, num_blocks)
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
     grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
     speculator = None
     if info.speculate:
         speculator = Speculator(NgramProposer(), info.speculate, info.max_total_tokens)
-    engine = LLMEngine(info, loaded.tokenizer, runner, sampler, info.max_batch_prefill_tokens,
-                       config.scheduler.max_batch_size, grammar_compiler, speculator)
-    logger.info("engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
-                "tokens, max_total_tokens=%d, attention: %s, %s, native linears: %d, prefix caching: %s, "
-                "speculate: %d", info.model_id, info.architecture, info.dtype, info.quantize or "unquantized",
-                info.weights_nbytes / 2**20, loaded.num_quantized, num_blocks, info.block_size,
-                info.max_total_tokens, info.attention_impl, runner.describe(), native_linears,
-                "on" if info.prefix_caching else "off", info.speculate)
+    engine = LLMEngine(
+        info,
+        loaded.tokenizer,
+        runner,
+        sampler,
+        info.max_batch_prefill_tokens,
+        config.scheduler.max_batch_size,
+        grammar_compiler,
+        speculator,
+    )
+    logger.info(
+        "engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
+        "tokens, max_total_tokens=%d, attention: %s, %s, native linears: %d, prefix caching: %s, "
+        "speculate: %d",
+        info.model_id,
+        info.architecture,
+        info.dtype,
+        info.quantize or "unquantized",
+        info.weights_nbytes / 2**20,
+        loaded.num_quantized,
+        num_blocks,
+        info.block_size,
+        info.max_total_tokens,
+        info.attention_impl,
+        runner.describe(),
+        native_linears,
+        "on" if info.prefix_caching else "off",
+        info.speculate,
+    )
     return engine
 
 
@@ -124,9 +153,11 @@ def load(config: EngineConfig) -> LoadedModel:
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"can't read the model config in {resolved.path}: {error}") from error
     fallback_reason = check_architecture(hf_config)
-    scheme = schemes.resolve_scheme(config.model.quantize,
-                                    schemes.checkpoint_scheme(getattr(hf_config, "quantization_config", None)),
-                                    is_gguf=resolved.source in ("gguf", "demo"))
+    scheme = schemes.resolve_scheme(
+        config.model.quantize,
+        schemes.checkpoint_scheme(getattr(hf_config, "quantization_config", None)),
+        is_gguf=resolved.source in ("gguf", "demo"),
+    )
     attention.register()
     options: dict[str, Any] = {"dtype": dtype, "device": device, "trust_remote_code": config.model.trust_remote_code}
 
@@ -150,8 +181,9 @@ def load(config: EngineConfig) -> LoadedModel:
             # Loaded again: set_attn_implementation does not switch every model (BLOOM keeps the name
             # it was loaded with, and builds no causal mask for it).
             model, num_quantized = load_weights(FALLBACK_ATTENTION)
-    return LoadedModel(model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized,
-                       fallback_reason)
+    return LoadedModel(
+        model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized, fallback_reason
+    )
 
 
 def config_layer_shapes(model_config) -> list[LayerShape]:
@@ -169,8 +201,7 @@ def _gguf_file(config: EngineConfig, resolved: loader.ResolvedModel):
     return demo.ensure_demo_gguf() if resolved.source == "demo" else config.model.model_id
 
 
-def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype,
-                    device: torch.device) -> int:
+def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device) -> int:
     """Blocks in the pool: from --max-batch-total-tokens, else from the memory budget."""
     if cache.max_batch_total_tokens is not None:
         return -(-cache.max_batch_total_tokens // cache.block_size)
@@ -181,8 +212,9 @@ def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.d
     bytes_per_block = PagedKVCache.bytes_per_token(shapes, dtype) * cache.block_size
     num_blocks = size // bytes_per_block
     if num_blocks < 1:
-        raise ModelLoadError(f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; "
-                             "raise --kv-cache-memory")
+        raise ModelLoadError(
+            f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; raise --kv-cache-memory"
+        )
     return num_blocks
 
 
@@ -205,8 +237,10 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
     # A model with no stated context (ALiBi: BLOOM, MPT) needs --max-total-tokens.
     max_total = limits.max_total_tokens or min(_model_context(text_config, loaded.tokenizer), capacity)
     if max_total > capacity:
-        raise ModelLoadError(f"--max-total-tokens {max_total} is more than the KV cache holds ({capacity} "
-                             "tokens); raise --kv-cache-memory / --max-batch-total-tokens or lower it")
+        raise ModelLoadError(
+            f"--max-total-tokens {max_total} is more than the KV cache holds ({capacity} "
+            "tokens); raise --kv-cache-memory / --max-batch-total-tokens or lower it"
+        )
     max_input = limits.max_input_tokens or max_total - 1
     if max_input >= max_total:
         raise ModelLoadError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
@@ -255,8 +289,11 @@ def _generation_defaults(model) -> dict:
         start = setting("bos_token_id") if start is None else start
         if start is None:
             raise ModelLoadError("the encoder-decoder's generation config names no decoder_start_token_id")
-    return {"decoder_start_token_id": start, "forced_bos_token_id": setting("forced_bos_token_id"),
-            "forced_eos_token_id": setting("forced_eos_token_id")}
+    return {
+        "decoder_start_token_id": start,
+        "forced_bos_token_id": setting("forced_bos_token_id"),
+        "forced_eos_token_id": setting("forced_eos_token_id"),
+    }
 
 
 def _model_context(text_config, tokenizer) -> int:
@@ -271,8 +308,11 @@ def _model_context(text_config, tokenizer) -> int:
 def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
     generation_config = getattr(model, "generation_config", None)
-    for source in (getattr(generation_config, "eos_token_id", None), model.config.get_text_config().eos_token_id,
-                   tokenizer.eos_token_id):
+    for source in (
+        getattr(generation_config, "eos_token_id", None),
+        model.config.get_text_config().eos_token_id,
+        tokenizer.eos_token_id,
+    ):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
@@ -288,8 +328,13 @@ def warm_up(engine: LLMEngine, num_tokens: int = 16) -> None:
     if table is None:
         raise ModelLoadError(f"the KV cache holds fewer than the {num_tokens + 1} tokens of the warm-up")
     try:
-        runner.execute([ScheduledRequest(_WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True,
-                                         encoder_token_ids=[0] * num_tokens)])
+        runner.execute(
+            [
+                ScheduledRequest(
+                    _WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True, encoder_token_ids=[0] * num_tokens
+                )
+            ]
+        )
         runner.execute([ScheduledRequest(_WARMUP_ID, num_tokens, 1, [0], table, True)])
     finally:
         kv.free(_WARMUP_ID)

@@ -43,8 +43,9 @@ def decode(tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens: boo
     Clean-up rewrites text around punctuation depending on what follows, so a window-by-window
     decode would disagree with a whole decode; without it both agree.
     """
-    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
-                            clean_up_tokenization_spaces=False)
+    return tokenizer.decode(
+        list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 class IncrementalDetokenizer:
@@ -56,8 +57,7 @@ class IncrementalDetokenizer:
     comes with a later token.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
-                 skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = False):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._window: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
@@ -80,26 +80,26 @@ class IncrementalDetokenizer:
         text = self._decode(self._window)
         if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR):
             self._release()
-            return text[len(prefix_text):]
+            return text[len(prefix_text) :]
         if self.num_pending_tokens >= MAX_NUM_PENDING_TOKENS:
             self._restart()
-            return text[len(prefix_text):]
+            return text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
         """The text of the pending tokens as a whole decode shows it (U+FFFD for a cut character)."""
-        text = self._decode(self._window)[len(self._get_prefix_text()):]
+        text = self._decode(self._window)[len(self._get_prefix_text()) :]
         self._restart()
         return text
 
     def _get_prefix_text(self) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._window[:self._num_prefix_tokens])
+            self._prefix_text = self._decode(self._window[: self._num_prefix_tokens])
         return self._prefix_text
 
     def _release(self) -> None:
         """The pending tokens become the next prefix; older ids are dropped (bounded window)."""
-        del self._window[:self._num_prefix_tokens]
+        del self._window[: self._num_prefix_tokens]
         self._num_prefix_tokens = len(self._window)
         self._prefix_text = None
 
@@ -202,8 +202,7 @@ class TextState:
     bytes) is in neither.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
-                 stop_sequences: Sequence[str] = ()):
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop_sequences: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=True)
         self._stop_checker = StopChecker(stop_sequences)
@@ -247,7 +246,7 @@ class TextState:
         (TGI's native routes), or just before it with `strip_stop` (OpenAI-style routes)."""
         text = "".join(self._chunks)
         if strip_stop and self.matched_stop is not None:
-            return text[:len(text) - len(self.matched_stop)]
+            return text[: len(text) - len(self.matched_stop)]
         return text
 
     def _special_text(self, token_id: int) -> str:

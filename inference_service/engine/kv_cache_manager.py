@@ -58,8 +58,7 @@ class KVCacheManager:
         """Blocks of the longest indexed run of `block_hashes` (nothing without prefix caching)."""
         return self.index.longest_prefix(block_hashes) if self.index is not None else []
 
-    def allocate_slots(self, request_id: str, num_tokens: int,
-                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
+    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens.
 
         `cached_blocks` (from `cached_prefix`, for a request that holds nothing yet) start the

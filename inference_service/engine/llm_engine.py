@@ -61,16 +61,25 @@ class LiveRequest:
 def prefix_cache_salt(info: EngineInfo) -> bytes:
     """The seed of the KV blocks' hash chains: what the K/V of a token depends on besides the
     tokens before it (the weights, the arithmetic, the block layout)."""
-    return cache_salt(info.model_id, info.model_sha, info.architecture, info.dtype, info.device,
-                      info.quantize, info.block_size)
+    return cache_salt(
+        info.model_id, info.model_sha, info.architecture, info.dtype, info.device, info.quantize, info.block_size
+    )
 
 
 class LLMEngine:
     """Owns the scheduler, the KV block manager, the model runner and the sampler."""
 
-    def __init__(self, info: EngineInfo, tokenizer, runner: Runner, sampler: Sampler,
-                 max_batch_prefill_tokens: int, max_batch_size: int | None,
-                 grammar_compiler: GrammarCompiler | None = None, speculator: Speculator | None = None):
+    def __init__(
+        self,
+        info: EngineInfo,
+        tokenizer,
+        runner: Runner,
+        sampler: Sampler,
+        max_batch_prefill_tokens: int,
+        max_batch_size: int | None,
+        grammar_compiler: GrammarCompiler | None = None,
+        speculator: Speculator | None = None,
+    ):
         self.info = info
         self.tokenizer = tokenizer
         # The front end compiles requests' grammars with it (off this thread); None: grammars are refused.
@@ -151,11 +160,18 @@ class LLMEngine:
         return outputs
 
     def _step_stats(self, plan: SchedulerOutput) -> StepStats:
-        stats = StepStats(num_requests=len(plan.scheduled), num_new_requests=len(plan.admitted_ids),
-                          num_prefill_requests=0,
-                          num_prefill_tokens=0, num_decode_tokens=0, num_preempted=len(plan.preempted_ids),
-                          batch_max_tokens=sum(min(r.num_prompt_tokens + r.stopping.max_new_tokens,
-                                                   self.info.max_total_tokens) for r in self.scheduler.running))
+        stats = StepStats(
+            num_requests=len(plan.scheduled),
+            num_new_requests=len(plan.admitted_ids),
+            num_prefill_requests=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=0,
+            num_preempted=len(plan.preempted_ids),
+            batch_max_tokens=sum(
+                min(r.num_prompt_tokens + r.stopping.max_new_tokens, self.info.max_total_tokens)
+                for r in self.scheduler.running
+            ),
+        )
         for item in plan.scheduled:
             num_prompt_tokens = self.live[item.request_id].request.num_prompt_tokens
             stats.num_draft_tokens += item.num_draft_tokens
@@ -193,13 +209,15 @@ class LLMEngine:
             outputs += self._sample_rounds(plan, step_logits, stats)
         return outputs
 
-    def _sample_rounds(self, plan: SchedulerOutput, step_logits: StepLogits,
-                       stats: StepStats) -> list[RequestOutput]:
+    def _sample_rounds(self, plan: SchedulerOutput, step_logits: StepLogits, stats: StepStats) -> list[RequestOutput]:
         """Sample each request's first row; with speculation, go on to its next row (the logits after
         its next guess) while the token just sampled equals that guess (engine/speculation.py)."""
         ids = step_logits.sample_ids
-        drafts = {s.request_id: s.token_ids[s.num_new_tokens - s.num_draft_tokens:]
-                  for s in plan.scheduled if s.num_draft_tokens}
+        drafts = {
+            s.request_id: s.token_ids[s.num_new_tokens - s.num_draft_tokens :]
+            for s in plan.scheduled
+            if s.num_draft_tokens
+        }
         first_rows, row = [], 0
         for count in step_logits.num_sample_rows or [1] * len(ids):
             first_rows.append(row)
@@ -223,7 +241,7 @@ class LLMEngine:
             for row, i in enumerate(active):
                 request_id = ids[i]
                 guesses = drafts.get(request_id, ())
-                output, going_on = self._on_token(request_id, sampled, row, guesses[depth:depth + 1])
+                output, going_on = self._on_token(request_id, sampled, row, guesses[depth : depth + 1])
                 if going_on:
                     next_active.append(i)
                     accepted[request_id] += 1
@@ -247,13 +265,14 @@ class LLMEngine:
         end = min(item.num_computed_tokens + item.num_new_tokens, live.request.num_prompt_tokens - 1)
         if end <= first:
             return
-        targets = torch.tensor(live.request.prompt_token_ids[first + 1:end + 1], device=logits.device)
+        targets = torch.tensor(live.request.prompt_token_ids[first + 1 : end + 1], device=logits.device)
         offset = first - item.num_computed_tokens
-        logprobs = torch.log_softmax(logits[offset: end - item.num_computed_tokens], dim=-1)  # [m, V]
+        logprobs = torch.log_softmax(logits[offset : end - item.num_computed_tokens], dim=-1)  # [m, V]
         live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
 
-    def _on_token(self, request_id: str, sampled: SamplerOutput, row: int,
-                  guess: Sequence[int] = ()) -> tuple[RequestOutput | None, bool]:
+    def _on_token(
+        self, request_id: str, sampled: SamplerOutput, row: int, guess: Sequence[int] = ()
+    ) -> tuple[RequestOutput | None, bool]:
         """Take the token sampled at `row`. Returns the output to send now, and whether to go on to
         the request's next row: the token equals the `guess` that row was computed with, and the
         request did not finish. A request that fails here ends with its error as the output."""
@@ -271,8 +290,9 @@ class LLMEngine:
             return self._fail(request_id, error, RequestStatus.FINISHED_ERROR), False
         except Exception as error:  # noqa: BLE001 — only this request fails
             logger.exception("post-processing failed for request %s", request_id)
-            return self._fail(request_id, GenerationError(f"{type(error).__name__}: {error}"),
-                              RequestStatus.FINISHED_ERROR), False
+            return self._fail(
+                request_id, GenerationError(f"{type(error).__name__}: {error}"), RequestStatus.FINISHED_ERROR
+            ), False
 
     def _take_token(self, live: LiveRequest, sampled: SamplerOutput, row: int) -> FinishReason | None:
         """Append the token to the request, its text and its pending output; whether it ends it."""
@@ -285,23 +305,27 @@ class LLMEngine:
         special = self._is_special(token_id)
         added = live.text.add(token_id, special)
         live.pending.append(Token(token_id, added.text, sampled.logprobs[row], special))
-        live.pending_top.append([
-            Token(i, self._token_text(i), lp, self._is_special(i))
-            for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
-        ])
+        live.pending_top.append(
+            [
+                Token(i, self._token_text(i), lp, self._is_special(i))
+                for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
+            ]
+        )
         grammar = live.sampling.grammar
-        return self._finish_reason(request, token_id, added.stop_matched,
-                                   grammar is not None and grammar.is_complete)
+        return self._finish_reason(request, token_id, added.stop_matched, grammar is not None and grammar.is_complete)
 
-    def _finish_reason(self, request: Request, token_id: int, stop_matched: bool,
-                       grammar_complete: bool) -> FinishReason | None:
+    def _finish_reason(
+        self, request: Request, token_id: int, stop_matched: bool, grammar_complete: bool
+    ) -> FinishReason | None:
         """TGI's precedence: length, then EOS, then a stop sequence.
 
         A complete grammar (nothing but EOS allowed next) ends the request as if EOS had been
         sampled, without spending a step on it: what the model could still say is EOS alone.
         """
-        if (request.num_output_tokens >= request.stopping.max_new_tokens
-                or request.num_tokens >= self.info.max_total_tokens):
+        if (
+            request.num_output_tokens >= request.stopping.max_new_tokens
+            or request.num_tokens >= self.info.max_total_tokens
+        ):
             return FinishReason.LENGTH
         if grammar_complete or (token_id in self._eos_ids and not request.stopping.ignore_eos):
             return FinishReason.EOS_TOKEN
@@ -346,9 +370,13 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self._forget(request_id)
         error.timings = request.timings
-        return RequestOutput(request_id=request_id, error=error, timings=request.timings,
-                             num_generated_tokens=request.num_output_tokens,
-                             num_prompt_tokens=request.num_input_tokens)
+        return RequestOutput(
+            request_id=request_id,
+            error=error,
+            timings=request.timings,
+            num_generated_tokens=request.num_output_tokens,
+            num_prompt_tokens=request.num_input_tokens,
+        )
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every live request with a generation error (an unexpected engine failure)."""
@@ -356,8 +384,11 @@ class LLMEngine:
 
     def _fail_all(self, request_ids: list[str], error: Exception) -> list[RequestOutput]:
         detail = f"{type(error).__name__}: {error}"
-        return [self._fail(request_id, GenerationError(detail), RequestStatus.FINISHED_ERROR)
-                for request_id in request_ids if request_id in self.live]
+        return [
+            self._fail(request_id, GenerationError(detail), RequestStatus.FINISHED_ERROR)
+            for request_id in request_ids
+            if request_id in self.live
+        ]
 
     def _forget(self, request_id: str) -> None:
         self.live.pop(request_id, None)

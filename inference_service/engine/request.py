@@ -82,5 +82,5 @@ class Request:
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
         if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]

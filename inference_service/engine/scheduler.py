@@ -31,8 +31,13 @@ from inference_service.outputs import ScheduledRequest, SchedulerOutput
 class Scheduler:
     """Decides which requests run in each step; the only writer of request status."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_batch_prefill_tokens: int,
-                 max_batch_size: int | None = None, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_batch_prefill_tokens: int,
+        max_batch_size: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.kv = kv_cache_manager
         # Inert unless the KV cache manager was made with prefix caching.
         self.prefix = prefix_cache or PrefixCache(kv_cache_manager, cache_salt())
@@ -127,16 +132,18 @@ class Scheduler:
             return None
         known_end = request.num_computed_tokens + num_new
         num_extra = self.kv.num_blocks_for(known_end + len(drafts)) - self.kv.num_blocks_for(known_end)
-        if (num_new + len(drafts) <= budget and known_end == request.num_tokens
-                and self.kv.num_free_blocks - num_extra >= len(self.running)):
+        if (
+            num_new + len(drafts) <= budget
+            and known_end == request.num_tokens
+            and self.kv.num_free_blocks - num_extra >= len(self.running)
+        ):
             block_ids = self.kv.allocate_slots(request.request_id, known_end + len(drafts))
             if block_ids is not None:
                 return block_ids
         request.draft_token_ids = []
         return None
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: list[str]) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
         while True:
             block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
             if block_ids is not None:
@@ -164,8 +171,9 @@ class Scheduler:
         end = start + num_new
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = time.perf_counter()
-        wants_prompt_logprobs = (request.sampling.prompt_logprobs and not request.prompt_logprobs_done
-                                 and start < request.num_prompt_tokens)
+        wants_prompt_logprobs = (
+            request.sampling.prompt_logprobs and not request.prompt_logprobs_done and start < request.num_prompt_tokens
+        )
         drafts, request.draft_token_ids = request.draft_token_ids, []
         return ScheduledRequest(
             request_id=request.request_id,

@@ -43,8 +43,10 @@ class Speculator:
             if not guessing or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling (or recomputing): its next step is not a decode
             # A step adds at most guesses + 1 tokens: never past max_new_tokens or the context.
-            room = min(self.num_speculative_tokens,
-                       request.stopping.max_new_tokens - request.num_output_tokens - 1,
-                       self.max_total_tokens - request.num_tokens - 1)
+            room = min(
+                self.num_speculative_tokens,
+                request.stopping.max_new_tokens - request.num_output_tokens - 1,
+                self.max_total_tokens - request.num_tokens - 1,
+            )
             if room > 0:
                 request.draft_token_ids = self.proposer.propose(request.all_token_ids(), room)

@@ -22,10 +22,14 @@ from typing import Any
 from inference_service.errors import TemplateError
 
 # Put before the tool definitions when the template cannot render them itself.
-DEFAULT_TOOL_PROMPT = ("You have access to the following functions. To call one, reply with only a JSON "
-                       'object {"name": <function name>, "arguments": <arguments object>}:')
-NO_TEMPLATE = ("the model has no chat template: pass one with --chat-template FILE (a Jinja template as in "
-               "tokenizer_config.json), or use /v1/completions or /generate with a prompt")
+DEFAULT_TOOL_PROMPT = (
+    "You have access to the following functions. To call one, reply with only a JSON "
+    'object {"name": <function name>, "arguments": <arguments object>}:'
+)
+NO_TEMPLATE = (
+    "the model has no chat template: pass one with --chat-template FILE (a Jinja template as in "
+    "tokenizer_config.json), or use /v1/completions or /generate with a prompt"
+)
 
 
 def load_template_file(path: str | Path) -> str:
@@ -66,9 +70,15 @@ class ChatTemplate:
         sources = self.source.values() if isinstance(self.source, dict) else [self.source or ""]
         return any(name in text for text in sources)
 
-    def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               documents: list[dict[str, Any]] | None = None, tool_prompt: str | None = None,
-               variables: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        tool_prompt: str | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text (special tokens included: tokenize it without adding more)."""
         if not self.available:
             raise TemplateError(NO_TEMPLATE)
@@ -81,9 +91,15 @@ class ChatTemplate:
         continued = messages[-1]["role"] == "assistant"
         try:
             return self._tokenizer.apply_chat_template(
-                messages, tools=tools or None, documents=documents or None, chat_template=self._template(),
-                add_generation_prompt=not continued, continue_final_message=continued, tokenize=False,
-                **(variables or {}))
+                messages,
+                tools=tools or None,
+                documents=documents or None,
+                chat_template=self._template(),
+                add_generation_prompt=not continued,
+                continue_final_message=continued,
+                tokenize=False,
+                **(variables or {}),
+            )
         except Exception as error:  # Jinja syntax, raise_exception(), a missing variable
             raise TemplateError(f"{type(error).__name__}: {error}") from error
 
@@ -126,8 +142,9 @@ def _content_text(content: Any) -> str:
     return "".join(texts)
 
 
-def _with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                      tool_prompt: str) -> list[dict[str, Any]]:
+def _with_tool_prompt(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]], tool_prompt: str
+) -> list[dict[str, Any]]:
     definitions = "\n".join(json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools)
     last = dict(messages[-1])
     last["content"] = f"{last['content']}\n\n{tool_prompt}\n{definitions}".lstrip("\n")

@@ -27,8 +27,14 @@ from textgen.v1 import generate_pb2 as pb
 class FrontEnd:
     """Validates and converts requests for one loaded model (its tokenizer, limits and template)."""
 
-    def __init__(self, info: EngineInfo, tokenizer: Any, grammar_compiler: GrammarCompiler | None = None,
-                 chat_template: str | None = None, rng: random.Random | None = None):
+    def __init__(
+        self,
+        info: EngineInfo,
+        tokenizer: Any,
+        grammar_compiler: GrammarCompiler | None = None,
+        chat_template: str | None = None,
+        rng: random.Random | None = None,
+    ):
         self.info = info
         self.tokenizer = tokenizer
         self.chat_template = ChatTemplate(tokenizer, chat_template)
@@ -52,8 +58,9 @@ class FrontEnd:
         """TGI's validation, tokenization included."""
         return await asyncio.to_thread(self.validator.validate, request, stream=stream)
 
-    async def generate(self, request: pb.GenerateRequest, *, stream: bool,
-                       compat_route: bool = False) -> ValidatedRequest:
+    async def generate(
+        self, request: pb.GenerateRequest, *, stream: bool, compat_route: bool = False
+    ) -> ValidatedRequest:
         converted = tgi.request_from_pb(request, compat_route=compat_route, pipeline_tag=self.info.pipeline_tag)
         return await self.validate(converted, stream=stream)
 
@@ -73,15 +80,22 @@ class FrontEnd:
         return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
 
     def _chat_choices(self, plan: ChatPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
-        prompt = self.chat_template.render(plan.messages, tools=plan.tools, documents=plan.documents,
-                                           tool_prompt=plan.tool_prompt, variables=plan.template_variables)
-        generate = GenerateRequest(inputs=prompt, parameters=plan.parameters, add_special_tokens=False,
-                                   strip_stop=True)  # the template already wrote the special tokens
+        prompt = self.chat_template.render(
+            plan.messages,
+            tools=plan.tools,
+            documents=plan.documents,
+            tool_prompt=plan.tool_prompt,
+            variables=plan.template_variables,
+        )
+        generate = GenerateRequest(
+            inputs=prompt, parameters=plan.parameters, add_special_tokens=False, strip_stop=True
+        )  # the template already wrote the special tokens
         validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
         return self._choices(validated.engine_request, plan.num_choices, seed_requested)
 
-    async def completion(self, request: pb.CompletionRequest, *,
-                         stream: bool) -> tuple[CompletionPlan, list[EngineRequest]]:
+    async def completion(
+        self, request: pb.CompletionRequest, *, stream: bool
+    ) -> tuple[CompletionPlan, list[EngineRequest]]:
         """Each prompt validated; `n` requests per prompt, prompt by prompt."""
         plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
         return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"), stream)
@@ -89,16 +103,18 @@ class FrontEnd:
     def _completion_choices(self, plan: CompletionPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
         choices = []
         for prompt in plan.prompts:
-            generate = GenerateRequest(inputs=openai.with_suffix(prompt, plan.suffix), parameters=plan.parameters,
-                                       strip_stop=True)
+            generate = GenerateRequest(
+                inputs=openai.with_suffix(prompt, plan.suffix), parameters=plan.parameters, strip_stop=True
+            )
             validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
             choices += self._choices(validated.engine_request, plan.num_choices, seed_requested)
         return choices
 
     def _choices(self, request: EngineRequest, num_choices: int, seed_requested: bool) -> list[EngineRequest]:
         """`n` copies of a request, choice i seeded `seed + i` (or freshly when unseeded)."""
-        seeds = openai.choice_seeds(request.sampling.seed, num_choices, seed_requested,
-                                     lambda: self._rng.getrandbits(64))
+        seeds = openai.choice_seeds(
+            request.sampling.seed, num_choices, seed_requested, lambda: self._rng.getrandbits(64)
+        )
         return [request if i == 0 else _reseeded(request, seed) for i, seed in enumerate(seeds)]
 
 

@@ -74,8 +74,9 @@ def _stop_sequences(request: Any) -> list[str]:
         return []
     if isinstance(stop, str):
         return [stop]
-    _check(isinstance(stop, list) and all(isinstance(s, str) for s in stop),
-           "`stop` must be a string or a list of strings")
+    _check(
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop), "`stop` must be a string or a list of strings"
+    )
     return stop
 
 
@@ -101,16 +102,19 @@ def _in_range(request: Any, name: str, low: float, high: float) -> None:
         _check(low <= value <= high, f"`{name}` must be >= {low} and <= {high}. Given: {value}")
 
 
-def _sampling_parameters(request: Any, max_tokens: int | None,
-                         top_n_tokens: int | None) -> tuple[GenerateParameters, bool]:
+def _sampling_parameters(
+    request: Any, max_tokens: int | None, top_n_tokens: int | None
+) -> tuple[GenerateParameters, bool]:
     """The parameters both routes share, and whether the request samples: OpenAI's ranges and
     meanings, each field mapped explicitly."""
     _check(not request.HasField("temperature") or request.temperature >= 0.0, "`temperature` must be >= 0")
     _check(not request.HasField("top_p") or 0.0 < request.top_p <= 1.0, "`top_p` must be > 0.0 and <= 1.0")
     _in_range(request, "frequency_penalty", -2.0, 2.0)
     _in_range(request, "presence_penalty", -2.0, 2.0)
-    _check(not request.HasField("repetition_penalty") or request.repetition_penalty > 0.0,
-           "`repetition_penalty` must be strictly positive")
+    _check(
+        not request.HasField("repetition_penalty") or request.repetition_penalty > 0.0,
+        "`repetition_penalty` must be strictly positive",
+    )
     _check(not request.HasField("top_k") or request.top_k > 0, "`top_k` must be strictly positive")
     temperature = request.temperature if request.HasField("temperature") else defaults.OPENAI_TEMPERATURE
     do_sample = temperature > 0.0  # OpenAI: temperature 0 is greedy
@@ -153,10 +157,12 @@ def _message(message: pb.ChatMessage) -> dict[str, Any]:
 def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
     """Raises ValidationError (or ToolError) for what the engine's validation does not check."""
     _check(len(request.messages) > 0, "`messages` must not be empty")
-    _check(not request.HasField("top_logprobs") or request.logprobs,
-           "`top_logprobs` needs `logprobs` set to true")
-    max_tokens = request.max_completion_tokens if request.HasField("max_completion_tokens") else (
-        request.max_tokens if request.HasField("max_tokens") else None)
+    _check(not request.HasField("top_logprobs") or request.logprobs, "`top_logprobs` needs `logprobs` set to true")
+    max_tokens = (
+        request.max_completion_tokens
+        if request.HasField("max_completion_tokens")
+        else (request.max_tokens if request.HasField("max_tokens") else None)
+    )
     if max_tokens is None:
         max_tokens = defaults.CHAT_MAX_NEW_TOKENS
     top_n = request.top_logprobs if request.HasField("top_logprobs") else None
@@ -165,16 +171,21 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
     tool_choice = value_to_python(request.tool_choice) if request.HasField("tool_choice") else None
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     tool_calls = openai_tools.tool_call_format(tools, tool_choice, parallel)
-    response_grammar = (response_format_grammar(request.response_format)
-                        if request.HasField("response_format") else None)
+    response_grammar = response_format_grammar(request.response_format) if request.HasField("response_format") else None
     parameters.grammar = openai_tools.combined_grammar(tool_calls, response_grammar)
     return ChatPlan(
-        messages=[_message(m) for m in request.messages], parameters=parameters, do_sample=do_sample,
-        num_choices=_num_choices(request), logprobs=request.logprobs,
-        include_usage=request.stream_options.include_usage, tools=tools if tool_choice != "none" else [],
-        tool_calls=tool_calls, documents=[plain_json(json_format.MessageToDict(d)) for d in request.documents],
+        messages=[_message(m) for m in request.messages],
+        parameters=parameters,
+        do_sample=do_sample,
+        num_choices=_num_choices(request),
+        logprobs=request.logprobs,
+        include_usage=request.stream_options.include_usage,
+        tools=tools if tool_choice != "none" else [],
+        tool_calls=tool_calls,
+        documents=[plain_json(json_format.MessageToDict(d)) for d in request.documents],
         tool_prompt=request.tool_prompt if request.HasField("tool_prompt") else None,
-        template_variables=value_to_python(request.chat_template_kwargs) or {})
+        template_variables=value_to_python(request.chat_template_kwargs) or {},
+    )
 
 
 def response_format_grammar(response_format: pb.ResponseFormat) -> dict[str, Any] | None:
@@ -200,20 +211,31 @@ def completion_plan(request: pb.CompletionRequest, *, has_fill_in_middle: bool) 
     if not (isinstance(prompts, list) and len(prompts) > 0 and all(isinstance(p, str) for p in prompts)):
         raise ValidationError("`prompt` must be a string or a non-empty list of strings")
     _check(len(prompts) <= MAX_PROMPTS, f"at most {MAX_PROMPTS} prompts per request. Given: {len(prompts)}")
-    _check(not request.HasField("suffix") or has_fill_in_middle,
-           "`suffix` is not supported: this model has no fill-in-the-middle tokens")
+    _check(
+        not request.HasField("suffix") or has_fill_in_middle,
+        "`suffix` is not supported: this model has no fill-in-the-middle tokens",
+    )
     num_choices = _num_choices(request, len(prompts))
-    _check(not request.HasField("best_of") or request.best_of in (1, num_choices),
-           "`best_of` must equal `n` (every generated choice is returned)")
+    _check(
+        not request.HasField("best_of") or request.best_of in (1, num_choices),
+        "`best_of` must equal `n` (every generated choice is returned)",
+    )
     logprobs = request.logprobs if request.HasField("logprobs") else None
     max_tokens = request.max_tokens if request.HasField("max_tokens") else defaults.COMPLETION_MAX_NEW_TOKENS
     parameters, do_sample = _sampling_parameters(request, max_tokens, logprobs or None)
     parameters.decoder_input_details = bool(request.echo and logprobs is not None)
     if request.HasField("response_format"):
         parameters.grammar = response_format_grammar(request.response_format)
-    return CompletionPlan(prompts=prompts, parameters=parameters, do_sample=do_sample, num_choices=num_choices,
-                          logprobs=logprobs, echo=request.echo, include_usage=request.stream_options.include_usage,
-                          suffix=request.suffix if request.HasField("suffix") else None)
+    return CompletionPlan(
+        prompts=prompts,
+        parameters=parameters,
+        do_sample=do_sample,
+        num_choices=num_choices,
+        logprobs=logprobs,
+        echo=request.echo,
+        include_usage=request.stream_options.include_usage,
+        suffix=request.suffix if request.HasField("suffix") else None,
+    )
 
 
 def has_fill_in_middle(tokenizer: Any) -> bool:

@@ -41,7 +41,7 @@ def tool_call_format(tools: list[dict[str, Any]], tool_choice: Any, parallel: bo
         function = tool.get("function") or {}
         name = function.get("name")
         if tool.get("type", "function") != "function" or not isinstance(name, str) or not name:
-            raise ToolError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ToolError('each tool must be {"type": "function", "function": {"name": ...}}')
         if name in schemas:
             raise ToolError(f"the function {name!r} is defined twice")
         schemas[name] = function.get("parameters") or {"type": "object", "properties": {}}
@@ -103,8 +103,16 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
-        calls.append({"id": new_call_id(), "type": "function", "function": {
-            "name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
+                },
+            }
+        )
     return calls
 
 

@@ -19,16 +19,20 @@ def is_compat_route(request: pb.GenerateRequest) -> bool:
     return request.HasField("stream")
 
 
-def request_from_pb(request: pb.GenerateRequest, *, compat_route: bool = False,
-                    pipeline_tag: str | None = None) -> GenerateRequest:
+def request_from_pb(
+    request: pb.GenerateRequest, *, compat_route: bool = False, pipeline_tag: str | None = None
+) -> GenerateRequest:
     """An absent `parameters` is all defaults (validation documents why it doesn't sample then)."""
     compat_route = compat_route or is_compat_route(request)
-    return GenerateRequest(inputs=request.inputs, parameters=parameters_from_pb(
-        request.parameters, compat_route=compat_route, pipeline_tag=pipeline_tag))
+    return GenerateRequest(
+        inputs=request.inputs,
+        parameters=parameters_from_pb(request.parameters, compat_route=compat_route, pipeline_tag=pipeline_tag),
+    )
 
 
-def parameters_from_pb(message: pb.GenerateParameters, *, compat_route: bool = False,
-                       pipeline_tag: str | None = None) -> GenerateParameters:
+def parameters_from_pb(
+    message: pb.GenerateParameters, *, compat_route: bool = False, pipeline_tag: str | None = None
+) -> GenerateParameters:
     """On the compat route `return_full_text` defaults to true for a `text-generation` model or one
     whose pipeline tag is unknown (TGI's rule); an encoder-decoder's `text2text-generation` says false."""
     return_full_text = message.return_full_text if message.HasField("return_full_text") else None

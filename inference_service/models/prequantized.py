@@ -29,8 +29,16 @@ QUANTIZED_MARKERS = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": 
 Converter = Callable[[str, dict[str, torch.Tensor]], "tuple[PackedWeight, torch.Tensor | None]"]
 
 
-def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch.dtype, device: torch.device,
-                      attn_implementation: str, trust_remote_code: bool) -> tuple[torch.nn.Module, int]:
+def load_prequantized(
+    folder: Path,
+    hf_config: Any,
+    scheme: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str,
+    trust_remote_code: bool,
+) -> tuple[torch.nn.Module, int]:
     """The model in `folder` with its quantized linears as `QuantLinear`s; returns (model, count)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -39,22 +47,24 @@ def load_prequantized(folder: Path, hf_config: Any, scheme: str, *, dtype: torch
     convert = converter(scheme, quantization_config)
     config = hf_config.__class__.from_dict({k: v for k, v in hf_config.to_dict().items() if k != "quantization_config"})
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
-                                                 trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
     tensors = _read_safetensors(folder)
     marker = QUANTIZED_MARKERS[scheme]
     count = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or f"{name}.{marker}" not in tensors:
             continue
-        own = {key[len(name) + 1:]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
+        own = {key[len(name) + 1 :]: tensors.pop(key) for key in [k for k in tensors if k.startswith(name + ".")]}
         try:
             packed, perm = convert(name, own)
         except (ValueError, KeyError, ModelLoadError) as error:
             raise ModelLoadError(f"could not read the {scheme} weights of {name}: {error}") from None
         bias = own.get("bias")
-        replace_module(model, name, QuantLinear.from_packed(packed, None if bias is None else bias.float(),
-                                                             input_perm=perm))
+        replace_module(
+            model, name, QuantLinear.from_packed(packed, None if bias is None else bias.float(), input_perm=perm)
+        )
         count += 1
     if count == 0:
         raise ModelLoadError(f"the checkpoint in {folder} says {scheme} but holds no {marker} tensors")
@@ -70,13 +80,24 @@ def converter(scheme: str, quantization_config: dict[str, Any]) -> Converter:
         bits, group_size = int(quantization_config.get("bits", 4)), int(quantization_config.get("group_size", 128))
         if scheme == "awq":
             version = str(quantization_config.get("version", "gemm")).lower()
-            return lambda _name, t: (packed_from_awq(t["qweight"], t["qzeros"], t["scales"], bits=bits,
-                                                     group_size=group_size, version=version), None)
+            return lambda _name, t: (
+                packed_from_awq(
+                    t["qweight"], t["qzeros"], t["scales"], bits=bits, group_size=group_size, version=version
+                ),
+                None,
+            )
         sym = bool(quantization_config.get("sym", True))
         checkpoint_format = str(quantization_config.get("checkpoint_format", "gptq"))
-        return lambda _name, t: packed_from_gptq(t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"),
-                                                 bits=bits, group_size=group_size, sym=sym,
-                                                 checkpoint_format=checkpoint_format)
+        return lambda _name, t: packed_from_gptq(
+            t["qweight"],
+            t.get("qzeros"),
+            t["scales"],
+            t.get("g_idx"),
+            bits=bits,
+            group_size=group_size,
+            sym=sym,
+            checkpoint_format=checkpoint_format,
+        )
     from inference_service.worker.weights.compressed_tensors import (
         packed_from_compressed_tensors,
         scheme_for_module,
@@ -95,10 +116,12 @@ def converter(scheme: str, quantization_config: dict[str, Any]) -> Converter:
             raise ValueError("the checkpoint stores it packed, but no config group targets it")
         if not warned and isinstance(module_scheme, dict) and module_scheme.get("input_activations"):
             warned.append(name)
-            logger.warning("the checkpoint quantizes activations too (e.g. %s): served with full-precision "
-                           "activations", name)
-        return packed_from_compressed_tensors(tensors, module_scheme, format=quantization_config.get("format"),
-                                              weights_only=True), None
+            logger.warning(
+                "the checkpoint quantizes activations too (e.g. %s): served with full-precision activations", name
+            )
+        return packed_from_compressed_tensors(
+            tensors, module_scheme, format=quantization_config.get("format"), weights_only=True
+        ), None
 
     return convert
 
@@ -115,8 +138,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_the_rest(model: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                   folder: Path) -> None:
+def _load_the_rest(model: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, folder: Path) -> None:
     """Embeddings, norms and any unquantized linear; every parameter must come from the checkpoint
     (or be tied to one that does)."""
     state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in tensors.items()}

@@ -21,8 +21,19 @@ from inference_service.worker.runner.model_runner import ModelRunner, probe_laye
 
 # Passed the probe with tiny random configs (tests/unit/test_architectures.py keeps this honest).
 TESTED_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "opt", "gpt_neox",
-    "gpt_bigcode", "olmo", "stablelm",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "phi3",
+    "gpt2",
+    "opt",
+    "gpt_neox",
+    "gpt_bigcode",
+    "olmo",
+    "stablelm",
 )
 
 # Known not to work with the paged attention, with the reason: loaded for the fallback runner.
@@ -37,8 +48,10 @@ FALLBACK_ARCHITECTURES = {
 # Text-to-text encoder-decoders (AutoModelForSeq2SeqLM) tested on tiny random configs
 # (tests/integration/test_seq2seq_models.py); speech and vision ones need inputs this API doesn't take.
 ENCODER_DECODER_ARCHITECTURES = ("t5", "mt5", "umt5", "bart", "mbart", "m2m_100", "marian", "pegasus")
-ENCODER_DECODER_REASON = ("an encoder-decoder: its encoder runs once per request, its decoder through "
-                          "transformers' attention with the cross-attention cache kept per request")
+ENCODER_DECODER_REASON = (
+    "an encoder-decoder: its encoder runs once per request, its decoder through "
+    "transformers' attention with the cross-attention cache kept per request"
+)
 
 
 def check_architecture(config) -> str | None:
@@ -47,8 +60,10 @@ def check_architecture(config) -> str | None:
     model_type = getattr(config, "model_type", "unknown")
     if getattr(config, "is_encoder_decoder", False):
         if model_type not in ENCODER_DECODER_ARCHITECTURES:
-            raise ModelLoadError(f"architecture '{model_type}' is not supported: of the encoder-decoders, "
-                                 f"this engine serves {', '.join(ENCODER_DECODER_ARCHITECTURES)}")
+            raise ModelLoadError(
+                f"architecture '{model_type}' is not supported: of the encoder-decoders, "
+                f"this engine serves {', '.join(ENCODER_DECODER_ARCHITECTURES)}"
+            )
         return ENCODER_DECODER_REASON
     return FALLBACK_ARCHITECTURES.get(model_type)
 
@@ -61,8 +76,9 @@ def probe_model(model: torch.nn.Module, device: torch.device) -> None:
     except ModelLoadError:
         raise
     except Exception as error:  # noqa: BLE001 — any failure means "can't serve this model"
-        raise ModelLoadError(f"architecture '{model_type}' failed the paged-attention probe: "
-                             f"{type(error).__name__}: {error}") from error
+        raise ModelLoadError(
+            f"architecture '{model_type}' failed the paged-attention probe: {type(error).__name__}: {error}"
+        ) from error
 
 
 def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
@@ -70,8 +86,10 @@ def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
     shapes = probe_layer_shapes(model, device)
     num_layers = model.config.get_text_config().num_hidden_layers
     if len(shapes) != num_layers:
-        raise ModelLoadError(f"architecture '{model_type}' is not supported: the paged attention was "
-                             f"called {len(shapes)} times for {num_layers} layers")
+        raise ModelLoadError(
+            f"architecture '{model_type}' is not supported: the paged attention was "
+            f"called {len(shapes)} times for {num_layers} layers"
+        )
     dtype = next(model.parameters()).dtype
     block_size = 4
     cache = PagedKVCache(shapes, num_blocks=8, block_size=block_size, dtype=dtype, device=device)
@@ -82,18 +100,21 @@ def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
     table_a, table_b = [5, 2, 7], [1, 6]  # shuffled blocks, as a real pool hands them out
     steps = [
         [ScheduledRequest("a", 0, 5, seq_a[:5], table_a, True)],
-        [ScheduledRequest("a", 5, 3, seq_a[5:8], table_a, True),
-         ScheduledRequest("b", 0, 5, seq_b[:5], table_b, True)],
-        [ScheduledRequest("a", 8, 1, seq_a[8:9], table_a, True),
-         ScheduledRequest("b", 5, 1, seq_b[5:6], table_b, True)],
+        [ScheduledRequest("a", 5, 3, seq_a[5:8], table_a, True), ScheduledRequest("b", 0, 5, seq_b[:5], table_b, True)],
+        [
+            ScheduledRequest("a", 8, 1, seq_a[8:9], table_a, True),
+            ScheduledRequest("b", 5, 1, seq_b[5:6], table_b, True),
+        ],
     ]
     prefixes = {"a": seq_a, "b": seq_b}
     for step in steps:
         step_logits = runner.execute(step)
         calls, logits = step_logits.num_attention_calls, step_logits.sample_logits
         if calls != num_layers:
-            raise ModelLoadError(f"architecture '{model_type}' is not supported: the paged attention was "
-                                 f"called {calls} times for {num_layers} layers")
+            raise ModelLoadError(
+                f"architecture '{model_type}' is not supported: the paged attention was "
+                f"called {calls} times for {num_layers} layers"
+            )
         for row, item in enumerate(step):
             end = item.num_computed_tokens + item.num_new_tokens
             expected = _plain_last_logits(model, prefixes[item.request_id][:end], device)
@@ -115,5 +136,7 @@ def _compare(model_type: str, got: torch.Tensor, expected: torch.Tensor, dtype: 
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2 * max(1.0, expected.abs().max().item())
     diff = (got - expected).abs().max().item()
     if not diff <= tolerance:
-        raise ModelLoadError(f"architecture '{model_type}' is not supported: paged logits differ from a "
-                             f"plain forward by {diff:.3g} (tolerance {tolerance:.3g})")
+        raise ModelLoadError(
+            f"architecture '{model_type}' is not supported: paged logits differ from a "
+            f"plain forward by {diff:.3g} (tolerance {tolerance:.3g})"
+        )

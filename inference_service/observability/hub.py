@@ -57,8 +57,13 @@ class Observability:
         try:
             self._metrics_server = MetricsServer(host, port, self.metrics.render)
         except OSError as error:
-            logger.warning("metrics port %s:%d unavailable (%s); metrics stay available through the Metrics "
-                           "RPC (GET /metrics on the gateway)", host, port, error.strerror or error)
+            logger.warning(
+                "metrics port %s:%d unavailable (%s); metrics stay available through the Metrics "
+                "RPC (GET /metrics on the gateway)",
+                host,
+                port,
+                error.strerror or error,
+            )
             return None
         logger.info("Prometheus metrics on %s:%d", host, self._metrics_server.port)
         return self._metrics_server.port

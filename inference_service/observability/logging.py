@@ -48,8 +48,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: timestamp, level, target (the logger), message, then the fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {"timestamp": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
-                                 "level": record.levelname, "target": record.name, "message": record.getMessage()}
+        entry: dict[str, Any] = {
+            "timestamp": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "level": record.levelname,
+            "target": record.name,
+            "message": record.getMessage(),
+        }
         for key, value in _fields(record).items():
             entry.setdefault(key, value)
         if record.exc_info:

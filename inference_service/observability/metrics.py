@@ -34,8 +34,16 @@ BATCH_SIZE_BUCKETS = tuple(float(size) for size in range(1, 1025))
 METHODS = ("prefill", "decode")
 # `err` of tgi_request_failure: TGI's kinds that can happen here, plus cancelled (aborted by the
 # server, e.g. on shutdown), unavailable (loading or draining) and internal (a bug).
-FAILURE_KINDS = ("validation", "overloaded", "generation", "incomplete", "dropped", "cancelled", "unavailable",
-                 "internal")
+FAILURE_KINDS = (
+    "validation",
+    "overloaded",
+    "generation",
+    "incomplete",
+    "dropped",
+    "cancelled",
+    "unavailable",
+    "internal",
+)
 
 
 def linear_buckets(maximum: int) -> tuple[float, ...]:
@@ -52,10 +60,10 @@ class ServerMetrics:
             ProcessCollector(registry=self.registry)
         registry = self.registry
         self.request_count = Counter("tgi_request_count", "Generation requests received.", registry=registry)
-        self.request_success = Counter("tgi_request_success", "Requests that finished generating.",
-                                       registry=registry)
-        self.request_failure = Counter("tgi_request_failure", "Requests that failed, by kind.", ["err"],
-                                       registry=registry)
+        self.request_success = Counter("tgi_request_success", "Requests that finished generating.", registry=registry)
+        self.request_failure = Counter(
+            "tgi_request_failure", "Requests that failed, by kind.", ["err"], registry=registry
+        )
         for kind in FAILURE_KINDS:
             self.request_failure.labels(kind)
 
@@ -63,37 +71,49 @@ class ServerMetrics:
             return Histogram(name, documentation, labels, buckets=DURATION_BUCKETS, registry=registry)
 
         self.request_duration = duration("tgi_request_duration", "End-to-end request time (s).")
-        self.validation_duration = duration("tgi_request_validation_duration",
-                                            "Validation and tokenization time (s).")
+        self.validation_duration = duration("tgi_request_validation_duration", "Validation and tokenization time (s).")
         self.queue_duration = duration("tgi_request_queue_duration", "Time from validated to first step (s).")
         self.inference_duration = duration("tgi_request_inference_duration", "Time from first step to end (s).")
-        self.time_per_token = duration("tgi_request_mean_time_per_token_duration",
-                                       "Inference time divided by generated tokens (s).")
-        self.time_to_first_token = duration("tgi_request_time_to_first_token_duration",
-                                            "Time from arrival to the first generated token (s).")
-        self.batch_inference_duration = duration("tgi_batch_inference_duration", "Whole engine step (s).",
-                                                 ("method",))
-        self.batch_forward_duration = duration("tgi_batch_forward_duration", "Model forward pass of a step (s).",
-                                               ("method",))
-        self.batch_decode_duration = duration("tgi_batch_decode_duration",
-                                              "Sampling, detokenization and stop checks of a step (s).", ("method",))
-        self.batch_inference_count = Counter("tgi_batch_inference_count", "Engine steps.", ["method"],
-                                             registry=registry)
-        self.batch_inference_success = Counter("tgi_batch_inference_success", "Engine steps that succeeded.",
-                                               ["method"], registry=registry)
-        self.batch_inference_failure = Counter("tgi_batch_inference_failure", "Engine steps that failed.",
-                                               ["method"], registry=registry)
+        self.time_per_token = duration(
+            "tgi_request_mean_time_per_token_duration", "Inference time divided by generated tokens (s)."
+        )
+        self.time_to_first_token = duration(
+            "tgi_request_time_to_first_token_duration", "Time from arrival to the first generated token (s)."
+        )
+        self.batch_inference_duration = duration("tgi_batch_inference_duration", "Whole engine step (s).", ("method",))
+        self.batch_forward_duration = duration(
+            "tgi_batch_forward_duration", "Model forward pass of a step (s).", ("method",)
+        )
+        self.batch_decode_duration = duration(
+            "tgi_batch_decode_duration", "Sampling, detokenization and stop checks of a step (s).", ("method",)
+        )
+        self.batch_inference_count = Counter(
+            "tgi_batch_inference_count", "Engine steps.", ["method"], registry=registry
+        )
+        self.batch_inference_success = Counter(
+            "tgi_batch_inference_success", "Engine steps that succeeded.", ["method"], registry=registry
+        )
+        self.batch_inference_failure = Counter(
+            "tgi_batch_inference_failure", "Engine steps that failed.", ["method"], registry=registry
+        )
         for counter in (self.batch_inference_count, self.batch_inference_success, self.batch_inference_failure):
             for method in METHODS:
                 counter.labels(method)
-        self.batch_next_size = Histogram("tgi_batch_next_size", "Requests joining the batch in a step.",
-                                         buckets=BATCH_SIZE_BUCKETS, registry=registry)
-        self.preemptions = Counter("tgi_request_preemptions",
-                                   "Requests evicted from the KV cache, to be recomputed later.", registry=registry)
+        self.batch_next_size = Histogram(
+            "tgi_batch_next_size",
+            "Requests joining the batch in a step.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.preemptions = Counter(
+            "tgi_request_preemptions", "Requests evicted from the KV cache, to be recomputed later.", registry=registry
+        )
         # TGI renders this bucketless histogram as a summary: accepted guesses per request and step.
-        self.skipped_tokens = Summary("tgi_request_skipped_tokens",
-                                      "Speculated tokens accepted per request and step (--speculate).",
-                                      registry=registry)
+        self.skipped_tokens = Summary(
+            "tgi_request_skipped_tokens",
+            "Speculated tokens accepted per request and step (--speculate).",
+            registry=registry,
+        )
         self.input_length: Histogram | None = None  # buckets depend on the model's limits
         self.generated_tokens: Histogram | None = None
         self.max_new_tokens: Histogram | None = None
@@ -104,12 +124,24 @@ class ServerMetrics:
         """The engine is loaded: its limits give the length buckets, its stats the gauges."""
         if self.input_length is None:
             registry = self.registry
-            self.input_length = Histogram("tgi_request_input_length", "Prompt tokens per request.",
-                                          buckets=linear_buckets(info.max_input_tokens), registry=registry)
-            self.generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens per request.",
-                                              buckets=linear_buckets(info.max_total_tokens), registry=registry)
-            self.max_new_tokens = Histogram("tgi_request_max_new_tokens", "max_new_tokens per request.",
-                                            buckets=linear_buckets(info.max_total_tokens), registry=registry)
+            self.input_length = Histogram(
+                "tgi_request_input_length",
+                "Prompt tokens per request.",
+                buckets=linear_buckets(info.max_input_tokens),
+                registry=registry,
+            )
+            self.generated_tokens = Histogram(
+                "tgi_request_generated_tokens",
+                "Generated tokens per request.",
+                buckets=linear_buckets(info.max_total_tokens),
+                registry=registry,
+            )
+            self.max_new_tokens = Histogram(
+                "tgi_request_max_new_tokens",
+                "max_new_tokens per request.",
+                buckets=linear_buckets(info.max_total_tokens),
+                registry=registry,
+            )
         self._state.info, self._state.stats = info, stats
 
     def on_step(self, step: StepStats) -> None:
@@ -151,31 +183,46 @@ class _EngineState(Collector):
         num_used_blocks = stats.num_total_blocks - stats.num_free_blocks
         yield _gauge("tgi_queue_size", "Requests waiting to be scheduled.", stats.num_waiting)
         yield _gauge("tgi_batch_current_size", "Requests in the running batch.", stats.num_running)
-        yield _gauge("tgi_batch_current_max_tokens",
-                     "Prompt + max_new_tokens over the running requests (as of the last step).",
-                     self.batch_max_tokens if stats.num_running else 0)
+        yield _gauge(
+            "tgi_batch_current_max_tokens",
+            "Prompt + max_new_tokens over the running requests (as of the last step).",
+            self.batch_max_tokens if stats.num_running else 0,
+        )
         yield _gauge("tgi_batch_max_total_tokens", "KV cache capacity in tokens.", self.info.max_batch_total_tokens)
         yield _gauge("tgi_kv_cache_blocks_used", "KV cache blocks held by requests.", num_used_blocks)
         yield _gauge("tgi_kv_cache_blocks_free", "KV cache blocks free.", stats.num_free_blocks)
-        yield _gauge("tgi_prefix_cache_blocks",
-                     "KV cache blocks a prefix-cache hit can reuse (held by requests or kept after them).",
-                     stats.num_cached_blocks)
-        yield _gauge("tgi_prefix_cache_hit_rate",
-                     "Tokens reused from the prefix cache over tokens to compute, at admission, since start.",
-                     stats.prefix_cache_hit_rate)
-        yield CounterMetricFamily("tgi_prefix_cache_hit_tokens", "Tokens reused from the prefix cache at admission.",
-                                  value=stats.num_prefix_hit_tokens)
-        yield CounterMetricFamily("tgi_prefix_cache_queried_tokens",
-                                  "Tokens to compute at admission (the prompt; prompt and generated tokens "
-                                  "for a request resumed after preemption), looked up in the prefix cache.",
-                                  value=stats.num_prefix_queried_tokens)
-        yield _gauge("tgi_speculation_acceptance_rate",
-                     "Speculated tokens accepted over speculated tokens verified, since start.",
-                     stats.speculation_acceptance_rate)
-        yield CounterMetricFamily("tgi_speculation_draft_tokens", "Speculated tokens verified (--speculate).",
-                                  value=stats.num_draft_tokens)
-        yield CounterMetricFamily("tgi_speculation_accepted_tokens", "Speculated tokens accepted.",
-                                  value=stats.num_accepted_tokens)
+        yield _gauge(
+            "tgi_prefix_cache_blocks",
+            "KV cache blocks a prefix-cache hit can reuse (held by requests or kept after them).",
+            stats.num_cached_blocks,
+        )
+        yield _gauge(
+            "tgi_prefix_cache_hit_rate",
+            "Tokens reused from the prefix cache over tokens to compute, at admission, since start.",
+            stats.prefix_cache_hit_rate,
+        )
+        yield CounterMetricFamily(
+            "tgi_prefix_cache_hit_tokens",
+            "Tokens reused from the prefix cache at admission.",
+            value=stats.num_prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "tgi_prefix_cache_queried_tokens",
+            "Tokens to compute at admission (the prompt; prompt and generated tokens "
+            "for a request resumed after preemption), looked up in the prefix cache.",
+            value=stats.num_prefix_queried_tokens,
+        )
+        yield _gauge(
+            "tgi_speculation_acceptance_rate",
+            "Speculated tokens accepted over speculated tokens verified, since start.",
+            stats.speculation_acceptance_rate,
+        )
+        yield CounterMetricFamily(
+            "tgi_speculation_draft_tokens", "Speculated tokens verified (--speculate).", value=stats.num_draft_tokens
+        )
+        yield CounterMetricFamily(
+            "tgi_speculation_accepted_tokens", "Speculated tokens accepted.", value=stats.num_accepted_tokens
+        )
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -200,8 +247,11 @@ def render(registry: CollectorRegistry) -> bytes:
                 continue
             sample_name = family.name if tgi_style and sample.name == family.name + "_total" else sample.name
             labels = ",".join(f'{key}="{_escape_label(value)}"' for key, value in sorted(sample.labels.items()))
-            lines.append(f"{sample_name}{{{labels}}} {floatToGoString(sample.value)}" if labels
-                         else f"{sample_name} {floatToGoString(sample.value)}")
+            lines.append(
+                f"{sample_name}{{{labels}}} {floatToGoString(sample.value)}"
+                if labels
+                else f"{sample_name} {floatToGoString(sample.value)}"
+            )
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 

@@ -19,8 +19,9 @@ class MetricsServer:
     def __init__(self, host: str, port: int, render: Callable[[], tuple[str, bytes]]):
         handler = type("MetricsHandler", (_Handler,), {"render": staticmethod(render)})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,),
-                            {"address_family": family, "daemon_threads": True})
+        server_class = type(
+            "MetricsHTTPServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True}
+        )
         self._server = server_class((host.strip("[]"), port), handler)
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)

@@ -110,8 +110,9 @@ class TrackedCall:
 
     def _succeeded(self, final: GenerateResult | RequestOutput) -> None:
         sequences = [final, *getattr(final, "best_of_sequences", ())]
-        self.trace.sequences = [(s.timings, s.num_generated_tokens, _reason(s.finish_reason)) for s in sequences
-                                if s.timings is not None]
+        self.trace.sequences = [
+            (s.timings, s.num_generated_tokens, _reason(s.finish_reason)) for s in sequences if s.timings is not None
+        ]
         metrics = self._observer.metrics
         if metrics is None:
             return
@@ -139,8 +140,12 @@ class TrackedCall:
         request_id, caller_trace_id = self._call_ids()
         fields: dict[str, Any] = {"request_id": request_id, "method": self.method}
         if final is not None:
-            fields.update(status="ok", input_tokens=final.num_prompt_tokens,
-                          generated_tokens=final.num_generated_tokens, finish_reason=_reason(final.finish_reason))
+            fields.update(
+                status="ok",
+                input_tokens=final.num_prompt_tokens,
+                generated_tokens=final.num_generated_tokens,
+                finish_reason=_reason(final.finish_reason),
+            )
         else:
             fields.update(status="failed", error=trace.error)
             if trace.num_prompt_tokens is not None:
@@ -162,8 +167,13 @@ class TrackedCall:
         if trace_id:
             fields["trace_id"] = trace_id
         serious = trace.error in ("generation", "internal")
-        logger.log(logging.WARNING if serious else logging.INFO, "%s %s", self.method,
-                   "ok" if final is not None else f"failed ({trace.error})", extra={"fields": fields})
+        logger.log(
+            logging.WARNING if serious else logging.INFO,
+            "%s %s",
+            self.method,
+            "ok" if final is not None else f"failed ({trace.error})",
+            extra={"fields": fields},
+        )
 
     def _call_ids(self) -> tuple[str, str | None]:
         """(request id, the caller's trace id) from the call metadata; a fresh id when none is given."""

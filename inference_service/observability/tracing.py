@@ -32,8 +32,11 @@ logger = logging.getLogger(__name__)
 
 TRACER_NAME = "inference_service"
 # Probes, scrapes and reflection would flood a trace store with spans nobody reads.
-UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
-                     "grpc.reflection.v1.ServerReflection")
+UNTRACED_SERVICES = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+)
 UNTRACED_METHODS = ("/textgen.v1.TextGeneration/Health", "/textgen.v1.TextGeneration/Metrics")
 SHUTDOWN_WAIT_S = 5.0  # what the last export may add to a shutdown when the collector is slow or down
 
@@ -70,8 +73,9 @@ class Tracing:
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
         except ImportError as error:
-            raise RuntimeError("--otlp-endpoint needs the observability extra "
-                               "(pip install 'inference-service[observability]')") from error
+            raise RuntimeError(
+                "--otlp-endpoint needs the observability extra (pip install 'inference-service[observability]')"
+            ) from error
         host, port, tls = otlp_target(endpoint)
         self.endpoint = endpoint
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
@@ -105,9 +109,17 @@ class Tracing:
 
         clock = _Clock()
         if request.validated is not None:
-            span = self.tracer.start_span("validation", context=parent, start_time=clock.ns(request.started),
-                                          attributes=_drop_none({"gen_ai.usage.input_tokens": request.num_prompt_tokens,
-                                                                 "gen_ai.request.max_tokens": request.max_new_tokens}))
+            span = self.tracer.start_span(
+                "validation",
+                context=parent,
+                start_time=clock.ns(request.started),
+                attributes=_drop_none(
+                    {
+                        "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+                        "gen_ai.request.max_tokens": request.max_new_tokens,
+                    }
+                ),
+            )
             span.end(end_time=clock.ns(request.validated))
         else:
             if request.error == "validation":
@@ -116,11 +128,26 @@ class Tracing:
                 span.end(end_time=clock.ns(request.ended or request.started))
             return
         for index, (timings, num_generated, finish_reason) in enumerate(request.sequences):
-            self._record_sequence(parent, clock, request, timings, num_generated, finish_reason,
-                                  index if len(request.sequences) > 1 else None)
+            self._record_sequence(
+                parent,
+                clock,
+                request,
+                timings,
+                num_generated,
+                finish_reason,
+                index if len(request.sequences) > 1 else None,
+            )
 
-    def _record_sequence(self, parent: Any, clock: _Clock, request: RequestTrace, timings: RequestTimings,
-                         num_generated: int | None, finish_reason: str | None, index: int | None) -> None:
+    def _record_sequence(
+        self,
+        parent: Any,
+        clock: _Clock,
+        request: RequestTrace,
+        timings: RequestTimings,
+        num_generated: int | None,
+        finish_reason: str | None,
+        index: int | None,
+    ) -> None:
         from opentelemetry.trace import Status, StatusCode
 
         if timings.finished is None:
@@ -128,8 +155,9 @@ class Tracing:
         failed = Status(StatusCode.ERROR, request.error) if request.error else None
         common = {"textgen.best_of.index": index}
         queued_from = request.validated if request.validated is not None else timings.queued or timings.arrival
-        queued = self.tracer.start_span("queued", context=parent, start_time=clock.ns(queued_from),
-                                        attributes=_drop_none(common))
+        queued = self.tracer.start_span(
+            "queued", context=parent, start_time=clock.ns(queued_from), attributes=_drop_none(common)
+        )
         if timings.first_scheduled is None:  # it ended in the queue (cancelled, failed)
             if failed:
                 queued.set_status(failed)
@@ -137,21 +165,24 @@ class Tracing:
             return
         queued.end(end_time=clock.ns(timings.first_scheduled))
         sizes = timings.batch_sizes
-        attributes = _drop_none({
-            **common,
-            "gen_ai.usage.input_tokens": request.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": num_generated,
-            "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else None,
-            "textgen.num_steps": len(sizes),
-            "textgen.batch_sizes": sorted(set(sizes)) if sizes else None,
-            "textgen.batch_size.max": max(sizes) if sizes else None,
-            "textgen.batch_size.mean": sum(sizes) / len(sizes) if sizes else None,
-            "textgen.num_preemptions": timings.num_preemptions,
-            # Prompt tokens whose K/V came from the prefix cache: the prefill computed only the rest.
-            "gen_ai.usage.cache_read.input_tokens": timings.num_cached_tokens,
-        })
-        inference = self.tracer.start_span("inference", context=parent, start_time=clock.ns(timings.first_scheduled),
-                                           attributes=attributes)
+        attributes = _drop_none(
+            {
+                **common,
+                "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+                "gen_ai.usage.output_tokens": num_generated,
+                "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else None,
+                "textgen.num_steps": len(sizes),
+                "textgen.batch_sizes": sorted(set(sizes)) if sizes else None,
+                "textgen.batch_size.max": max(sizes) if sizes else None,
+                "textgen.batch_size.mean": sum(sizes) / len(sizes) if sizes else None,
+                "textgen.num_preemptions": timings.num_preemptions,
+                # Prompt tokens whose K/V came from the prefix cache: the prefill computed only the rest.
+                "gen_ai.usage.cache_read.input_tokens": timings.num_cached_tokens,
+            }
+        )
+        inference = self.tracer.start_span(
+            "inference", context=parent, start_time=clock.ns(timings.first_scheduled), attributes=attributes
+        )
         if timings.first_token is not None:
             inference.add_event("first_token", timestamp=clock.ns(timings.first_token))
         for number, moment in enumerate(timings.preempted_at, start=1):

@@ -50,8 +50,9 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValidationError(f"grammar is not valid: unknown grammar kind {self.kind!r}; "
-                                  f"expected one of {', '.join(KINDS)}")
+            raise ValidationError(
+                f"grammar is not valid: unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}"
+            )
         if not isinstance(self.value, str):
             raise ValidationError(f"grammar is not valid: a {self.kind} grammar's value must be a string")
 
@@ -69,8 +70,9 @@ def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
         return GrammarSpec("json", _schema_text(value))
     if kind == "json_schema":
         if not isinstance(value, dict) or "schema" not in value:
-            raise ValidationError("grammar is not valid: a json_schema grammar's value must be "
-                                  '{"name"?: string, "schema": {...}}')
+            raise ValidationError(
+                'grammar is not valid: a json_schema grammar\'s value must be {"name"?: string, "schema": {...}}'
+            )
         if not isinstance(value.get("name", ""), str):
             raise ValidationError("grammar is not valid: a json_schema grammar's `name` must be a string")
         return GrammarSpec("json", _schema_text(value["schema"]))
@@ -78,8 +80,9 @@ def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
         if not isinstance(value, str):
             raise ValidationError("grammar is not valid: a regex grammar's value must be a string")
         return GrammarSpec("regex", value)
-    raise ValidationError(f"grammar is not valid: unknown grammar type {kind!r}; "
-                          "expected json, json_object, json_schema or regex")
+    raise ValidationError(
+        f"grammar is not valid: unknown grammar type {kind!r}; expected json, json_object, json_schema or regex"
+    )
 
 
 def lark_json(schema: Any) -> str:
@@ -185,7 +188,8 @@ def _fill(rows: list[tuple[GrammarState, int]], bitmask: Tensor) -> None:
         rows[0][0].fill_bitmask(bitmask, rows[0][1])
     elif rows:
         llguidance.torch.fill_next_token_bitmask_par(
-            _shared_executor(), [(state.matcher, row) for state, row in rows], bitmask)
+            _shared_executor(), [(state.matcher, row) for state, row in rows], bitmask
+        )
 
 
 def _background() -> ThreadPoolExecutor:
@@ -212,8 +216,9 @@ class GrammarCompiler:
     tokenizer); each one is allowed once the grammar is complete.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
-                 max_cache_size: int = DEFAULT_CACHE_SIZE):
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], max_cache_size: int = DEFAULT_CACHE_SIZE
+    ):
         eos_ids = sorted(set(eos_token_ids))
         if not eos_ids:
             raise ValueError("grammar support needs at least one EOS token id")

@@ -46,12 +46,12 @@ class NgramProposer:
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         if max_tokens <= 0 or len(token_ids) <= self.min_ngram:
             return []
-        tokens = np.asarray(token_ids[-self.window:], dtype=np.int64)  # [L]
+        tokens = np.asarray(token_ids[-self.window :], dtype=np.int64)  # [L]
         length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             # Earlier windows of n tokens (each followed by at least one token) equal to the suffix.
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [L - n, n]
-            matches = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            matches = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
             if len(matches):
                 start = int(matches[-1]) + n  # first token after the latest occurrence
                 return _continuation(tokens, start, max_tokens)
@@ -61,7 +61,7 @@ class NgramProposer:
 def _continuation(tokens: np.ndarray, start: int, max_tokens: int) -> list[int]:
     """`max_tokens` from `start` on; past the end, the guess goes on copying itself: the match says
     the sequence repeats with period `len(tokens) - start`, so the guess does too."""
-    guess = tokens[start:start + max_tokens].tolist()
+    guess = tokens[start : start + max_tokens].tolist()
     period = len(tokens) - start
     while len(guess) < max_tokens:
         guess.append(guess[len(guess) - period])

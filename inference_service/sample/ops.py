@@ -59,8 +59,9 @@ def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: Tensor)
     return logits.scatter(1, token_ids, torch.where(scores < 0, scores * p, scores / p))  # [B, V]
 
 
-def apply_frequency_penalty(logits: Tensor, token_ids: Tensor, token_counts: Tensor, total_lens: Tensor,
-                            penalty: Tensor) -> Tensor:
+def apply_frequency_penalty(
+    logits: Tensor, token_ids: Tensor, token_counts: Tensor, total_lens: Tensor, penalty: Tensor
+) -> Tensor:
     """TGI's frequency penalty: `x -= penalty * count / total_len` (penalty = 0: off).
 
     `token_ids` `[B, T]` are each row's seen ids and `token_counts` `[B, T]` their counts (a repeated
@@ -110,8 +111,9 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     return logits.masked_fill(logits < cutoff, NEG_INF)  # [B, V]
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor,
-                      candidate_tiers: tuple[int, ...] = CANDIDATE_TIERS) -> Tensor:
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Tensor, top_p: Tensor, candidate_tiers: tuple[int, ...] = CANDIDATE_TIERS
+) -> Tensor:
     """`apply_top_p(apply_top_k(x, top_k), top_p)`, deciding top-p on the largest logits only.
 
     A full sort costs a third of a decode step on CPU. Each row is first decided on its

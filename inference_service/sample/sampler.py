@@ -35,8 +35,14 @@ class SamplingState:
     (constrained requests only).
     """
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
-                 device: torch.device | str = "cpu", grammar: GrammarState | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        grammar: GrammarState | None = None,
+    ) -> None:
         if params.watermark and not prompt_token_ids:
             raise ValueError("the watermark needs at least one prompt token to seed its greenlist")
         self.params = params
@@ -96,7 +102,7 @@ class SamplingState:
     def seen_token_ids(self) -> Tensor:
         """The distinct ids seen so far `[U]` (penalties only); grows only when a new id appears."""
         if len(self._seen_ids) < len(self._seen):
-            new_ids = list(self._seen)[len(self._seen_ids):]
+            new_ids = list(self._seen)[len(self._seen_ids) :]
             self._seen_ids = torch.cat([self._seen_ids, torch.tensor(new_ids, device=self._seen_ids.device)])
         return self._seen_ids
 
@@ -119,8 +125,13 @@ class SamplerOutput:
 class Sampler:
     """Chooses one token per row of `[B, V]` logits, each row with its own request's parameters."""
 
-    def __init__(self, vocab_size: int, watermark_gamma: float = 0.5, watermark_delta: float = 2.0,
-                 candidate_tiers: tuple[int, ...] = ops.CANDIDATE_TIERS) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        watermark_gamma: float = 0.5,
+        watermark_delta: float = 2.0,
+        candidate_tiers: tuple[int, ...] = ops.CANDIDATE_TIERS,
+    ) -> None:
         self.vocab_size = vocab_size
         self.watermark = Watermark(vocab_size, watermark_gamma, watermark_delta)
         self.candidate_tiers = candidate_tiers  # () = always the full sort
@@ -132,8 +143,9 @@ class Sampler:
         read of the results. On CPU, top-p also reads which rows its candidates decided.
         """
         if logits.dim() != 2 or logits.shape != (len(states), self.vocab_size):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} rows "
-                             f"of vocab size {self.vocab_size}")
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not match {len(states)} rows of vocab size {self.vocab_size}"
+            )
         logits = logits.float()  # [B, V]
         params = [s.params for s in states]
         allowed = self.apply_grammars(logits, states)  # [B, V]; logprobs stay those of the raw logits
@@ -232,15 +244,15 @@ def _apply_penalties(x: Tensor, states: Sequence[SamplingState]) -> Tensor:
     if rep:
         penalty = _param(x, [params[j].repetition_penalty for j in rep], torch.float32)
         ids = _take(token_ids, rep)  # [r, T]
-        x = _update_rows(x, [rows[j] for j in rep],
-                         lambda sub: ops.apply_repetition_penalty(sub, ids, penalty))
+        x = _update_rows(x, [rows[j] for j in rep], lambda sub: ops.apply_repetition_penalty(sub, ids, penalty))
     freq = _rows(params, lambda p: p.frequency_penalty != 0.0)
     if freq:
         penalty = _param(x, [params[j].frequency_penalty for j in freq], torch.float32)
         total_lens = _param(x, [states[rows[j]].num_tokens for j in freq], torch.float32)
         ids, counts = _take(token_ids, freq), _take(token_counts, freq)  # [f, T], [f, T]
-        x = _update_rows(x, [rows[j] for j in freq],
-                         lambda sub: ops.apply_frequency_penalty(sub, ids, counts, total_lens, penalty))
+        x = _update_rows(
+            x, [rows[j] for j in freq], lambda sub: ops.apply_frequency_penalty(sub, ids, counts, total_lens, penalty)
+        )
     return x
 
 
@@ -248,10 +260,13 @@ def _seen_tokens(states: Sequence[SamplingState]) -> tuple[Tensor, Tensor]:
     """Each row's distinct seen ids and their counts, padded by repeating the row's first id."""
     seen = [s.seen_token_ids() for s in states]
     width = max(len(ids) for ids in seen)
-    token_ids = torch.stack([torch.nn.functional.pad(ids, (0, width - len(ids)), value=s.first_seen_id)
-                             for s, ids in zip(states, seen, strict=True)])  # [R, T]
-    token_counts = torch.stack([s.seen_token_counts(ids)
-                                for s, ids in zip(states, token_ids, strict=True)])  # [R, T]
+    token_ids = torch.stack(
+        [
+            torch.nn.functional.pad(ids, (0, width - len(ids)), value=s.first_seen_id)
+            for s, ids in zip(states, seen, strict=True)
+        ]
+    )  # [R, T]
+    token_counts = torch.stack([s.seen_token_counts(ids) for s, ids in zip(states, token_ids, strict=True)])  # [R, T]
     return token_ids, token_counts
 
 
@@ -301,7 +316,8 @@ def _gather_output(logits: Tensor, token_ids: Tensor, params: Sequence[SamplingP
     ids_start, logprobs_start = 2 * num_rows, 2 * num_rows + len(top_rows) * width
     for j, i in enumerate(top_rows):
         n = min(params[i].top_n_tokens, width)
-        top_ids_list[i] = [int(t) for t in flat[ids_start + j * width: ids_start + j * width + n]]
-        top_logprobs_list[i] = flat[logprobs_start + j * width: logprobs_start + j * width + n]
-    return SamplerOutput([int(t) for t in flat[:num_rows]], flat[num_rows:2 * num_rows],
-                         top_ids_list, top_logprobs_list)
+        top_ids_list[i] = [int(t) for t in flat[ids_start + j * width : ids_start + j * width + n]]
+        top_logprobs_list[i] = flat[logprobs_start + j * width : logprobs_start + j * width + n]
+    return SamplerOutput(
+        [int(t) for t in flat[:num_rows]], flat[num_rows : 2 * num_rows], top_ids_list, top_logprobs_list
+    )

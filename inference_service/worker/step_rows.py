@@ -36,8 +36,9 @@ class RowsToKeep:
             token_start = end
         return rows
 
-    def step_logits(self, scheduled: list[ScheduledRequest], logits: torch.Tensor,
-                    num_attention_calls: int = 0) -> StepLogits:
+    def step_logits(
+        self, scheduled: list[ScheduledRequest], logits: torch.Tensor, num_attention_calls: int = 0
+    ) -> StepLogits:
         """The step's `StepLogits` from the kept rows' logits [K, V]."""
         speculating = any(s.num_draft_tokens for s in scheduled)
         return StepLogits(

@@ -14,15 +14,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 def test_engine_bench_quick(tmp_path, tiny_model_dir):
-    run_script("engine_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--batch-sizes", "1", "2",
-               "--out", str(tmp_path))
+    run_script(
+        "engine_bench.py",
+        "--quick",
+        "--model-id",
+        str(tiny_model_dir),
+        "--batch-sizes",
+        "1",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     table = (tmp_path / "engine.md").read_text()
     assert "#### Prefill" in table and "#### Decode" in table and "![" in table
     rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
@@ -50,8 +64,16 @@ def test_grammar_bench_quick(tmp_path, tiny_model_dir):
 
 def test_prefix_cache_bench_quick(tmp_path, tiny_model_dir):
     # A short system prompt: the tiny model's byte tokenizer spends many tokens on the questions.
-    run_script("prefix_cache_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--system-tokens", "60",
-               "--out", str(tmp_path))
+    run_script(
+        "prefix_cache_bench.py",
+        "--quick",
+        "--model-id",
+        str(tiny_model_dir),
+        "--system-tokens",
+        "60",
+        "--out",
+        str(tmp_path),
+    )
     assert "Follow-up TTFT, off ÷ on" in (tmp_path / "prefix_cache.md").read_text()
     data = json.loads((tmp_path / "prefix_cache.json").read_text())
     summary = data["summary"]
@@ -117,8 +139,9 @@ def test_quant_kernels_quick(tmp_path):
 
 
 def test_quant_bench_quick(tmp_path, tiny_model_dir):
-    run_script("quant_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--schemes", "eetq",
-               "--out", str(tmp_path))
+    run_script(
+        "quant_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--schemes", "eetq", "--out", str(tmp_path)
+    )
     assert "greedy = fp32" in (tmp_path / "quant.md").read_text()
     results = json.loads((tmp_path / "quant.json").read_text())["results"]
     assert [r["scheme"] for r in results] == ["fp32", "eetq"]

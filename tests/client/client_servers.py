@@ -125,19 +125,25 @@ class ScriptedServer:
 
         self._credentials = credentials
         self.calls: list[tuple[str, dict[str, str]]] = []
-        messages = {"Generate": (pb.GenerateRequest, pb.GenerateResponse),
-                    "GenerateStream": (pb.GenerateRequest, pb.StreamResponse),
-                    "Tokenize": (pb.GenerateRequest, pb.TokenizeResponse),
-                    "Info": (pb.InfoRequest, pb.InfoResponse),
-                    "ChatCompletionStream": (pb.ChatCompletionRequest, pb.ChatCompletionChunk),
-                    "CompletionStream": (pb.CompletionRequest, pb.CompletionResponse)}
+        messages = {
+            "Generate": (pb.GenerateRequest, pb.GenerateResponse),
+            "GenerateStream": (pb.GenerateRequest, pb.StreamResponse),
+            "Tokenize": (pb.GenerateRequest, pb.TokenizeResponse),
+            "Info": (pb.InfoRequest, pb.InfoResponse),
+            "ChatCompletionStream": (pb.ChatCompletionRequest, pb.ChatCompletionChunk),
+            "CompletionStream": (pb.CompletionRequest, pb.CompletionResponse),
+        }
         self._rpc_handlers = {}
         for name, fn in handlers.items():
             request_cls, response_cls = messages[name]
-            make = (grpc.unary_stream_rpc_method_handler if name.endswith("Stream")
-                    else grpc.unary_unary_rpc_method_handler)
-            self._rpc_handlers[name] = make(self._recorded(name, fn), request_deserializer=request_cls.FromString,
-                                            response_serializer=response_cls.SerializeToString)
+            make = (
+                grpc.unary_stream_rpc_method_handler if name.endswith("Stream") else grpc.unary_unary_rpc_method_handler
+            )
+            self._rpc_handlers[name] = make(
+                self._recorded(name, fn),
+                request_deserializer=request_cls.FromString,
+                response_serializer=response_cls.SerializeToString,
+            )
         self._loop = LoopThread("scripted-server")
         self.port = self._loop.run(self._start())
 
@@ -150,15 +156,18 @@ class ScriptedServer:
             self.calls.append((name, {key: value for key, value in context.invocation_metadata()}))
 
         if name.endswith("Stream"):
+
             async def stream(request, context):
                 record(context)
                 async for response in fn(request, context):
                     yield response
+
             return stream
 
         async def unary(request, context):
             record(context)
             return await fn(request, context)
+
         return unary
 
     async def _start(self) -> int:

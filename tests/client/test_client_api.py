@@ -26,9 +26,26 @@ def test_client_mirrors_async_client():
 
 
 def test_generate_takes_the_text_generation_clients_parameters():
-    expected = {"do_sample", "max_new_tokens", "best_of", "repetition_penalty", "frequency_penalty",
-                "return_full_text", "seed", "stop_sequences", "temperature", "top_k", "top_p", "truncate",
-                "typical_p", "watermark", "decoder_input_details", "top_n_tokens", "grammar", "details"}
+    expected = {
+        "do_sample",
+        "max_new_tokens",
+        "best_of",
+        "repetition_penalty",
+        "frequency_penalty",
+        "return_full_text",
+        "seed",
+        "stop_sequences",
+        "temperature",
+        "top_k",
+        "top_p",
+        "truncate",
+        "typical_p",
+        "watermark",
+        "decoder_input_details",
+        "top_n_tokens",
+        "grammar",
+        "details",
+    }
     parameters = inspect.signature(AsyncClient.generate).parameters
     assert expected <= set(parameters)
     assert parameters["max_new_tokens"].default == 20 and parameters["do_sample"].default is False

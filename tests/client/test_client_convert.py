@@ -20,8 +20,9 @@ from textgen_client._proto.textgen.v1 import generate_pb2 as pb
 
 
 def test_request_sets_only_given_parameters():
-    request = _convert.build_request("hi", {"max_new_tokens": 5, "top_p": None, "do_sample": False,
-                                            "stop_sequences": ["\n", "."], "seed": 2**40})
+    request = _convert.build_request(
+        "hi", {"max_new_tokens": 5, "top_p": None, "do_sample": False, "stop_sequences": ["\n", "."], "seed": 2**40}
+    )
     params = request.parameters
     assert request.inputs == "hi"
     assert params.max_new_tokens == 5 and params.HasField("max_new_tokens")
@@ -41,9 +42,16 @@ def test_request_grammar_schema_is_sent_as_a_json_object():
     assert (params.grammar.type, params.grammar.value.string_value) == ("regex", "[0-9]+")
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("max_new_tokens", -1), ("seed", -5), ("top_k", "3"), ("stop_sequences", "stop"), ("truncate", 2**40),
-])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("max_new_tokens", -1),
+        ("seed", -5),
+        ("top_k", "3"),
+        ("stop_sequences", "stop"),
+        ("truncate", 2**40),
+    ],
+)
 def test_request_values_protobuf_cant_hold_are_validation_errors(name, value):
     with pytest.raises(ValidationError) as caught:
         _convert.build_request("x", {name: value})
@@ -58,12 +66,12 @@ def test_request_prompt_must_be_text():
 
 def _details(**fields) -> pb.Details:
     return pb.Details(
-        finish_reason="length", generated_tokens=2,
-        prefill=[pb.PrefillToken(id=1, text="<s>", logprob=math.nan),
-                 pb.PrefillToken(id=7, text="a", logprob=-1.5)],
-        tokens=[pb.Token(id=3, text=" b", logprob=-0.25),
-                pb.Token(id=2, text="</s>", logprob=-2.0, special=True)],
-        **fields)
+        finish_reason="length",
+        generated_tokens=2,
+        prefill=[pb.PrefillToken(id=1, text="<s>", logprob=math.nan), pb.PrefillToken(id=7, text="a", logprob=-1.5)],
+        tokens=[pb.Token(id=3, text=" b", logprob=-0.25), pb.Token(id=2, text="</s>", logprob=-2.0, special=True)],
+        **fields,
+    )
 
 
 def test_response_with_details():
@@ -79,18 +87,31 @@ def test_response_with_details():
 
 
 def test_response_seed_top_tokens_and_best_of():
-    top = [pb.TopTokens(tokens=[pb.Token(id=3, text=" b", logprob=-0.25),
-                                pb.Token(id=4, text=" c", logprob=-3.0)])]
-    loser = pb.BestOfSequence(generated_text="zz", finish_reason="eos_token", generated_tokens=1, seed=9,
-                              tokens=[pb.Token(id=5, text="zz", logprob=-4.0)])
-    message = pb.GenerateResponse(generated_text="b", details=_details(seed=0, top_tokens=top,
-                                                                        best_of_sequences=[loser]))
+    top = [pb.TopTokens(tokens=[pb.Token(id=3, text=" b", logprob=-0.25), pb.Token(id=4, text=" c", logprob=-3.0)])]
+    loser = pb.BestOfSequence(
+        generated_text="zz",
+        finish_reason="eos_token",
+        generated_tokens=1,
+        seed=9,
+        tokens=[pb.Token(id=5, text="zz", logprob=-4.0)],
+    )
+    message = pb.GenerateResponse(
+        generated_text="b", details=_details(seed=0, top_tokens=top, best_of_sequences=[loser])
+    )
     details = _convert.response(message).details
     assert details.seed == 0  # present though zero
     assert details.top_tokens == [[Token(3, " b", -0.25, False), Token(4, " c", -3.0, False)]]
-    assert details.best_of_sequences == [BestOfSequence(
-        generated_text="zz", finish_reason=FinishReason.EOS_TOKEN, generated_tokens=1, seed=9, prefill=[],
-        tokens=[Token(5, "zz", -4.0, False)], top_tokens=None)]
+    assert details.best_of_sequences == [
+        BestOfSequence(
+            generated_text="zz",
+            finish_reason=FinishReason.EOS_TOKEN,
+            generated_tokens=1,
+            seed=9,
+            prefill=[],
+            tokens=[Token(5, "zz", -4.0, False)],
+            top_tokens=None,
+        )
+    ]
 
 
 def test_response_without_details_and_unknown_finish_reason():
@@ -104,10 +125,15 @@ def test_stream_responses():
     middle = _convert.stream_response(pb.StreamResponse(index=1, token=token))
     assert middle.index == 1 and middle.token == Token(3, " b", -0.5, False)
     assert middle.generated_text is None and middle.details is None and middle.top_tokens is None
-    last = _convert.stream_response(pb.StreamResponse(
-        index=2, token=pb.Token(id=2, text="", logprob=-1.0, special=True), generated_text="",
-        top_tokens=[pb.Token(id=2, text="", logprob=-1.0, special=True)],
-        details=pb.StreamDetails(finish_reason="stop_sequence", generated_tokens=2, seed=4, input_length=6)))
+    last = _convert.stream_response(
+        pb.StreamResponse(
+            index=2,
+            token=pb.Token(id=2, text="", logprob=-1.0, special=True),
+            generated_text="",
+            top_tokens=[pb.Token(id=2, text="", logprob=-1.0, special=True)],
+            details=pb.StreamDetails(finish_reason="stop_sequence", generated_tokens=2, seed=4, input_length=6),
+        )
+    )
     assert last.generated_text == ""  # present though empty
     assert last.details.finish_reason is FinishReason.STOP_SEQUENCE
     assert (last.details.generated_tokens, last.details.seed, last.details.input_length) == (2, 4, 6)
@@ -119,8 +145,16 @@ def test_tokens_and_info():
     tokens = _convert.simple_tokens(message)
     assert [(t.id, t.text, t.start, t.stop) for t in tokens] == [(5, "ab", 0, 2)]
     stats = pb.EngineStats(num_total_blocks=8, num_free_blocks=8, num_steps=3)
-    info = _convert.info(pb.InfoResponse(model_id="m", model_dtype="float32", max_total_tokens=512,
-                                         max_batch_size=0, waiting_served_ratio=0.3, stats=stats))
+    info = _convert.info(
+        pb.InfoResponse(
+            model_id="m",
+            model_dtype="float32",
+            max_total_tokens=512,
+            max_batch_size=0,
+            waiting_served_ratio=0.3,
+            stats=stats,
+        )
+    )
     assert info.waiting_served_ratio == 0.3
     assert (info.model_id, info.model_dtype, info.max_total_tokens) == ("m", "float32", 512)
     assert info.model_sha is None and info.sha is None and info.docker_label is None

@@ -37,17 +37,20 @@ def _trailers(code: Code, message: str, kind: str) -> tuple:
     return (("x-error-type", kind), ("grpc-status-details-bin", _details(code, message, kind)))
 
 
-@pytest.mark.parametrize(("kind", "code", "cls"), [
-    ("validation", Code.INVALID_ARGUMENT, ValidationError),
-    ("template_error", Code.INVALID_ARGUMENT, ValidationError),
-    ("tool_error", Code.INVALID_ARGUMENT, ValidationError),
-    ("not_found", Code.NOT_FOUND, NotFoundError),
-    ("overloaded", Code.RESOURCE_EXHAUSTED, OverloadedError),
-    ("generation", Code.INTERNAL, GenerationError),
-    ("cancelled", Code.CANCELLED, CancelledError),
-    ("unavailable", Code.UNAVAILABLE, UnavailableError),
-    ("internal", Code.UNKNOWN, UnknownError),
-])
+@pytest.mark.parametrize(
+    ("kind", "code", "cls"),
+    [
+        ("validation", Code.INVALID_ARGUMENT, ValidationError),
+        ("template_error", Code.INVALID_ARGUMENT, ValidationError),
+        ("tool_error", Code.INVALID_ARGUMENT, ValidationError),
+        ("not_found", Code.NOT_FOUND, NotFoundError),
+        ("overloaded", Code.RESOURCE_EXHAUSTED, OverloadedError),
+        ("generation", Code.INTERNAL, GenerationError),
+        ("cancelled", Code.CANCELLED, CancelledError),
+        ("unavailable", Code.UNAVAILABLE, UnavailableError),
+        ("internal", Code.UNKNOWN, UnknownError),
+    ],
+)
 def test_server_kinds(kind, code, cls):
     error = from_status(code, "the server's words", _trailers(code, "the server's words", kind))
     assert type(error) is cls and isinstance(error, TextGenerationError)
@@ -76,15 +79,24 @@ def test_the_server_module_and_the_client_agree():
         assert type(error) is type(from_status(code, "m"))  # the kind's class is its status code's
 
 
-@pytest.mark.parametrize(("code", "cls"), [
-    (Code.INVALID_ARGUMENT, ValidationError), (Code.OUT_OF_RANGE, ValidationError),
-    (Code.RESOURCE_EXHAUSTED, OverloadedError), (Code.INTERNAL, GenerationError),
-    (Code.UNAVAILABLE, UnavailableError), (Code.DEADLINE_EXCEEDED, DeadlineExceededError),
-    (Code.CANCELLED, CancelledError), (Code.UNAUTHENTICATED, AuthenticationError),
-    (Code.PERMISSION_DENIED, AuthenticationError), (Code.UNIMPLEMENTED, UnimplementedError),
-    (Code.NOT_FOUND, NotFoundError),
-    (Code.UNKNOWN, UnknownError), (Code.ABORTED, UnknownError),
-])
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (Code.INVALID_ARGUMENT, ValidationError),
+        (Code.OUT_OF_RANGE, ValidationError),
+        (Code.RESOURCE_EXHAUSTED, OverloadedError),
+        (Code.INTERNAL, GenerationError),
+        (Code.UNAVAILABLE, UnavailableError),
+        (Code.DEADLINE_EXCEEDED, DeadlineExceededError),
+        (Code.CANCELLED, CancelledError),
+        (Code.UNAUTHENTICATED, AuthenticationError),
+        (Code.PERMISSION_DENIED, AuthenticationError),
+        (Code.UNIMPLEMENTED, UnimplementedError),
+        (Code.NOT_FOUND, NotFoundError),
+        (Code.UNKNOWN, UnknownError),
+        (Code.ABORTED, UnknownError),
+    ],
+)
 def test_without_details_the_code_decides(code, cls):
     """A proxy or the channel itself (connection refused, deadline) sends no ErrorInfo."""
     error = from_status(code, None, None)

@@ -37,14 +37,16 @@ def _run(*args: str, timeout: float, cwd: Path) -> str:
 
 def test_installs_into_a_fresh_venv_and_imports_fast(tmp_path, server):
     # A copy: the build writes into its source folder, and the copy proves the folder stands alone.
-    source = shutil.copytree(CLIENT_DIR, tmp_path / "client",
-                             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    source = shutil.copytree(
+        CLIENT_DIR, tmp_path / "client", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", str(venv), timeout=60, cwd=tmp_path)
     python = str(venv / "bin" / "python")
     # pip's wheel cache is shared with the machine's, so this is quick after the first time.
-    _run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source), timeout=180,
-         cwd=tmp_path)
+    _run(
+        python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source), timeout=180, cwd=tmp_path
+    )
     output = _run(python, "-c", _PROBE, server.target, timeout=60, cwd=tmp_path)
     probe = json.loads(output.strip().splitlines()[-1])
     assert probe["file"].startswith(str(venv))  # the installed copy, not this checkout

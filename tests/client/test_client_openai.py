@@ -18,13 +18,26 @@ from textgen_client.openai_types import ChatMessage
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 # The conftest's ChatML template, rendered (the server adds no BOS to a rendered chat prompt).
 RENDERED = "<|im_start|>user\nthe quick brown fox<|im_end|>\n<|im_start|>assistant\n"
-TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 # A short tool prompt and one call at most: the tiny model's context is 512 tokens.
 TOOL_CALL = {"tools": [TOOL], "tool_choice": "required", "tool_prompt": "Tools:", "parallel_tool_calls": False}
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture
@@ -96,8 +109,12 @@ async def test_a_stream_of_two_seeded_choices(client):
 
 
 async def test_response_format_json_schema(client):
-    reply = await client.chat(MESSAGES, max_tokens=30, temperature=0, response_format={
-        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+    reply = await client.chat(
+        MESSAGES,
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
 
@@ -129,12 +146,22 @@ async def test_a_reply_and_a_tool_result_go_back_into_the_conversation(client):
     answer = await client.chat([*messages, assistant, result], max_tokens=4, temperature=0)
     assert answer.choices[0].message.tool_calls == [] and answer.choices[0].finish_reason == "length"
     # The reply's message is taken as OpenAI's dict of it; the call is in the prompt.
-    as_dict = {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
-        "name": call.function.name, "arguments": call.function.arguments}}]}
+    as_dict = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+        ],
+    }
     same = await client.chat([*messages, as_dict, result], max_tokens=4, temperature=0)
     assert (same.choices, same.usage) == (answer.choices, answer.usage)
-    no_call = await client.chat([*messages, {"role": "assistant", "content": None}, result], max_tokens=4,
-                                temperature=0)
+    no_call = await client.chat(
+        [*messages, {"role": "assistant", "content": None}, result], max_tokens=4, temperature=0
+    )
     assert no_call.usage.prompt_tokens < answer.usage.prompt_tokens
 
     parts = [{"type": "text", "text": "the quick "}, {"type": "text", "text": "brown fox"}]

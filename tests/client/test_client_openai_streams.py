@@ -53,17 +53,18 @@ async def test_heartbeats_and_the_end_marker_are_skipped(chat_server):
     async with AsyncClient(chat_server.target) as client:
         plain = [c async for c in client.chat_stream(MESSAGES, **parameters)]
         gateway = [c async for c in client.chat_stream(MESSAGES, **parameters, metadata=GATEWAY_HEADERS)]
-        events = [e async for e in client.complete_stream("a b", max_tokens=8, temperature=0,
-                                                          metadata=GATEWAY_HEADERS)]
+        events = [e async for e in client.complete_stream("a b", max_tokens=8, temperature=0, metadata=GATEWAY_HEADERS)]
         text = (await client.complete("a b", max_tokens=8, temperature=0)).choices[0].text
     assert _by_choice(gateway) == _by_choice(plain) and len(_by_choice(plain)[1]) > 3
     assert gateway[-1].usage == plain[-1].usage and all(c.id and (c.choices or c.usage) for c in gateway)
     assert all(e.id and e.choices for e in events) and "".join(e.choices[0].text for e in events) == text
     # ... and the server did send them: the same call on a raw stub.
     with grpc.insecure_channel(chat_server.target) as channel:
-        stream = channel.unary_stream("/textgen.v1.TextGeneration/ChatCompletionStream",
-                                      request_serializer=pb.ChatCompletionRequest.SerializeToString,
-                                      response_deserializer=pb.ChatCompletionChunk.FromString)
+        stream = channel.unary_stream(
+            "/textgen.v1.TextGeneration/ChatCompletionStream",
+            request_serializer=pb.ChatCompletionRequest.SerializeToString,
+            response_deserializer=pb.ChatCompletionChunk.FromString,
+        )
         request = pb.ChatCompletionRequest(messages=[pb.ChatMessage(role="user")], max_tokens=12, temperature=0)
         request.messages[0].content.string_value = MESSAGES[0]["content"]
         raw = list(stream(request, metadata=tuple(GATEWAY_HEADERS.items()), timeout=30))
@@ -95,8 +96,9 @@ async def test_a_stream_waits_for_a_late_server_and_gets_its_shutdown_in_band(ti
         async with AsyncClient(f"{HOST}:{port}", retry=PATIENT_RETRY, timeout=60) as client:
             starter.start()  # until it serves, the call is refused: retried, no chunk came yet
             with pytest.raises(CancelledError) as caught:
-                async for chunk in client.chat_stream(MESSAGES, max_tokens=LONG, temperature=0,
-                                                      metadata={INBAND_ERRORS_KEY: "1"}):
+                async for chunk in client.chat_stream(
+                    MESSAGES, max_tokens=LONG, temperature=0, metadata={INBAND_ERRORS_KEY: "1"}
+                ):
                     received.append(chunk)
                     if len(received) == 3:  # the server goes down while generating
                         stopper.start()
@@ -124,32 +126,36 @@ def scripted():
 
 
 def _chunk(index: int, content: str | None = None, finish_reason: str | None = None) -> pb.ChatCompletionChunk:
-    choice = pb.ChatCompletionChunkChoice(index=index, delta=pb.ChatCompletionDelta(content=content),
-                                          finish_reason=finish_reason)
+    choice = pb.ChatCompletionChunkChoice(
+        index=index, delta=pb.ChatCompletionDelta(content=content), finish_reason=finish_reason
+    )
     return pb.ChatCompletionChunk(id="chatcmpl-1", choices=[choice])
 
 
 def _usage_chunk() -> pb.ChatCompletionChunk:
-    return pb.ChatCompletionChunk(id="chatcmpl-1", usage=pb.Usage(prompt_tokens=1, completion_tokens=2,
-                                                                   total_tokens=3))
+    return pb.ChatCompletionChunk(id="chatcmpl-1", usage=pb.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
 
 
 def _scripted_chat(*chunks: pb.ChatCompletionChunk):
     async def stream(request, context):
         for chunk in chunks:
             yield chunk
+
     return stream
 
 
-@pytest.mark.parametrize(("chunks", "parameters", "whole"), [
-    ([_chunk(0, "a"), _chunk(0, "b", "stop")], {}, True),
-    ([_chunk(0, "a")], {}, False),
-    ([_chunk(0, "a", "stop"), _chunk(1, "b")], {"n": 2}, False),
-    ([_chunk(0, "a", "stop")], {"n": 2}, False),  # choice 1 never started
-    ([_chunk(1, "b", "length"), _chunk(0, "a", "stop")], {"n": 2}, True),
-    ([_chunk(0, "a", "stop")], {"include_usage": True}, False),
-    ([_chunk(0, "a", "stop"), _usage_chunk()], {"include_usage": True}, True),
-])
+@pytest.mark.parametrize(
+    ("chunks", "parameters", "whole"),
+    [
+        ([_chunk(0, "a"), _chunk(0, "b", "stop")], {}, True),
+        ([_chunk(0, "a")], {}, False),
+        ([_chunk(0, "a", "stop"), _chunk(1, "b")], {"n": 2}, False),
+        ([_chunk(0, "a", "stop")], {"n": 2}, False),  # choice 1 never started
+        ([_chunk(1, "b", "length"), _chunk(0, "a", "stop")], {"n": 2}, True),
+        ([_chunk(0, "a", "stop")], {"include_usage": True}, False),
+        ([_chunk(0, "a", "stop"), _usage_chunk()], {"include_usage": True}, True),
+    ],
+)
 def test_a_chat_stream_is_whole_once_every_choice_finished(scripted, chunks, parameters, whole):
     server = scripted(ChatCompletionStream=_scripted_chat(*chunks))
     with Client(server.target) as client:
@@ -178,8 +184,11 @@ async def test_a_completion_stream_counts_the_choices_of_every_prompt(scripted):
 @pytest.mark.parametrize(("code", "expected"), [("tool_error", ValidationError), (None, UnknownError)])
 async def test_an_inband_error_chunk_raises_its_error(scripted, code, expected):
     error = pb.OpenAIError(message="it broke", type="server_error", code=code)
-    server = scripted(ChatCompletionStream=_scripted_chat(_chunk(0, "a"), pb.ChatCompletionChunk(error=error),
-                                                          pb.ChatCompletionChunk(done=True)))
+    server = scripted(
+        ChatCompletionStream=_scripted_chat(
+            _chunk(0, "a"), pb.ChatCompletionChunk(error=error), pb.ChatCompletionChunk(done=True)
+        )
+    )
     received = []
     async with AsyncClient(server.target) as client:
         with pytest.raises(expected, match="it broke") as caught:

@@ -37,8 +37,9 @@ def _wait_idle(client: Client):
     deadline = time.monotonic() + 30
     while True:
         stats = client.info().stats
-        if (stats.num_running == 0 and stats.num_waiting == 0
-                and stats.num_free_blocks == stats.num_total_blocks) or time.monotonic() > deadline:
+        if (
+            stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+        ) or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
 
@@ -47,8 +48,9 @@ async def _wait_idle_async(client: AsyncClient):
     deadline = time.monotonic() + 30
     while True:
         stats = (await client.info()).stats
-        if (stats.num_running == 0 and stats.num_waiting == 0
-                and stats.num_free_blocks == stats.num_total_blocks) or time.monotonic() > deadline:
+        if (
+            stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+        ) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.02)
 
@@ -95,10 +97,12 @@ async def test_heartbeats_asked_for_are_skipped(server):
 
     async with AsyncClient(server.target) as client:
         plain = [r async for r in client.generate_stream(LONG_PROMPT, max_new_tokens=12)]
-        beating = [r async for r in client.generate_stream(LONG_PROMPT, max_new_tokens=12,
-                                                           metadata={KEEPALIVE_KEY: "0.00001"})]
-    assert [(r.index, r.token.id, r.token.text) for r in beating] == [(r.index, r.token.id, r.token.text)
-                                                                      for r in plain]
+        beating = [
+            r async for r in client.generate_stream(LONG_PROMPT, max_new_tokens=12, metadata={KEEPALIVE_KEY: "0.00001"})
+        ]
+    assert [(r.index, r.token.id, r.token.text) for r in beating] == [
+        (r.index, r.token.id, r.token.text) for r in plain
+    ]
     # The second call reuses the first's cached prompt blocks: fewer prefill rows round differently.
     assert [r.token.logprob for r in beating] == pytest.approx([r.token.logprob for r in plain], rel=1e-5)
     assert len(plain) == 12 and beating[-1].generated_text == plain[-1].generated_text
@@ -121,7 +125,7 @@ def test_tokenize_info_health_sync(server, tiny_model_dir):
         info = client.info()
         assert client.health() is True
     assert "".join(t.text for t in tokens) == PROMPT  # the BOS token has empty text
-    assert all(PROMPT[t.start:t.stop] == t.text for t in tokens)
+    assert all(PROMPT[t.start : t.stop] == t.text for t in tokens)
     assert info.model_id == str(tiny_model_dir)
     assert info.max_concurrent_requests == 16 and info.block_size == 4
     assert info.stats.num_total_blocks > 0

@@ -12,15 +12,18 @@ from textgen_client._retry import is_retryable
 from textgen_client._tracing import trace_metadata
 
 
-@pytest.mark.parametrize(("target", "address", "tls", "balanced"), [
-    ("localhost:50051", "localhost:50051", False, False),
-    ("dns:///textgen.internal:50051", "dns:///textgen.internal:50051", False, True),
-    ("ipv4:10.0.0.1:80,10.0.0.2:80", "ipv4:10.0.0.1:80,10.0.0.2:80", False, True),
-    ("unix:/tmp/textgen.sock", "unix:/tmp/textgen.sock", False, False),
-    ("http://host:8080", "host:8080", False, False),
-    ("https://api.example.com", "api.example.com:443", True, False),
-    ("https://[::1]:9000/", "[::1]:9000", True, False),
-])
+@pytest.mark.parametrize(
+    ("target", "address", "tls", "balanced"),
+    [
+        ("localhost:50051", "localhost:50051", False, False),
+        ("dns:///textgen.internal:50051", "dns:///textgen.internal:50051", False, True),
+        ("ipv4:10.0.0.1:80,10.0.0.2:80", "ipv4:10.0.0.1:80,10.0.0.2:80", False, True),
+        ("unix:/tmp/textgen.sock", "unix:/tmp/textgen.sock", False, False),
+        ("http://host:8080", "host:8080", False, False),
+        ("https://api.example.com", "api.example.com:443", True, False),
+        ("https://[::1]:9000/", "[::1]:9000", True, False),
+    ],
+)
 def test_targets(target, address, tls, balanced):
     parsed = parse_target(target)
     assert (parsed.address, parsed.tls, parsed.balanced) == (address, tls, balanced)
@@ -53,9 +56,16 @@ def test_backoff_grows_to_its_cap():
     assert all(0.8 <= jittered.backoff(0) <= 1.2 for _ in range(50))
 
 
-@pytest.mark.parametrize("bad", [{"max_retries": -1}, {"initial_backoff": 0},
-                                 {"initial_backoff": 3, "max_backoff": 1}, {"multiplier": 0.5},
-                                 {"jitter": 1.0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_retries": -1},
+        {"initial_backoff": 0},
+        {"initial_backoff": 3, "max_backoff": 1},
+        {"multiplier": 0.5},
+        {"jitter": 1.0},
+    ],
+)
 def test_bad_policies(bad):
     with pytest.raises(ValueError):
         RetryPolicy(**bad)

@@ -104,12 +104,15 @@ async def _two_tokens_then_final(request, context):
     yield final
 
 
-@pytest.mark.parametrize(("error", "expected", "kind"), [
-    (ServerGenerationError("CUDA out of memory"), GenerationError, "generation"),
-    (RequestCancelled("server shutting down"), CancelledError, "cancelled"),
-    (InferenceError("boom"), UnknownError, "internal"),
-    (RuntimeError("a bug"), UnknownError, "internal"),
-])
+@pytest.mark.parametrize(
+    ("error", "expected", "kind"),
+    [
+        (ServerGenerationError("CUDA out of memory"), GenerationError, "generation"),
+        (RequestCancelled("server shutting down"), CancelledError, "cancelled"),
+        (InferenceError("boom"), UnknownError, "internal"),
+        (RuntimeError("a bug"), UnknownError, "internal"),
+    ],
+)
 def test_server_errors_become_typed_errors(scripted, error, expected, kind):
     async def fail(request, context):
         await abort(context, error, "Generate")
@@ -231,17 +234,35 @@ def self_signed(tmp_path_factory) -> tuple[bytes, bytes]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     folder = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem"),
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(folder / "key.pem"),
+            "-out",
+            str(folder / "cert.pem"),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return (folder / "cert.pem").read_bytes(), (folder / "key.pem").read_bytes()
 
 
 def test_tls_with_own_credentials(scripted, self_signed):
     certificate, key = self_signed
-    server = scripted(Generate=_echo_generate,
-                      credentials=grpc.ssl_server_credentials([(key, certificate)]))
+    server = scripted(Generate=_echo_generate, credentials=grpc.ssl_server_credentials([(key, certificate)]))
     trusted = grpc.ssl_channel_credentials(root_certificates=certificate)
     with Client(server.target, credentials=trusted, api_key="sk-tls") as client:
         assert client.generate("secret").generated_text.startswith("secret|")

@@ -76,8 +76,9 @@ def start_gateway(tmp_path_factory, envoy_installed):
     envoys: list[Envoy] = []
 
     def start(server, **config) -> Gateway:
-        settings = GatewayConfig(hostname="127.0.0.1", port=0, upstream_host="127.0.0.1",
-                                 upstream_port=server.port, admin_port=0)
+        settings = GatewayConfig(
+            hostname="127.0.0.1", port=0, upstream_host="127.0.0.1", upstream_port=server.port, admin_port=0
+        )
         envoy = Envoy(dataclasses.replace(settings, **config), tmp_path_factory.mktemp("envoy"))
         envoys.append(envoy)
         envoy.start()
@@ -106,8 +107,7 @@ def nullable_to_json_schema(node):
         return [nullable_to_json_schema(item) for item in node]
     if not isinstance(node, dict):
         return node
-    node = {key: nullable_to_json_schema(value) for key, value in node.items()
-            if key not in ("example", "default")}
+    node = {key: nullable_to_json_schema(value) for key, value in node.items() if key not in ("example", "default")}
     if node.pop("nullable", False):
         if "type" in node:
             node["type"] = [node["type"], "null"]

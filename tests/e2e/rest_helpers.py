@@ -10,7 +10,7 @@ def sse_events(text: str) -> list[dict]:
     assert text.endswith("\n\n"), text[-200:]
     events = text.split("\n\n")[:-1]
     assert all(event.startswith("data: ") and "\n" not in event for event in events), text[:500]
-    return [json.loads(event[len("data: "):]) for event in events]
+    return [json.loads(event[len("data: ") :]) for event in events]
 
 
 def status_and_body(raw: str) -> tuple[int, dict[str, str], str]:

@@ -48,8 +48,7 @@ def test_generation_routes_refuse_without_the_key(keyed_gateway, path, body, aut
 
 @pytest.mark.parametrize(("path", "body"), GUARDED_ROUTES)
 def test_generation_routes_serve_with_the_key(keyed_gateway, path, body):
-    status, _, text = status_and_body(keyed_gateway.curl(path, "-i", "-H", f"authorization: bearer {KEY}",
-                                                         body=body))
+    status, _, text = status_and_body(keyed_gateway.curl(path, "-i", "-H", f"authorization: bearer {KEY}", body=body))
     assert status == 200 and text
 
 

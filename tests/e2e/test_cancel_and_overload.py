@@ -28,8 +28,9 @@ GUARD_TOKENS = 100
 
 @pytest.fixture(scope="module")
 def long_prompt(tiny_grpc_server):
-    request = pb.GenerateRequest(inputs=LONG_PROMPT, parameters=pb.GenerateParameters(
-        max_new_tokens=GUARD_TOKENS, details=True))
+    request = pb.GenerateRequest(
+        inputs=LONG_PROMPT, parameters=pb.GenerateParameters(max_new_tokens=GUARD_TOKENS, details=True)
+    )
     details = tiny_grpc_server.stub.Generate(request, timeout=120).details
     assert details.finish_reason == "length", "the long prompt must not end early for these tests to mean anything"
     return LONG_PROMPT
@@ -43,7 +44,7 @@ def open_stream(url: str, path: str, body: dict) -> tuple[http.client.HTTPConnec
     response = connection.getresponse()
     assert response.status == 200
     first = response.readline()
-    assert first.startswith(b"data: {\"index\":1"), first
+    assert first.startswith(b'data: {"index":1'), first
     return connection, response
 
 
@@ -83,8 +84,9 @@ def one_slot_gateway(tiny_engine_config, start_grpc_server, start_gateway):
 
 def test_overloaded(one_slot_gateway, long_prompt):
     gateway = one_slot_gateway
-    connection, _ = open_stream(gateway.url, "/generate_stream",
-                                {"inputs": long_prompt, "parameters": {"max_new_tokens": LONG_RUN}})
+    connection, _ = open_stream(
+        gateway.url, "/generate_stream", {"inputs": long_prompt, "parameters": {"max_new_tokens": LONG_RUN}}
+    )
     try:
         client = text_generation.Client(gateway.url, timeout=60)
         with pytest.raises(text_generation.errors.OverloadedError, match="overloaded"):

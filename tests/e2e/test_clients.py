@@ -39,7 +39,8 @@ def test_text_generation_client(gateway, sampling):
     assert response.generated_text == expected.generated_text
     assert [t.id for t in response.details.tokens] == [t.id for t in expected.details.tokens]
     assert [t.logprob for t in response.details.tokens] == pytest.approx(
-        [t.logprob for t in expected.details.tokens], abs=1e-6)
+        [t.logprob for t in expected.details.tokens], abs=1e-6
+    )
     assert response.details.finish_reason.value == expected.details.finish_reason
     assert response.details.seed == (sampling["seed"] if sampling else None)
 
@@ -70,23 +71,35 @@ def test_text_generation_validation_errors(gateway):
     with pytest.raises(text_generation.errors.ValidationError, match="top_n_tokens"):
         list(client.generate_stream(PROMPT, max_new_tokens=2, top_n_tokens=100))
     # The client sends a JSON schema as an object: it must reach validation (422), not fail transcoding.
-    schema = text_generation.types.Grammar(type=text_generation.types.GrammarType.Json,
-                                           value={"properties": {"a": {"type": "nope"}}})
+    schema = text_generation.types.Grammar(
+        type=text_generation.types.GrammarType.Json, value={"properties": {"a": {"type": "nope"}}}
+    )
     with pytest.raises(text_generation.errors.ValidationError, match="grammar is not valid: Invalid type: nope"):
         client.generate(PROMPT, max_new_tokens=2, grammar=schema)
 
 
 def test_text_generation_grammars_constrain_the_output(gateway):
     client = text_generation.Client(gateway.url, timeout=60)
-    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                                               "kind": {"enum": ["a", "b"]}},
-              "required": ["id", "kind"], "additionalProperties": False}
-    response = client.generate(PROMPT, max_new_tokens=60, grammar=text_generation.types.Grammar(
-        type=text_generation.types.GrammarType.Json, value=schema))
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "kind": {"enum": ["a", "b"]}},
+        "required": ["id", "kind"],
+        "additionalProperties": False,
+    }
+    response = client.generate(
+        PROMPT,
+        max_new_tokens=60,
+        grammar=text_generation.types.Grammar(type=text_generation.types.GrammarType.Json, value=schema),
+    )
     jsonschema.validate(json.loads(response.generated_text), schema)
     assert response.details.finish_reason == "eos_token"
-    response = client.generate(PROMPT, max_new_tokens=60, grammar=text_generation.types.Grammar(
-        type=text_generation.types.GrammarType.Regex, value="[0-9]{3}-[a-z]{2,4}"))
+    response = client.generate(
+        PROMPT,
+        max_new_tokens=60,
+        grammar=text_generation.types.Grammar(
+            type=text_generation.types.GrammarType.Regex, value="[0-9]{3}-[a-z]{2,4}"
+        ),
+    )
     assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", response.generated_text), response.generated_text
 
 

@@ -18,8 +18,14 @@ def test_generate(gateway, validate):
 
 
 def test_generate_with_details(gateway, validate):
-    parameters = {"max_new_tokens": 5, "details": True, "decoder_input_details": True, "top_n_tokens": 2,
-                  "do_sample": True, "seed": 2**64 - 1}
+    parameters = {
+        "max_new_tokens": 5,
+        "details": True,
+        "decoder_input_details": True,
+        "top_n_tokens": 2,
+        "do_sample": True,
+        "seed": 2**64 - 1,
+    }
     body = json.loads(gateway.curl("/generate", body={"inputs": PROMPT, "parameters": parameters}))
     validate(body, "GenerateResponse")
     details = body["details"]
@@ -32,8 +38,9 @@ def test_generate_with_details(gateway, validate):
 
 
 def test_greedy_details_have_a_null_seed_and_no_top_tokens(gateway, validate):
-    body = json.loads(gateway.curl("/generate", body={"inputs": PROMPT,
-                                                      "parameters": {"max_new_tokens": 3, "details": True}}))
+    body = json.loads(
+        gateway.curl("/generate", body={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True}})
+    )
     validate(body, "GenerateResponse")
     assert body["details"]["seed"] is None and body["details"]["prefill"] == []
     assert "top_tokens" not in body["details"] and "best_of_sequences" not in body["details"]
@@ -48,8 +55,9 @@ def test_best_of(gateway, validate):
 
 
 def test_generate_stream(gateway, validate):
-    raw = gateway.curl("/generate_stream", "-N", "-i",
-                       body={"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": True}})
+    raw = gateway.curl(
+        "/generate_stream", "-N", "-i", body={"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": True}}
+    )
     status, headers, body = status_and_body(raw)
     assert status == 200 and headers["content-type"] == "text/event-stream"
     assert headers["cache-control"] == "no-cache"
@@ -65,8 +73,11 @@ def test_generate_stream(gateway, validate):
 
 
 def test_stream_top_tokens_are_flat(gateway, validate):
-    events = sse_events(gateway.curl("/generate_stream", "-N", body={
-        "inputs": PROMPT, "parameters": {"max_new_tokens": 3, "top_n_tokens": 2}}))
+    events = sse_events(
+        gateway.curl(
+            "/generate_stream", "-N", body={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "top_n_tokens": 2}}
+        )
+    )
     for event in events:
         validate(event, "StreamResponse")
         assert len(event["top_tokens"]) >= 2 and all("id" in t for t in event["top_tokens"])
@@ -85,8 +96,9 @@ def test_compat_route(gateway, validate, path):
 
 @COMPAT_PATHS
 def test_compat_route_streams(gateway, validate, path):
-    events = sse_events(gateway.curl(path, "-N", body={
-        "inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}}))
+    events = sse_events(
+        gateway.curl(path, "-N", body={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}})
+    )
     for event in events:
         validate(event, "StreamResponse")
     assert events[-1]["generated_text"].startswith(PROMPT)
@@ -94,8 +106,9 @@ def test_compat_route_streams(gateway, validate, path):
 
 @COMPAT_PATHS
 def test_compat_route_reads_stream_from_the_top_level_only(gateway, path):
-    body = json.loads(gateway.curl(path, body={"inputs": 'say "stream": true', "parameters": {
-        "max_new_tokens": 2, "stream": True}}))
+    body = json.loads(
+        gateway.curl(path, body={"inputs": 'say "stream": true', "parameters": {"max_new_tokens": 2, "stream": True}})
+    )
     assert isinstance(body, list)
 
 
@@ -132,30 +145,48 @@ def test_metrics(gateway):
 def test_models(gateway):
     body = json.loads(gateway.curl("/v1/models"))
     model_id = gateway.server.engine.info.model_id
-    assert body == {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                                "owned_by": model_id}]}
+    assert body == {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]}
 
 
 def test_unknown_request_fields_and_nulls_are_accepted(gateway, validate):
-    body = json.loads(gateway.curl("/generate", body={
-        "inputs": PROMPT, "model": "tgi", "parameters": {"max_new_tokens": 2, "seed": None, "grammar": None,
-                                                         "stop": [], "unknown": {"nested": [1]}}}))
+    body = json.loads(
+        gateway.curl(
+            "/generate",
+            body={
+                "inputs": PROMPT,
+                "model": "tgi",
+                "parameters": {
+                    "max_new_tokens": 2,
+                    "seed": None,
+                    "grammar": None,
+                    "stop": [],
+                    "unknown": {"nested": [1]},
+                },
+            },
+        )
+    )
     validate(body, "GenerateResponse")
 
 
-@pytest.mark.parametrize(("parameters", "message"), [
-    ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
-    ({"temperature": 0}, "`temperature` must be strictly positive"),
-    ({"top_n_tokens": 100}, "`top_n_tokens` must be >= 0 and <= 5"),
-    # TGI's grammar shapes all reach validation (a schema object, its JSON text, a regex).
-    ({"grammar": {"type": "json", "value": {"properties": {"a": {"type": "nope"}}}}},
-     "grammar is not valid: Invalid type: nope"),
-    ({"grammar": {"type": "json", "value": '{"properties": '}}, "grammar is not valid: the schema is not JSON"),
-    ({"grammar": {"type": "regex", "value": "[0-9"}}, "grammar is not valid: "),
-])
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+        ({"temperature": 0}, "`temperature` must be strictly positive"),
+        ({"top_n_tokens": 100}, "`top_n_tokens` must be >= 0 and <= 5"),
+        # TGI's grammar shapes all reach validation (a schema object, its JSON text, a regex).
+        (
+            {"grammar": {"type": "json", "value": {"properties": {"a": {"type": "nope"}}}}},
+            "grammar is not valid: Invalid type: nope",
+        ),
+        ({"grammar": {"type": "json", "value": '{"properties": '}}, "grammar is not valid: the schema is not JSON"),
+        ({"grammar": {"type": "regex", "value": "[0-9"}}, "grammar is not valid: "),
+    ],
+)
 def test_validation_errors(gateway, validate, parameters, message):
-    status, headers, body = status_and_body(gateway.curl("/generate", "-i", body={
-        "inputs": PROMPT, "parameters": parameters}))
+    status, headers, body = status_and_body(
+        gateway.curl("/generate", "-i", body={"inputs": PROMPT, "parameters": parameters})
+    )
     error = json.loads(body)
     validate(error, "ErrorResponse")
     assert (status, error["error_type"]) == (422, "validation") and message in error["error"]
@@ -163,14 +194,33 @@ def test_validation_errors(gateway, validate, parameters, message):
     assert not any(name.startswith("grpc-") for name in headers)
 
 
-@pytest.mark.parametrize("grammar", [
-    {"type": "json", "value": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
-                               "required": ["n"], "additionalProperties": False}},
-    {"type": "json_schema", "value": {"name": "n", "schema": {
-        "type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
-        "additionalProperties": False}}},
-    {"type": "regex", "value": "[0-9]{3}-[a-z]{2,4}"},
-])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        {
+            "type": "json",
+            "value": {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "maximum": 99}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        },
+        {
+            "type": "json_schema",
+            "value": {
+                "name": "n",
+                "schema": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer", "maximum": 99}},
+                    "required": ["n"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        {"type": "regex", "value": "[0-9]{3}-[a-z]{2,4}"},
+    ],
+)
 def test_grammar_constrains_generate_and_stream(gateway, validate, grammar):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 60, "grammar": grammar, "details": True}}
     response = json.loads(gateway.curl("/generate", body=body))
@@ -193,11 +243,21 @@ def test_stream_errors_are_in_band(gateway, validate):
     assert status == 200 and event["error_type"] == "validation" and "`top_p`" in event["error"]
 
 
-@pytest.mark.parametrize(("args", "status", "error_type"), [
-    (("-X", "POST", "-d", '{"inputs":', "-H", "Content-Type: application/json"), 400, "validation"),
-    (("-X", "POST", "-d", '{"inputs": 5}'), 400, "validation"),
-    (("-X", "GET",), 405, "method_not_allowed"),
-])
+@pytest.mark.parametrize(
+    ("args", "status", "error_type"),
+    [
+        (("-X", "POST", "-d", '{"inputs":', "-H", "Content-Type: application/json"), 400, "validation"),
+        (("-X", "POST", "-d", '{"inputs": 5}'), 400, "validation"),
+        (
+            (
+                "-X",
+                "GET",
+            ),
+            405,
+            "method_not_allowed",
+        ),
+    ],
+)
 def test_malformed_requests_get_json_errors(gateway, validate, args, status, error_type):
     got_status, headers, body = status_and_body(gateway.curl("/generate", "-i", *args))
     error = json.loads(body)

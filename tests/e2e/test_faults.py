@@ -41,10 +41,17 @@ def slow_model_dir(tmp_path_factory, byte_tokenizer):
     folder = tmp_path_factory.mktemp("slow-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(byte_tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-        bos_token_id=byte_tokenizer.bos_token_id, eos_token_id=byte_tokenizer.eos_token_id,
-        pad_token_id=byte_tokenizer.pad_token_id)
+        vocab_size=len(byte_tokenizer),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=byte_tokenizer.bos_token_id,
+        eos_token_id=byte_tokenizer.eos_token_id,
+        pad_token_id=byte_tokenizer.pad_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     byte_tokenizer.save_pretrained(folder)
     return folder
@@ -178,11 +185,16 @@ def test_faults_lose_nothing(cluster):
     def expiring(index: int) -> None:
         with grpc.insecure_channel(url.removeprefix("http://")) as channel:
             try:
-                generate_pb2_grpc.TextGenerationStub(channel).Generate(pb.GenerateRequest(
-                    inputs=f"deadline {index}", parameters=pb.GenerateParameters(max_new_tokens=LONG)), timeout=0.05)
+                generate_pb2_grpc.TextGenerationStub(channel).Generate(
+                    pb.GenerateRequest(
+                        inputs=f"deadline {index}", parameters=pb.GenerateParameters(max_new_tokens=LONG)
+                    ),
+                    timeout=0.05,
+                )
                 ledger.add("deadline expiry", "ok")
             except grpc.RpcError as error:
                 ledger.add("deadline expiry", error.code().name)
+
     _join(_threads(expiring, 20))
     _idle_and_nothing_leaked(run)
     # A replica answers DEADLINE_EXCEEDED for them, which Envoy counts as a gateway failure: no

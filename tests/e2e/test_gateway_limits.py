@@ -13,8 +13,7 @@ PAYLOAD_LIMIT = 4096
 
 @pytest.fixture(scope="module")
 def limited(tiny_grpc_server, start_gateway):
-    return start_gateway(tiny_grpc_server, payload_limit=PAYLOAD_LIMIT,
-                         cors_allow_origin=("https://app.example",))
+    return start_gateway(tiny_grpc_server, payload_limit=PAYLOAD_LIMIT, cors_allow_origin=("https://app.example",))
 
 
 @pytest.mark.parametrize("path", ["/generate", "/", "/generate_stream"])
@@ -34,8 +33,14 @@ def test_the_limit_is_on_requests_not_answers(limited):
 
 
 def test_cors_allows_the_configured_origin_only(limited):
-    preflight = ("-X", "OPTIONS", "-H", "Access-Control-Request-Method: POST",
-                 "-H", "Access-Control-Request-Headers: content-type")
+    preflight = (
+        "-X",
+        "OPTIONS",
+        "-H",
+        "Access-Control-Request-Method: POST",
+        "-H",
+        "Access-Control-Request-Headers: content-type",
+    )
     _, headers, _ = status_and_body(limited.curl("/generate", "-i", *preflight, "-H", "Origin: https://app.example"))
     assert headers["access-control-allow-origin"] == "https://app.example"
     assert "POST" in headers["access-control-allow-methods"]

@@ -23,8 +23,11 @@ def test_launch_restarts_envoy_and_stops_cleanly(launched):
     url = ready.group(1)
     envoy_pid = int(run.wait_for(r"Envoy (\d+): REST on port").group(1))
     assert get(url + "/health") == (200, b"")
-    request = urllib.request.Request(url + "/generate", data=b'{"inputs":"hello","parameters":{"max_new_tokens":3}}',
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/generate",
+        data=b'{"inputs":"hello","parameters":{"max_new_tokens":3}}',
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert b"generated_text" in response.read()
 

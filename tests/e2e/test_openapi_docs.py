@@ -51,8 +51,17 @@ def test_the_served_document_is_the_committed_one(document):
 
 
 def test_tgi_responses_validate(docs_gateway, document):
-    body = {"inputs": "hello", "parameters": {"max_new_tokens": 4, "details": True, "decoder_input_details": True,
-                                              "top_n_tokens": 2, "do_sample": True, "seed": 3}}
+    body = {
+        "inputs": "hello",
+        "parameters": {
+            "max_new_tokens": 4,
+            "details": True,
+            "decoder_input_details": True,
+            "top_n_tokens": 2,
+            "do_sample": True,
+            "seed": 3,
+        },
+    }
     check(document, json.loads(docs_gateway.curl("/generate", body=body)), "/generate", "post")
     check(document, json.loads(docs_gateway.curl("/", body=body)), "/", "post")
     for event in sse_events(docs_gateway.curl("/generate_stream", body=body)):
@@ -86,11 +95,15 @@ def test_swagger_ui_lists_every_route(docs_gateway, document, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "Chromium is needed: `make test` installs Debian's chromium package"
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000"]
-    dom = subprocess.run([*flags, "--dump-dom", docs_gateway.url + "/docs"], capture_output=True, text=True,
-                         timeout=120).stdout
+    dom = subprocess.run(
+        [*flags, "--dump-dom", docs_gateway.url + "/docs"], capture_output=True, text=True, timeout=120
+    ).stdout
     listed = {segment.split('"')[0] for segment in dom.split('data-path="')[1:]}
     assert listed == set(document["paths"]), set(document["paths"]) ^ listed
     screenshot = tmp_path / "docs.png"
-    subprocess.run([*flags, "--window-size=1280,2000", f"--screenshot={screenshot}", docs_gateway.url + "/docs"],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [*flags, "--window-size=1280,2000", f"--screenshot={screenshot}", docs_gateway.url + "/docs"],
+        capture_output=True,
+        timeout=120,
+    )
     assert screenshot.read_bytes().startswith(b"\x89PNG") and screenshot.stat().st_size > 20_000

@@ -14,10 +14,12 @@ SCHEMES = ["eetq", "fp8", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_a_quantized_server_samples_streams_and_reports_itself(start_grpc_server, start_gateway,
-                                                              tiny_engine_config, scheme):
-    config = dataclasses.replace(tiny_engine_config,
-                                 model=dataclasses.replace(tiny_engine_config.model, quantize=scheme))
+def test_a_quantized_server_samples_streams_and_reports_itself(
+    start_grpc_server, start_gateway, tiny_engine_config, scheme
+):
+    config = dataclasses.replace(
+        tiny_engine_config, model=dataclasses.replace(tiny_engine_config.model, quantize=scheme)
+    )
     server = start_grpc_server(config)
     parameters = pb.GenerateParameters(max_new_tokens=6, do_sample=True, seed=5, top_k=20, details=True)
     request = pb.GenerateRequest(inputs="the quick brown fox", parameters=parameters)
@@ -31,6 +33,13 @@ def test_a_quantized_server_samples_streams_and_reports_itself(start_grpc_server
     gateway = start_gateway(server)
     body = json.loads(gateway.curl("/info"))
     assert body["quantize"] == scheme and isinstance(body["weights_memory_bytes"], int)
-    generated = json.loads(gateway.curl("/generate", body={"inputs": "the quick brown fox", "parameters": {
-        "max_new_tokens": 6, "do_sample": True, "seed": 5, "top_k": 20, "details": True}}))
+    generated = json.loads(
+        gateway.curl(
+            "/generate",
+            body={
+                "inputs": "the quick brown fox",
+                "parameters": {"max_new_tokens": 6, "do_sample": True, "seed": 5, "top_k": 20, "details": True},
+            },
+        )
+    )
     assert generated["generated_text"] == unary.generated_text

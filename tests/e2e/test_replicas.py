@@ -40,8 +40,9 @@ def wait_envoy_sees_healthy(run: Launched, count: int = 2, timeout_s: float = 30
     while time.monotonic() < deadline:
         with urllib.request.urlopen(admin + "/clusters", timeout=5) as response:
             lines = response.read().decode().splitlines()
-        flags = [line.rsplit("::", 1)[1] for line in lines
-                 if line.startswith("textgen::") and "::health_flags::" in line]
+        flags = [
+            line.rsplit("::", 1)[1] for line in lines if line.startswith("textgen::") and "::health_flags::" in line
+        ]
         if len(flags) == 2 and flags.count("healthy") >= count:
             time.sleep(1.5)  # Envoy merges host updates over 1 s before its balancer uses them
             return
@@ -73,8 +74,10 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(steps_of(port) for _, port in replicas.values()):
         results: list[tuple[int, dict]] = []
-        threads = [threading.Thread(target=lambda i=i, out=results: out.append(generate(url, f"hello {i}", 64)))
-                   for i in range(8)]
+        threads = [
+            threading.Thread(target=lambda i=i, out=results: out.append(generate(url, f"hello {i}", 64)))
+            for i in range(8)
+        ]
         for thread in threads:
             thread.start()
             time.sleep(0.02)
@@ -86,13 +89,13 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
     # gRPC through the same port as REST.
     with grpc.insecure_channel(url.removeprefix("http://")) as channel:
         reply = generate_pb2_grpc.TextGenerationStub(channel).Generate(
-            pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=3)), timeout=30)
+            pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=3)), timeout=30
+        )
     assert reply.generated_text
 
     # SIGKILL replica 1 while requests are in flight.
     outcomes: list[tuple[int, dict]] = []
-    load = [threading.Thread(target=lambda i=i: outcomes.append(generate(url, f"load {i}", 40)))
-            for i in range(16)]
+    load = [threading.Thread(target=lambda i=i: outcomes.append(generate(url, f"load {i}", 40))) for i in range(16)]
     for thread in load:
         thread.start()
     time.sleep(0.3)
@@ -103,8 +106,9 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
     assert len(outcomes) == 16, "a request hung"
     failures = [(status, body) for status, body in outcomes if status != 200]
     assert all(status >= 500 and body.get("error") for status, body in failures), failures  # typed errors
-    assert len(failures) < 16 and all(body.get("generated_text") is not None
-                                      for status, body in outcomes if status == 200)
+    assert len(failures) < 16 and all(
+        body.get("generated_text") is not None for status, body in outcomes if status == 200
+    )
 
     # Restarted on the same port, it serves again; nothing is lost meanwhile.
     run.wait_for(r"replica 1 restarted \(pid (\d+)\): serving again", timeout_s=60)

@@ -26,8 +26,11 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
 # Documented 5xx answers (the document lists them): a generation error (TGI 424 is 4xx) or an
 # unavailable server; anything else in 5xx is a bug.
 DOCUMENTED_5XX = {500: "generation", 503: "unavailable"}
-CHECKS = [openapi_checks.status_code_conformance, openapi_checks.content_type_conformance,
-          openapi_checks.response_schema_conformance]
+CHECKS = [
+    openapi_checks.status_code_conformance,
+    openapi_checks.content_type_conformance,
+    openapi_checks.response_schema_conformance,
+]
 STATUSES: Counter = Counter()
 
 
@@ -35,8 +38,12 @@ STATUSES: Counter = Counter()
 def fuzzed_gateway(tiny_chat_engine_config, start_gateway):
     from tests.conftest import GrpcServerThread
 
-    config = dataclasses.replace(tiny_chat_engine_config, limits=LimitsConfig(
-        max_total_tokens=tiny_chat_engine_config.limits.max_total_tokens, max_concurrent_requests=64))
+    config = dataclasses.replace(
+        tiny_chat_engine_config,
+        limits=LimitsConfig(
+            max_total_tokens=tiny_chat_engine_config.limits.max_total_tokens, max_concurrent_requests=64
+        ),
+    )
     server = GrpcServerThread(config)
     yield start_gateway(server)
     server.stop(timeout_s=1.0)
@@ -50,14 +57,20 @@ def operations(fuzzed_gateway) -> dict:
 
 
 # Driven through hypothesis directly (schemathesis's pytest plugin predates pytest 9).
-@pytest.mark.parametrize("label", [f"{method.upper()} {path}" for path, methods in
-                                   json.loads(OPENAPI.read_text())["paths"].items()
-                                   for method in methods])
+@pytest.mark.parametrize(
+    "label",
+    [
+        f"{method.upper()} {path}"
+        for path, methods in json.loads(OPENAPI.read_text())["paths"].items()
+        for method in methods
+    ],
+)
 def test_rest_routes_answer_as_documented(operations, fuzzed_gateway, label):
     operation = operations[label]
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(operation.as_strategy())
     def run(case):
         response = case.call(base_url=fuzzed_gateway.url, timeout=60)

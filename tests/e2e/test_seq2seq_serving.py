@@ -17,24 +17,39 @@ from tests.tiny_seq2seq import save_model, seq2seq_config
 from textgen.v1 import generate_pb2 as pb
 from textgen_client import Client, ValidationError
 
-SENTENCES = ["the quick brown fox", "jumps over the lazy dog", "a", "café naïve", "runs home at night",
-             "the dog and the fox", "over", "quick quick brown"]
+SENTENCES = [
+    "the quick brown fox",
+    "jumps over the lazy dog",
+    "a",
+    "café naïve",
+    "runs home at night",
+    "the dog and the fox",
+    "over",
+    "quick quick brown",
+]
 
 
 @pytest.fixture(scope="module")
 def translator(tmp_path_factory, byte_tokenizer):
     """(folder, default target-language id, another language's token)."""
     language = byte_tokenizer.convert_tokens_to_ids("<|im_start|>")
-    folder = save_model(seq2seq_config("m2m_100", byte_tokenizer), byte_tokenizer,
-                        tmp_path_factory.mktemp("m2m100"), forced_bos_token_id=language)
+    folder = save_model(
+        seq2seq_config("m2m_100", byte_tokenizer),
+        byte_tokenizer,
+        tmp_path_factory.mktemp("m2m100"),
+        forced_bos_token_id=language,
+    )
     return folder, language, "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
 def served(translator, start_grpc_server, start_gateway):
     folder, _, _ = translator
-    config = EngineConfig(model=ModelConfig(model_id=str(folder), device="cpu", dtype="float32"),
-                          cache=CacheConfig(max_batch_total_tokens=2048), limits=LimitsConfig(max_total_tokens=96))
+    config = EngineConfig(
+        model=ModelConfig(model_id=str(folder), device="cpu", dtype="float32"),
+        cache=CacheConfig(max_batch_total_tokens=2048),
+        limits=LimitsConfig(max_total_tokens=96),
+    )
     server = start_grpc_server(config)
     return server, start_gateway(server)
 
@@ -67,23 +82,34 @@ def test_grpc_generates_what_transformers_does_and_streams_it(served, translator
     folder, language, _ = translator
     info = server.stub.Info(pb.InfoRequest(), timeout=10)
     assert (info.model_pipeline_tag, info.attention_impl) == ("text2text-generation", "transformers")
-    request = pb.GenerateRequest(inputs=SENTENCES[0], parameters=pb.GenerateParameters(
-        max_new_tokens=10, details=True, decoder_input_details=True))
+    request = pb.GenerateRequest(
+        inputs=SENTENCES[0],
+        parameters=pb.GenerateParameters(max_new_tokens=10, details=True, decoder_input_details=True),
+    )
     unary = server.stub.Generate(request, timeout=60)
     expected = _greedy_reference(folder, byte_tokenizer.encode(SENTENCES[0]), 10)
     assert [t.id for t in unary.details.tokens] == expected and expected[0] == language
-    assert unary.details.prefill[0].id == AutoModelForSeq2SeqLM.from_pretrained(
-        folder).generation_config.decoder_start_token_id
-    streamed = list(server.stub.GenerateStream(pb.GenerateRequest(
-        inputs=SENTENCES[0], parameters=pb.GenerateParameters(max_new_tokens=10)), timeout=60))
+    assert (
+        unary.details.prefill[0].id
+        == AutoModelForSeq2SeqLM.from_pretrained(folder).generation_config.decoder_start_token_id
+    )
+    streamed = list(
+        server.stub.GenerateStream(
+            pb.GenerateRequest(inputs=SENTENCES[0], parameters=pb.GenerateParameters(max_new_tokens=10)), timeout=60
+        )
+    )
     assert [m.token.id for m in streamed] == expected
     assert streamed[-1].generated_text == unary.generated_text
 
 
 def test_many_threads_posting_to_the_root_route_as_the_translation_client_does(served):
     server, gateway = served
-    expected = {s: server.stub.Generate(pb.GenerateRequest(inputs=s, parameters=pb.GenerateParameters(
-        max_new_tokens=12)), timeout=60).generated_text for s in SENTENCES}
+    expected = {
+        s: server.stub.Generate(
+            pb.GenerateRequest(inputs=s, parameters=pb.GenerateParameters(max_new_tokens=12)), timeout=60
+        ).generated_text
+        for s in SENTENCES
+    }
 
     def translate(sentence: str) -> tuple[str, list]:
         return sentence, json.loads(gateway.curl("/", body={"inputs": sentence, "parameters": {"max_new_tokens": 12}}))
@@ -95,22 +121,32 @@ def test_many_threads_posting_to_the_root_route_as_the_translation_client_does(s
         # text2text-generation model, as TGI does.
         assert isinstance(body, list) and len(body) == 1
         assert body[0]["generated_text"] == expected[sentence]
-    streamed = sse_events(gateway.curl("/", body={"inputs": SENTENCES[1], "stream": True,
-                                                  "parameters": {"max_new_tokens": 12}}))
+    streamed = sse_events(
+        gateway.curl("/", body={"inputs": SENTENCES[1], "stream": True, "parameters": {"max_new_tokens": 12}})
+    )
     assert streamed[-1]["generated_text"] == expected[SENTENCES[1]]
 
 
 def test_a_request_names_its_target_language(served, translator):
     _server, gateway = served
     _, language, other = translator
-    body = json.loads(gateway.curl("/generate", body={"inputs": SENTENCES[1], "parameters": {
-        "max_new_tokens": 6, "details": True, "forced_bos_token": other}}))
+    body = json.loads(
+        gateway.curl(
+            "/generate",
+            body={
+                "inputs": SENTENCES[1],
+                "parameters": {"max_new_tokens": 6, "details": True, "forced_bos_token": other},
+            },
+        )
+    )
     assert body["details"]["tokens"][0]["text"] == other
-    default = json.loads(gateway.curl("/generate", body={"inputs": SENTENCES[1], "parameters": {
-        "max_new_tokens": 6, "details": True}}))
+    default = json.loads(
+        gateway.curl("/generate", body={"inputs": SENTENCES[1], "parameters": {"max_new_tokens": 6, "details": True}})
+    )
     assert default["details"]["tokens"][0]["id"] == language
-    refused = gateway.curl("/generate", "-i", body={"inputs": SENTENCES[1], "parameters": {
-        "forced_bos_token": "__xx__"}})
+    refused = gateway.curl(
+        "/generate", "-i", body={"inputs": SENTENCES[1], "parameters": {"forced_bos_token": "__xx__"}}
+    )
     assert " 422 " in refused.splitlines()[0] and "forced_bos_token" in refused
     info = json.loads(gateway.curl("/info"))
     assert info["model_pipeline_tag"] == "text2text-generation"
@@ -131,18 +167,19 @@ def test_the_typed_client_names_a_target_language(served, translator):
 
 def test_openai_completions_count_the_encoders_input_as_the_prompt(served, byte_tokenizer):
     _server, gateway = served
-    body = json.loads(gateway.curl("/v1/completions", body={"model": "m2m100", "prompt": SENTENCES[4],
-                                                            "max_tokens": 5, "seed": 3}))
+    body = json.loads(
+        gateway.curl("/v1/completions", body={"model": "m2m100", "prompt": SENTENCES[4], "max_tokens": 5, "seed": 3})
+    )
     assert body["usage"]["prompt_tokens"] == len(byte_tokenizer.encode(SENTENCES[4]))
     assert 1 <= body["usage"]["completion_tokens"] <= 5
 
 
 def test_sampling_and_details_through_rest(served):
     server, gateway = served
-    parameters = {"max_new_tokens": 8, "do_sample": True, "seed": 11, "top_k": 30, "details": True,
-                  "top_n_tokens": 2}
+    parameters = {"max_new_tokens": 8, "do_sample": True, "seed": 11, "top_k": 30, "details": True, "top_n_tokens": 2}
     rest = json.loads(gateway.curl("/generate", body={"inputs": SENTENCES[3], "parameters": parameters}))
-    grpc_reply = server.stub.Generate(pb.GenerateRequest(inputs=SENTENCES[3], parameters=pb.GenerateParameters(
-        **parameters)), timeout=60)
+    grpc_reply = server.stub.Generate(
+        pb.GenerateRequest(inputs=SENTENCES[3], parameters=pb.GenerateParameters(**parameters)), timeout=60
+    )
     assert rest["generated_text"] == grpc_reply.generated_text and rest["details"]["seed"] == 11
     assert all(len(top) == 2 for top in rest["details"]["top_tokens"])

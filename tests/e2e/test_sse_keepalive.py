@@ -48,8 +48,12 @@ def while_busy(gateway, call):
 
 
 def test_a_waiting_stream_gets_keepalive_comments(queued_gateway):
-    body = while_busy(queued_gateway, lambda: queued_gateway.curl(
-        "/generate_stream", "-N", body={"inputs": "b", "parameters": {"max_new_tokens": 3}}))
+    body = while_busy(
+        queued_gateway,
+        lambda: queued_gateway.curl(
+            "/generate_stream", "-N", body={"inputs": "b", "parameters": {"max_new_tokens": 3}}
+        ),
+    )
     assert body.startswith(COMMENT + COMMENT)  # several intervals passed before the first token
     events = sse_events(body.replace(COMMENT, ""))
     assert [e["index"] for e in events] == [1, 2, 3]

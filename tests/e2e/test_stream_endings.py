@@ -25,12 +25,27 @@ def served(tiny_model_dir, tmp_path, envoy_installed):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         grpc_port = probe.getsockname()[1]
-    command = [str(Path(sys.executable).with_name("inference-service")), "serve", "--model-id", str(tiny_model_dir),
-               "--device", "cpu", "--hostname", "127.0.0.1", "--grpc-port", str(grpc_port),
-               "--max-total-tokens", "512", "--max-batch-total-tokens", "4096",
-               "--graceful-termination-timeout", "0"]
-    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    command = [
+        str(Path(sys.executable).with_name("inference-service")),
+        "serve",
+        "--model-id",
+        str(tiny_model_dir),
+        "--device",
+        "cpu",
+        "--hostname",
+        "127.0.0.1",
+        "--grpc-port",
+        str(grpc_port),
+        "--max-total-tokens",
+        "512",
+        "--max-batch-total-tokens",
+        "4096",
+        "--graceful-termination-timeout",
+        "0",
+    ]
+    server = subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     envoy = Envoy(GatewayConfig(hostname="127.0.0.1", port=0, upstream_port=grpc_port, admin_port=0), tmp_path)
     try:
         for line in server.stderr:
@@ -51,11 +66,24 @@ def stream_and_signal(envoy: Envoy, server: subprocess.Popen, signum: int) -> su
     body = json.dumps({"inputs": "hello", "parameters": {"max_new_tokens": 480}})
     errors = envoy.workdir / "curl.stderr"
     with errors.open("wb") as error_file:
-        curl = subprocess.Popen(["curl", "-sS", "-N", "--max-time", "60", envoy.url("/generate_stream"),
-                                 "-H", "Content-Type: application/json", "-d", body],
-                                stdout=subprocess.PIPE, stderr=error_file)
+        curl = subprocess.Popen(
+            [
+                "curl",
+                "-sS",
+                "-N",
+                "--max-time",
+                "60",
+                envoy.url("/generate_stream"),
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                body,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=error_file,
+        )
         first = curl.stdout.readline()
-        assert first.startswith(b"data: {\"index\":1"), first
+        assert first.startswith(b'data: {"index":1'), first
         server.send_signal(signum)
         output = first + curl.stdout.read()
         curl.wait(60)

@@ -38,8 +38,9 @@ def _context(certs, client_cert: bool) -> ssl.SSLContext:
 
 
 def test_mutual_tls_through_envoy_to_the_engine(launched, certs):
-    run = launched("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                   "--tls-client-ca", str(certs.ca))
+    run = launched(
+        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca)
+    )
     ready = run.wait_for(r"ready: TGI REST API on (https://\S+), gRPC API on port (\d+)")
     url, engine_port = ready.group(1).replace("127.0.0.1", "localhost"), int(ready.group(2))
     assert _post(url, _context(certs, client_cert=True)) == 200
@@ -53,7 +54,8 @@ def test_mutual_tls_through_envoy_to_the_engine(launched, certs):
     for target in (url.removeprefix("https://"), f"localhost:{engine_port}"):  # through Envoy, and direct
         with grpc.secure_channel(target, credentials) as channel:
             reply = generate_pb2_grpc.TextGenerationStub(channel).Generate(
-                pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=3)), timeout=30)
+                pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=3)), timeout=30
+            )
         assert reply.generated_text
 
 

@@ -11,21 +11,37 @@ from hypothesis import strategies as st
 
 FD = descriptor.FieldDescriptor
 _I32, _U32, _I64, _U64 = (-(2**31), 2**31 - 1), (0, 2**32 - 1), (-(2**63), 2**63 - 1), (0, 2**64 - 1)
-_INTS = {FD.TYPE_INT32: _I32, FD.TYPE_SINT32: _I32, FD.TYPE_SFIXED32: _I32, FD.TYPE_UINT32: _U32,
-         FD.TYPE_FIXED32: _U32, FD.TYPE_INT64: _I64, FD.TYPE_SINT64: _I64, FD.TYPE_SFIXED64: _I64,
-         FD.TYPE_UINT64: _U64, FD.TYPE_FIXED64: _U64}
+_INTS = {
+    FD.TYPE_INT32: _I32,
+    FD.TYPE_SINT32: _I32,
+    FD.TYPE_SFIXED32: _I32,
+    FD.TYPE_UINT32: _U32,
+    FD.TYPE_FIXED32: _U32,
+    FD.TYPE_INT64: _I64,
+    FD.TYPE_SINT64: _I64,
+    FD.TYPE_SFIXED64: _I64,
+    FD.TYPE_UINT64: _U64,
+    FD.TYPE_FIXED64: _U64,
+}
 # Small values matter most (they pass validation and reach the engine), extremes second.
 _SMALL = st.integers(-3, 40)
-TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", " ", "\x00", "😀" * 30, "a" * 3000, "{", "\ud7ff",
-                                                       "json", "regex", "json_schema", "auto", "none"]))
+TEXT = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(
+        ["", " ", "\x00", "😀" * 30, "a" * 3000, "{", "\ud7ff", "json", "regex", "json_schema", "auto", "none"]
+    ),
+)
 
 
 def _json_values(depth: int) -> st.SearchStrategy:
     scalars = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=False, allow_infinity=False), TEXT)
     if depth <= 0:
         return scalars
-    return st.one_of(scalars, st.lists(_json_values(depth - 1), max_size=3),
-                     st.dictionaries(TEXT, _json_values(depth - 1), max_size=3))
+    return st.one_of(
+        scalars,
+        st.lists(_json_values(depth - 1), max_size=3),
+        st.dictionaries(TEXT, _json_values(depth - 1), max_size=3),
+    )
 
 
 def _scalar(field: FD) -> st.SearchStrategy:
@@ -87,8 +103,9 @@ def _message(draw, message_descriptor: descriptor.Descriptor, depth: int, densit
     return message
 
 
-def messages(message_descriptor: descriptor.Descriptor, depth: int = 3,
-             density: float = 0.5) -> st.SearchStrategy[Message]:
+def messages(
+    message_descriptor: descriptor.Descriptor, depth: int = 3, density: float = 0.5
+) -> st.SearchStrategy[Message]:
     """Messages with each field set with probability `density`."""
     return _message(message_descriptor, depth, density)
 
@@ -96,9 +113,11 @@ def messages(message_descriptor: descriptor.Descriptor, depth: int = 3,
 def mutations(base: Message, density: float = 0.15) -> st.SearchStrategy[Message]:
     """A valid request with a few fields overwritten (repeated ones extended): these get past
     validation more often and reach the engine."""
+
     def merged(changes: Message) -> Message:
         message = type(base)()
         message.CopyFrom(base)
         message.MergeFrom(changes)
         return message
+
     return messages(base.DESCRIPTOR, density=density).map(merged)

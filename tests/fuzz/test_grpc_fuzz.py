@@ -33,8 +33,14 @@ CHAT.messages[0].content.string_value = "hello"
 COMPLETION = pb.CompletionRequest(max_tokens=6)
 COMPLETION.prompt.string_value = "the quick brown fox"
 # RPC → (a valid request to mutate, streams)
-RPCS = {"Generate": (GENERATE, False), "GenerateStream": (GENERATE, True), "Tokenize": (GENERATE, False),
-        "ChatCompletion": (CHAT, False), "ChatCompletionStream": (CHAT, True), "Completion": (COMPLETION, False)}
+RPCS = {
+    "Generate": (GENERATE, False),
+    "GenerateStream": (GENERATE, True),
+    "Tokenize": (GENERATE, False),
+    "ChatCompletion": (CHAT, False),
+    "ChatCompletionStream": (CHAT, True),
+    "Completion": (COMPLETION, False),
+}
 OUTCOMES: Counter = Counter()
 
 
@@ -42,8 +48,12 @@ OUTCOMES: Counter = Counter()
 def server(tiny_chat_engine_config):
     from tests.conftest import GrpcServerThread
 
-    config = dataclasses.replace(tiny_chat_engine_config, limits=LimitsConfig(
-        max_total_tokens=tiny_chat_engine_config.limits.max_total_tokens, max_concurrent_requests=64))
+    config = dataclasses.replace(
+        tiny_chat_engine_config,
+        limits=LimitsConfig(
+            max_total_tokens=tiny_chat_engine_config.limits.max_total_tokens, max_concurrent_requests=64
+        ),
+    )
     server = GrpcServerThread(config)
     yield server
     server.stop(timeout_s=1.0)
@@ -71,8 +81,13 @@ def _call(server, rpc: str, request, streams: bool) -> None:
 def test_fuzzed_requests_end_with_a_result_or_a_typed_error(server, rpc):
     base, streams = RPCS[rpc]
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(st.one_of(messages(base.DESCRIPTOR), mutations(base)))
     def run(request):
         _call(server, rpc, request, streams)

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.slow
 TIMEOUT = 120
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
 ]
 
 
@@ -28,18 +30,23 @@ def _message(role: str, content: str) -> pb.ChatMessage:
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["user", "system+user"])
 def test_greedy_chat_equals_transformers_generate(demo_grpc_server, messages):
     max_tokens = 24
-    request = pb.ChatCompletionRequest(model="tgi", messages=[_message(m["role"], m["content"]) for m in messages],
-                                       max_tokens=max_tokens, temperature=0.0)
+    request = pb.ChatCompletionRequest(
+        model="tgi",
+        messages=[_message(m["role"], m["content"]) for m in messages],
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
     response = demo_grpc_server.stub.ChatCompletion(request, timeout=TIMEOUT)
 
     directory = ensure_demo_model()
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_tokens)
-    expected = out[0, len(prompt_ids):].tolist()
+    expected = out[0, len(prompt_ids) :].tolist()
 
     (choice,) = response.choices
     assert choice.message.role == "assistant"

@@ -35,17 +35,22 @@ def demo_dir():
 
 
 async def test_demo_model_greedy_matches_transformers_with_staggered_arrivals(demo_dir):
-    engine = AsyncEngine.from_config(EngineConfig(
-        model=ModelConfig(model_id=str(demo_dir), dtype="float32"),
-        scheduler=SchedulerConfig(max_batch_prefill_tokens=16)))  # chunked prefill of the longer prompts
+    engine = AsyncEngine.from_config(
+        EngineConfig(
+            model=ModelConfig(model_id=str(demo_dir), dtype="float32"),
+            scheduler=SchedulerConfig(max_batch_prefill_tokens=16),
+        )
+    )  # chunked prefill of the longer prompts
     engine.start()
     lengths = [20, 12, 16, 24, 10, 18, 14, 22, 12]
 
     async def one(index: int):
         await asyncio.sleep(0.15 * index)  # arrive while the earlier ones decode
-        request = await validated(engine,
+        request = await validated(
+            engine,
             GenerateRequest(PROMPTS[index], GenerateParameters(max_new_tokens=lengths[index], details=True)),
-            stream=False)
+            stream=False,
+        )
         return request, await engine.generate(request)
 
     try:
@@ -55,9 +60,12 @@ async def test_demo_model_greedy_matches_transformers_with_staggered_arrivals(de
     reference = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
     for request, result in results:
         with torch.inference_mode():
-            out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False,
-                                     max_new_tokens=request.stopping.max_new_tokens)
-        expected = out[0, len(request.prompt_token_ids):].tolist()
+            out = reference.generate(
+                torch.tensor([request.prompt_token_ids]),
+                do_sample=False,
+                max_new_tokens=request.stopping.max_new_tokens,
+            )
+        expected = out[0, len(request.prompt_token_ids) :].tolist()
         assert [t.id for t in result.tokens] == expected, request.inputs
     paris = next(r for q, r in results if q.inputs == PROMPTS[0])
     assert paris.generated_text.lstrip().startswith("Paris")

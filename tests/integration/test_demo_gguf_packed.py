@@ -17,8 +17,15 @@ from inference_service.worker.weights.gguf.weights import gguf_linear_weights
 
 pytestmark = pytest.mark.slow
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def test_every_projection_is_packed_and_equals_the_converted_weight():

@@ -13,20 +13,27 @@ from tests.engine_calls import validated
 
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 1, "maxLength": 30},
-    "age": {"type": "integer", "minimum": 0, "maximum": 130}},
-    "required": ["name", "age"], "additionalProperties": False}
-PROMPT = ("<|im_start|>user\nDescribe a person, Alice aged 31, as JSON.<|im_end|>\n"
-          "<|im_start|>assistant\n")
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PROMPT = "<|im_start|>user\nDescribe a person, Alice aged 31, as JSON.<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_demo_model_writes_a_person_that_validates(demo_grpc_server):
     engine = demo_grpc_server.engine
 
     async def run():
-        request = GenerateRequest(PROMPT, GenerateParameters(
-            max_new_tokens=60, grammar={"type": "json", "value": json.dumps(PERSON)}), add_special_tokens=False)
+        request = GenerateRequest(
+            PROMPT,
+            GenerateParameters(max_new_tokens=60, grammar={"type": "json", "value": json.dumps(PERSON)}),
+            add_special_tokens=False,
+        )
         return await engine.generate(await validated(engine, request, stream=False))
 
     result = demo_grpc_server.call(run())

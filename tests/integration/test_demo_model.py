@@ -49,8 +49,9 @@ def test_tokenizer_splits_digits_individually(tokenizer):
 
 
 def test_chat_template_is_chatml(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -59,7 +60,7 @@ def test_greedy_generation_knows_paris(demo_dir, tokenizer):
     inputs = tokenizer("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    continuation = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:])
+    continuation = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :])
     assert continuation.startswith(" Paris.\n\nThe answer is:"), continuation
 
 
@@ -75,8 +76,14 @@ def test_second_call_is_a_cache_hit(demo_dir, monkeypatch):
 
 
 def test_module_entry_point_prints_the_folder(demo_dir):
-    result = subprocess.run([sys.executable, "-m", "inference_service.models.demo"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "inference_service.models.demo"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert result.stdout.strip() == str(demo_dir)
 
 

@@ -16,13 +16,21 @@ from tests.engine_calls import validated
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = ("<|im_start|>system\nYou are a careful assistant for a small bakery. You answer questions about "
-          "opening hours (Monday to Friday 7am to 6pm, Saturday 8am to 2pm, closed on Sunday), the daily "
-          "bread (sourdough, rye, baguette, whole wheat), pastries (croissants, pain au chocolat, cinnamon "
-          "rolls) and custom cakes, which must be ordered three days ahead. Keep answers short and "
-          "friendly, and never invent prices.<|im_end|>\n")
-QUESTIONS = ["When are you open on Saturday?", "Do you sell rye bread?", "Can I order a cake for tomorrow?",
-             "What pastries do you have?", "When are you open on Saturday?", "Are you open on Sunday?"]
+SYSTEM = (
+    "<|im_start|>system\nYou are a careful assistant for a small bakery. You answer questions about "
+    "opening hours (Monday to Friday 7am to 6pm, Saturday 8am to 2pm, closed on Sunday), the daily "
+    "bread (sourdough, rye, baguette, whole wheat), pastries (croissants, pain au chocolat, cinnamon "
+    "rolls) and custom cakes, which must be ordered three days ahead. Keep answers short and "
+    "friendly, and never invent prices.<|im_end|>\n"
+)
+QUESTIONS = [
+    "When are you open on Saturday?",
+    "Do you sell rye bread?",
+    "Can I order a cake for tomorrow?",
+    "What pastries do you have?",
+    "When are you open on Saturday?",
+    "Are you open on Sunday?",
+]
 LENGTHS = [24, 18, 30, 20, 12, 26]
 
 
@@ -31,17 +39,23 @@ def _prompt(question: str) -> str:
 
 
 async def _run(demo_dir, prefix_caching: bool):
-    engine = AsyncEngine.from_config(EngineConfig(
-        model=ModelConfig(model_id=str(demo_dir), dtype="float32"),
-        cache=CacheConfig(max_batch_total_tokens=192, prefix_caching=prefix_caching),  # 12 blocks of 16
-        scheduler=SchedulerConfig(max_batch_prefill_tokens=48),  # the system prompt takes several steps
-        limits=LimitsConfig(max_total_tokens=192)))
+    engine = AsyncEngine.from_config(
+        EngineConfig(
+            model=ModelConfig(model_id=str(demo_dir), dtype="float32"),
+            cache=CacheConfig(max_batch_total_tokens=192, prefix_caching=prefix_caching),  # 12 blocks of 16
+            scheduler=SchedulerConfig(max_batch_prefill_tokens=48),  # the system prompt takes several steps
+            limits=LimitsConfig(max_total_tokens=192),
+        )
+    )
     engine.start()
 
     async def one(index: int):
         await asyncio.sleep(0.3 * (index % 3))  # some arrive while others prefill or decode
-        request = await validated(engine, GenerateRequest(_prompt(QUESTIONS[index]), GenerateParameters(
-            max_new_tokens=LENGTHS[index], details=True)), stream=False)
+        request = await validated(
+            engine,
+            GenerateRequest(_prompt(QUESTIONS[index]), GenerateParameters(max_new_tokens=LENGTHS[index], details=True)),
+            stream=False,
+        )
         result = await engine.generate(request)
         return [t.id for t in result.tokens]
 

@@ -46,14 +46,20 @@ def reference(tiny_model_dir):
 
 def _reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 async def _run(engine: AsyncEngine, inputs: str, **parameters):
-    request = await validated(engine, GenerateRequest(inputs=inputs, parameters=GenerateParameters(**parameters)),
-                                    stream=False)
+    request = await validated(
+        engine, GenerateRequest(inputs=inputs, parameters=GenerateParameters(**parameters)), stream=False
+    )
     return request, await engine.generate(request)
 
 
@@ -100,8 +106,9 @@ async def test_preempted_requests_are_recomputed_and_still_exact(make_engine, re
 
 async def test_logprobs_and_prompt_logprobs_equal_reference_log_softmax(make_engine, reference):
     engine = make_engine()
-    request, result = await _run(engine, PROMPTS[1], max_new_tokens=6, details=True, decoder_input_details=True,
-                                 top_n_tokens=3)
+    request, result = await _run(
+        engine, PROMPTS[1], max_new_tokens=6, details=True, decoder_input_details=True, top_n_tokens=3
+    )
     ids = request.prompt_token_ids + [t.id for t in result.tokens]
     with torch.inference_mode():
         logprobs = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)  # [L, V]
@@ -131,8 +138,7 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(make_engine
 
 async def test_cancelling_a_stream_frees_its_blocks_and_others_go_on(make_engine):
     engine = make_engine()
-    request = await validated(engine, GenerateRequest(PROMPTS[4], GenerateParameters(max_new_tokens=200)),
-                                    stream=True)
+    request = await validated(engine, GenerateRequest(PROMPTS[4], GenerateParameters(max_new_tokens=200)), stream=True)
     other = asyncio.create_task(_run(engine, PROMPTS[0], max_new_tokens=30))
     stream = engine.generate_stream(request)
     async for _output in stream:
@@ -177,8 +183,10 @@ async def test_error_inside_one_request_ends_only_that_request(make_engine, monk
 
 async def test_best_of_returns_the_best_mean_logprob(make_engine):
     engine = make_engine()
-    result = await generate_tgi(engine, GenerateRequest(PROMPTS[0], GenerateParameters(
-        max_new_tokens=8, best_of=2, do_sample=True, details=True)))
+    result = await generate_tgi(
+        engine,
+        GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=8, best_of=2, do_sample=True, details=True)),
+    )
     assert len(result.best_of_sequences) == 1
     mean = sum(t.logprob for t in result.tokens) / len(result.tokens)
     loser = result.best_of_sequences[0]
@@ -202,8 +210,9 @@ async def test_overload_beyond_max_concurrent_requests(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir, max_concurrent=1))
     engine.start()
     try:
-        request = await validated(engine, GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=50)),
-                                        stream=True)
+        request = await validated(
+            engine, GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=50)), stream=True
+        )
         first = engine.generate_stream(request)
         await first.__anext__()
         with pytest.raises(OverloadedError):
@@ -216,10 +225,8 @@ async def test_overload_beyond_max_concurrent_requests(tiny_model_dir):
 async def test_shutdown_cancels_what_does_not_finish_in_time(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir))
     engine.start()
-    request = await validated(engine, GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=400)),
-                                    stream=True)
-    request = dataclasses.replace(request, stopping=dataclasses.replace(request.stopping,
-                                                                               ignore_eos=True))
+    request = await validated(engine, GenerateRequest(PROMPTS[0], GenerateParameters(max_new_tokens=400)), stream=True)
+    request = dataclasses.replace(request, stopping=dataclasses.replace(request.stopping, ignore_eos=True))
     stream = engine.generate_stream(request)
     await stream.__anext__()
     await engine.shutdown(timeout_s=0)

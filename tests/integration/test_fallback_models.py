@@ -19,14 +19,18 @@ from tests.engine_calls import generate, idle, seeded_alone_and_among_others
 from tests.unit.tiny_models import tiny_config
 
 FAMILIES = ["bloom", "falcon", "gptj", "mpt"]
-PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7),
-           ("café naïve", 16)]
+PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7), ("café naïve", 16)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory, byte_tokenizer):
-    config = tiny_config(request.param, vocab_size=len(byte_tokenizer), bos_token_id=byte_tokenizer.bos_token_id,
-                         eos_token_id=byte_tokenizer.eos_token_id, pad_token_id=byte_tokenizer.pad_token_id)
+    config = tiny_config(
+        request.param,
+        vocab_size=len(byte_tokenizer),
+        bos_token_id=byte_tokenizer.bos_token_id,
+        eos_token_id=byte_tokenizer.eos_token_id,
+        pad_token_id=byte_tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder = tmp_path_factory.mktemp(request.param)
@@ -36,10 +40,14 @@ def family_dir(request, tmp_path_factory, byte_tokenizer):
 
 
 def _engine(folder, speculate: int = 0) -> AsyncEngine:
-    return AsyncEngine.from_config(EngineConfig(
-        model=ModelConfig(model_id=str(folder)), cache=CacheConfig(block_size=4, max_batch_total_tokens=2048),
-        scheduler=SchedulerConfig(max_batch_prefill_tokens=8, speculate=speculate),  # chunked prompts
-        limits=LimitsConfig(max_total_tokens=128)))
+    return AsyncEngine.from_config(
+        EngineConfig(
+            model=ModelConfig(model_id=str(folder)),
+            cache=CacheConfig(block_size=4, max_batch_total_tokens=2048),
+            scheduler=SchedulerConfig(max_batch_prefill_tokens=8, speculate=speculate),  # chunked prompts
+            limits=LimitsConfig(max_total_tokens=128),
+        )
+    )
 
 
 async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
@@ -62,11 +70,14 @@ async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
         assert stats.num_free_blocks == stats.num_total_blocks and engine._engine.runner.num_caches == 0
         for request, result in results:
             with torch.inference_mode():
-                out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False,
-                                         max_new_tokens=request.stopping.max_new_tokens,
-                                         eos_token_id=reference.config.eos_token_id,
-                                         pad_token_id=reference.config.eos_token_id)
-            assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids):].tolist(), request.inputs
+                out = reference.generate(
+                    torch.tensor([request.prompt_token_ids]),
+                    do_sample=False,
+                    max_new_tokens=request.stopping.max_new_tokens,
+                    eos_token_id=reference.config.eos_token_id,
+                    pad_token_id=reference.config.eos_token_id,
+                )
+            assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids) :].tolist(), request.inputs
             # Each logprob is log_softmax of transformers' logits after the tokens before it.
             ids = request.prompt_token_ids + [t.id for t in result.tokens]
             with torch.inference_mode():
@@ -93,8 +104,13 @@ async def test_a_model_that_fails_the_probe_is_served_by_the_fallback(tmp_path, 
     it), and it is served through transformers' attention instead of being refused, exactly."""
     from inference_service.models import registry
 
-    config = tiny_config("bloom", vocab_size=len(byte_tokenizer), bos_token_id=byte_tokenizer.bos_token_id,
-                         eos_token_id=byte_tokenizer.eos_token_id, pad_token_id=byte_tokenizer.pad_token_id)
+    config = tiny_config(
+        "bloom",
+        vocab_size=len(byte_tokenizer),
+        bos_token_id=byte_tokenizer.bos_token_id,
+        eos_token_id=byte_tokenizer.eos_token_id,
+        pad_token_id=byte_tokenizer.pad_token_id,
+    )
     torch.manual_seed(1)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     reference.save_pretrained(tmp_path)
@@ -108,6 +124,11 @@ async def test_a_model_that_fails_the_probe_is_served_by_the_fallback(tmp_path, 
     finally:
         await engine.shutdown(timeout_s=1)
     with torch.inference_mode():
-        out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False, max_new_tokens=10,
-                                 eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id)
-    assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids):].tolist()
+        out = reference.generate(
+            torch.tensor([request.prompt_token_ids]),
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.eos_token_id,
+        )
+    assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids) :].tolist()

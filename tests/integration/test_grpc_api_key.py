@@ -37,8 +37,11 @@ GUARDED = {
 
 
 @pytest.mark.parametrize("method", sorted(GUARDED))
-@pytest.mark.parametrize("metadata", [(), bearer("Bearer wrong"), bearer(KEY), bearer(f"Basic {KEY}")],
-                         ids=["none", "wrong key", "no scheme", "other scheme"])
+@pytest.mark.parametrize(
+    "metadata",
+    [(), bearer("Bearer wrong"), bearer(KEY), bearer(f"Basic {KEY}")],
+    ids=["none", "wrong key", "no scheme", "other scheme"],
+)
 def test_guarded_calls_without_the_key_are_unauthenticated(keyed_server, method, metadata):
     with pytest.raises(grpc.RpcError) as raised:
         GUARDED[method](keyed_server.stub, metadata)

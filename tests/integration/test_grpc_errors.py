@@ -52,7 +52,8 @@ def test_inband_stream_error_is_a_last_message_and_ok(tiny_grpc_server):
     messages = list(call)
     assert call.code() == grpc.StatusCode.OK
     assert [(m.error, m.error_type) for m in messages] == [
-        ("Input validation error: `temperature` must be strictly positive", "validation")]
+        ("Input validation error: `temperature` must be strictly positive", "validation")
+    ]
 
 
 def test_too_long_prompt(tiny_grpc_server):
@@ -83,8 +84,10 @@ def test_deadline_aborts_the_request_and_frees_its_blocks(tiny_grpc_server):
 
 
 def test_one_of_two_calls_is_overloaded(start_grpc_server, tiny_engine_config):
-    config = dataclasses.replace(tiny_engine_config, limits=LimitsConfig(
-        max_total_tokens=tiny_engine_config.limits.max_total_tokens, max_concurrent_requests=1))
+    config = dataclasses.replace(
+        tiny_engine_config,
+        limits=LimitsConfig(max_total_tokens=tiny_engine_config.limits.max_total_tokens, max_concurrent_requests=1),
+    )
     server = start_grpc_server(config)
     first = server.stub.GenerateStream(LONG, timeout=TIMEOUT)
     next(first)  # admitted and running

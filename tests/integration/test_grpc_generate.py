@@ -35,10 +35,14 @@ def stream(server, **parameters) -> list[pb.StreamResponse]:
     return list(server.stub.GenerateStream(request, timeout=TIMEOUT))
 
 
-@pytest.mark.parametrize("parameters", [
-    {"max_new_tokens": 12},
-    {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8, "top_k": 20, "seed": 3},
-], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"max_new_tokens": 12},
+        {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8, "top_k": 20, "seed": 3},
+    ],
+    ids=["greedy", "seeded-sampling"],
+)
 def test_unary_and_stream_equal_the_engine(tiny_grpc_server, parameters):
     expected = engine_result(tiny_grpc_server, PROMPT, **parameters)
     unary = generate(tiny_grpc_server, details=True, **parameters)
@@ -76,8 +80,9 @@ def test_details_only_when_asked(tiny_grpc_server):
 
 
 def test_prefill_top_tokens_and_full_text(tiny_grpc_server):
-    response = generate(tiny_grpc_server, max_new_tokens=3, decoder_input_details=True, top_n_tokens=2,
-                        return_full_text=True)
+    response = generate(
+        tiny_grpc_server, max_new_tokens=3, decoder_input_details=True, top_n_tokens=2, return_full_text=True
+    )
     details = response.details
     assert response.generated_text.startswith(PROMPT)
     assert len(details.prefill) > 1 and math.isnan(details.prefill[0].logprob)

@@ -15,9 +15,16 @@ from google.protobuf import json_format
 from textgen.v1 import generate_pb2 as pb
 
 TIMEOUT = 60
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-    "open": {"type": "boolean"}}, "required": ["city", "zip", "open"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "open": {"type": "boolean"},
+    },
+    "required": ["city", "zip", "open"],
+    "additionalProperties": False,
+}
 
 
 def grammar(kind: str, value) -> pb.Grammar:
@@ -27,8 +34,10 @@ def grammar(kind: str, value) -> pb.Grammar:
 
 
 def request(value: pb.Grammar, max_new_tokens: int = 100) -> pb.GenerateRequest:
-    return pb.GenerateRequest(inputs="the quick brown fox", parameters=pb.GenerateParameters(
-        max_new_tokens=max_new_tokens, grammar=value, details=True))
+    return pb.GenerateRequest(
+        inputs="the quick brown fox",
+        parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens, grammar=value, details=True),
+    )
 
 
 def test_json_schema_output_validates_unary_and_stream(tiny_grpc_server):
@@ -49,11 +58,14 @@ def test_regex_output_full_matches(tiny_grpc_server):
     assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", response.generated_text), response.generated_text
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    (grammar("json", {"type": "object", "properties": {"a": {"type": "nope"}}}), "Invalid type: nope"),
-    (grammar("regex", "[0-9"), "unclosed character class"),
-    (grammar("xml", "<a/>"), "unknown grammar type 'xml'"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (grammar("json", {"type": "object", "properties": {"a": {"type": "nope"}}}), "Invalid type: nope"),
+        (grammar("regex", "[0-9"), "unclosed character class"),
+        (grammar("xml", "<a/>"), "unknown grammar type 'xml'"),
+    ],
+)
 def test_invalid_grammar_is_invalid_argument(tiny_grpc_server, value, message):
     with pytest.raises(grpc.RpcError) as raised:
         tiny_grpc_server.stub.Generate(request(value), timeout=TIMEOUT)
@@ -63,8 +75,9 @@ def test_invalid_grammar_is_invalid_argument(tiny_grpc_server, value, message):
 
 
 def test_disabled_grammar_support_refuses_grammars(start_grpc_server, tiny_engine_config):
-    config = dataclasses.replace(tiny_engine_config, limits=dataclasses.replace(
-        tiny_engine_config.limits, disable_grammar_support=True))
+    config = dataclasses.replace(
+        tiny_engine_config, limits=dataclasses.replace(tiny_engine_config.limits, disable_grammar_support=True)
+    )
     server = start_grpc_server(config)
     with pytest.raises(grpc.RpcError) as raised:
         server.stub.Generate(request(grammar("regex", "[0-9]+")), timeout=TIMEOUT)

@@ -21,8 +21,7 @@ MEDIUM = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new
 def health_of(server, names: tuple[str, ...] = ("", SERVICE)) -> tuple[int, ...]:
     """grpc.health.v1 status of the whole server and of the TextGeneration service."""
     stub = health_pb2_grpc.HealthStub(server.channel)
-    return tuple(stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT).status
-                 for name in names)
+    return tuple(stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT).status for name in names)
 
 
 def unavailable(call) -> str:
@@ -38,7 +37,8 @@ def test_not_serving_while_loading_then_serving(start_grpc_server, tiny_engine_c
     assert health_of(server) == (NOT_SERVING, NOT_SERVING)
     assert health_of(server, ("liveness",)) == (SERVING,)  # alive while loading: no liveness restart
     assert unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT)) == (
-        "the model is still loading")
+        "the model is still loading"
+    )
     unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT))
     unavailable(lambda: list(server.stub.GenerateStream(LONG, timeout=TIMEOUT)))
 
@@ -56,7 +56,8 @@ def test_draining_is_not_serving_and_lets_in_flight_requests_finish(start_grpc_s
     assert health_of(server) == (NOT_SERVING, NOT_SERVING)
     assert health_of(server, ("liveness",)) == (SERVING,)  # alive while draining
     assert unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT)) == (
-        "the server is shutting down")
+        "the server is shutting down"
+    )
     assert unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT)) == "the server is shutting down"
 
     rest = list(in_flight)
@@ -80,7 +81,8 @@ def test_drain_timeout_cancels_what_is_left(start_grpc_server, tiny_engine_confi
 def test_reflection_lists_and_describes_the_service(tiny_grpc_server):
     database = ProtoReflectionDescriptorDatabase(tiny_grpc_server.channel)
     assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
-        database.get_services())
+        database.get_services()
+    )
     service = database.FindFileContainingSymbol(SERVICE)
     assert service.name == "textgen/v1/generate.proto"
     assert "Generate" in [m.name for m in service.service[0].method]

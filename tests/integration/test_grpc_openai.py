@@ -32,8 +32,11 @@ def test_chat_completion_unary_and_stream(tiny_chat_grpc_server):
     assert response.object == "chat.completion" and len(response.choices) == 2
     assert response.choices[0].message.content == response.choices[1].message.content  # greedy: equal choices
     assert response.usage.completion_tokens > 0 and response.usage.completion_tokens % 2 == 0  # two equal choices
-    chunks = list(stub.ChatCompletionStream(chat(temperature=0, max_tokens=8,
-                                                 stream_options=pb.StreamOptions(include_usage=True)), timeout=60))
+    chunks = list(
+        stub.ChatCompletionStream(
+            chat(temperature=0, max_tokens=8, stream_options=pb.StreamOptions(include_usage=True)), timeout=60
+        )
+    )
     assert not any(c.done or c.keep_alive or c.HasField("error") for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content for c in chunks if c.choices) == response.choices[0].message.content
@@ -55,10 +58,17 @@ def test_completion_and_models(tiny_chat_grpc_server):
 @pytest.mark.parametrize("method", ["ChatCompletion", "ChatCompletionStream"])
 def test_errors_are_statuses(tiny_chat_grpc_server, method):
     call = getattr(tiny_chat_grpc_server.stub, method)
-    cases = [(chat(temperature=-1), "validation"),
-             (pb.ChatCompletionRequest(messages=[pb.ChatMessage(role="wizard", content=text("x"))]), "template_error"),
-             (chat(tools=[pb.Tool(type="function", function=pb.FunctionDefinition(name="f"))],
-                   tool_choice=struct_pb2.Value(string_value="maybe")), "tool_error")]
+    cases = [
+        (chat(temperature=-1), "validation"),
+        (pb.ChatCompletionRequest(messages=[pb.ChatMessage(role="wizard", content=text("x"))]), "template_error"),
+        (
+            chat(
+                tools=[pb.Tool(type="function", function=pb.FunctionDefinition(name="f"))],
+                tool_choice=struct_pb2.Value(string_value="maybe"),
+            ),
+            "tool_error",
+        ),
+    ]
     for request, kind in cases:
         with pytest.raises(grpc.RpcError) as failed:
             result = call(request, timeout=60)
@@ -98,21 +108,37 @@ def test_json_schema_and_tools_over_grpc(tiny_chat_grpc_server):
     from google.protobuf import json_format
 
     stub = tiny_chat_grpc_server.stub
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    response_format = pb.ResponseFormat(type="json_schema", json_schema=pb.JsonSchemaFormat(
-        name="answer", schema=json_format.ParseDict(schema, struct_pb2.Struct())))
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    response_format = pb.ResponseFormat(
+        type="json_schema",
+        json_schema=pb.JsonSchemaFormat(name="answer", schema=json_format.ParseDict(schema, struct_pb2.Struct())),
+    )
     reply = stub.ChatCompletion(chat(temperature=0, max_tokens=20, response_format=response_format), timeout=60)
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
-    parameters = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-                  "additionalProperties": False}
-    tool = pb.Tool(type="function", function=pb.FunctionDefinition(
-        name="get_time", parameters=json_format.ParseDict(parameters, struct_pb2.Struct())))
-    named = struct_pb2.Value(struct_value=json_format.ParseDict(
-        {"type": "function", "function": {"name": "get_time"}}, struct_pb2.Struct()))
-    reply = stub.ChatCompletion(chat(temperature=0, max_tokens=80, tools=[tool], tool_choice=named,
-                                     tool_prompt="Tools:"), timeout=60)
+    parameters = {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    tool = pb.Tool(
+        type="function",
+        function=pb.FunctionDefinition(
+            name="get_time", parameters=json_format.ParseDict(parameters, struct_pb2.Struct())
+        ),
+    )
+    named = struct_pb2.Value(
+        struct_value=json_format.ParseDict({"type": "function", "function": {"name": "get_time"}}, struct_pb2.Struct())
+    )
+    reply = stub.ChatCompletion(
+        chat(temperature=0, max_tokens=80, tools=[tool], tool_choice=named, tool_prompt="Tools:"), timeout=60
+    )
     (choice,) = reply.choices
     (call,) = choice.message.tool_calls
     assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"

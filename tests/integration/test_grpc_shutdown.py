@@ -28,10 +28,30 @@ class ServeProcess:
 
     def __init__(self, model_dir: Path, *flags: str):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "inference_service", "serve", "--model-id", str(model_dir), "--device", "cpu",
-             "--hostname", "127.0.0.1", "--grpc-port", "0", "--max-total-tokens", "512",
-             "--max-batch-total-tokens", "4096", *flags],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "inference_service",
+                "serve",
+                "--model-id",
+                str(model_dir),
+                "--device",
+                "cpu",
+                "--hostname",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--max-total-tokens",
+                "512",
+                "--max-batch-total-tokens",
+                "4096",
+                *flags,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self._port_found = threading.Event()
         self.port: int | None = None

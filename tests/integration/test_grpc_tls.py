@@ -42,8 +42,9 @@ def test_tls(start_grpc_server, tiny_engine_config, certs):
 
 
 def test_mutual_tls(start_grpc_server, tiny_engine_config, certs):
-    server = start_grpc_server(tiny_engine_config, tls_cert=str(certs.server_cert), tls_key=str(certs.server_key),
-                               tls_client_ca=str(certs.ca))
+    server = start_grpc_server(
+        tiny_engine_config, tls_cert=str(certs.server_cert), tls_key=str(certs.server_key), tls_client_ca=str(certs.ca)
+    )
     target = f"localhost:{server.port}"
     ca = certs.read("ca")
     with_client_cert = grpc.ssl_channel_credentials(ca, certs.read("client_key"), certs.read("client_cert"))
@@ -56,25 +57,33 @@ def test_mutual_tls(start_grpc_server, tiny_engine_config, certs):
 async def test_our_client_over_mutual_tls(start_grpc_server, tiny_engine_config, certs):
     from textgen_client import AsyncClient
 
-    server = start_grpc_server(tiny_engine_config, tls_cert=str(certs.server_cert), tls_key=str(certs.server_key),
-                               tls_client_ca=str(certs.ca))
+    server = start_grpc_server(
+        tiny_engine_config, tls_cert=str(certs.server_cert), tls_key=str(certs.server_key), tls_client_ca=str(certs.ca)
+    )
     credentials = grpc.ssl_channel_credentials(certs.read("ca"), certs.read("client_key"), certs.read("client_cert"))
     async with AsyncClient(f"localhost:{server.port}", credentials=credentials) as client:
         assert (await client.generate("hello", max_new_tokens=3)).generated_text
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"tls_cert": "/nonexistent/cert.pem", "tls_key": "/nonexistent/key.pem"}, "--tls-key '/nonexistent/key.pem'"),
-    ({"tls_cert": __file__, "tls_key": __file__}, "is not a PEM file"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tls_cert": "/nonexistent/cert.pem", "tls_key": "/nonexistent/key.pem"}, "--tls-key '/nonexistent/key.pem'"),
+        ({"tls_cert": __file__, "tls_key": __file__}, "is not a PEM file"),
+    ],
+)
 def test_bad_certificate_files_are_a_clear_startup_error(start_grpc_server, tiny_engine_config, options, message):
     with pytest.raises(StartupError, match=message):
         start_grpc_server(tiny_engine_config, load=False, **options)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"tls_cert": "c.pem"}, "go together"), ({"tls_client_ca": "ca.pem"}, "needs --tls-cert"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tls_cert": "c.pem"}, "go together"),
+        ({"tls_client_ca": "ca.pem"}, "needs --tls-cert"),
+    ],
+)
 def test_incomplete_tls_settings_are_refused(options, message):
     from inference_service.api.config import ServerConfig
 

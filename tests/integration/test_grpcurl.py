@@ -20,15 +20,20 @@ def grpcurl_installed():
 
 
 def test_list(tiny_grpc_server):
-    result = subprocess.run([str(GRPCURL), "-plaintext", tiny_grpc_server.target, "list"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(GRPCURL), "-plaintext", tiny_grpc_server.target, "list"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert {"textgen.v1.TextGeneration", "grpc.health.v1.Health"} <= set(result.stdout.split())
 
 
 def test_describe(tiny_grpc_server):
-    result = subprocess.run([str(GRPCURL), "-plaintext", tiny_grpc_server.target, "describe",
-                             "textgen.v1.TextGeneration"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(GRPCURL), "-plaintext", tiny_grpc_server.target, "describe", "textgen.v1.TextGeneration"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "rpc Generate ( .textgen.v1.GenerateRequest ) returns ( .textgen.v1.GenerateResponse )" in result.stdout
     assert "returns ( stream .textgen.v1.StreamResponse )" in result.stdout
@@ -36,12 +41,25 @@ def test_describe(tiny_grpc_server):
 
 def test_generate_with_json(tiny_grpc_server):
     body = {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 5, "details": True}}
-    result = subprocess.run([str(GRPCURL), "-plaintext", "-d", json.dumps(body), tiny_grpc_server.target,
-                             "textgen.v1.TextGeneration/Generate"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            str(GRPCURL),
+            "-plaintext",
+            "-d",
+            json.dumps(body),
+            tiny_grpc_server.target,
+            "textgen.v1.TextGeneration/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
-    expected = tiny_grpc_server.stub.Generate(pb.GenerateRequest(
-        inputs=body["inputs"], parameters=pb.GenerateParameters(max_new_tokens=5, details=True)), timeout=60)
+    expected = tiny_grpc_server.stub.Generate(
+        pb.GenerateRequest(inputs=body["inputs"], parameters=pb.GenerateParameters(max_new_tokens=5, details=True)),
+        timeout=60,
+    )
     assert answer["generated_text"] == expected.generated_text  # TGI's snake_case field names
     assert [t["id"] for t in answer["details"]["tokens"]] == [t.id for t in expected.details.tokens]
     assert "seed" not in answer["details"]  # greedy
@@ -49,8 +67,19 @@ def test_generate_with_json(tiny_grpc_server):
 
 def test_validation_error_shows_code_and_error_info(tiny_grpc_server):
     body = {"inputs": "x", "parameters": {"temperature": 0}}
-    result = subprocess.run([str(GRPCURL), "-plaintext", "-d", json.dumps(body), tiny_grpc_server.target,
-                             "textgen.v1.TextGeneration/Generate"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            str(GRPCURL),
+            "-plaintext",
+            "-d",
+            json.dumps(body),
+            tiny_grpc_server.target,
+            "textgen.v1.TextGeneration/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "Code: InvalidArgument" in result.stderr
     assert "Input validation error: `temperature` must be strictly positive" in result.stderr

@@ -37,18 +37,23 @@ def _config(model_dir, prefix_caching: bool, kv_tokens: int, budget: int) -> Eng
         model=ModelConfig(model_id=str(model_dir)),
         cache=CacheConfig(block_size=4, max_batch_total_tokens=kv_tokens, prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_batch_prefill_tokens=budget),
-        limits=LimitsConfig(max_concurrent_requests=64))
+        limits=LimitsConfig(max_concurrent_requests=64),
+    )
 
 
 async def _validate(engine: AsyncEngine, inputs: str, max_new_tokens: int, **parameters):
-    return await validated(engine, GenerateRequest(inputs, GenerateParameters(
-        max_new_tokens=max_new_tokens, details=True, **parameters)), stream=False)
+    return await validated(
+        engine,
+        GenerateRequest(inputs, GenerateParameters(max_new_tokens=max_new_tokens, details=True, **parameters)),
+        stream=False,
+    )
 
 
 async def _cancelled_stream(engine: AsyncEngine) -> None:
     """A request sharing the system prompt, cancelled after its first token."""
-    request = await validated(engine, GenerateRequest(SYSTEM + "the the", GenerateParameters(max_new_tokens=60)),
-                                    stream=True)
+    request = await validated(
+        engine, GenerateRequest(SYSTEM + "the the", GenerateParameters(max_new_tokens=60)), stream=True
+    )
     stream = engine.generate_stream(request)
     async for _output in stream:
         break
@@ -71,7 +76,8 @@ async def _run_workload(model_dir, prefix_caching: bool, kv_tokens: int, budget:
 
     try:
         *results, (n_request, n_results), _ = await asyncio.gather(
-            *(one(i) for i in range(len(WORKLOAD))), variants(), _cancelled_stream(engine))
+            *(one(i) for i in range(len(WORKLOAD))), variants(), _cancelled_stream(engine)
+        )
         for _ in range(100):
             stats = engine.stats()
             if stats.num_running == 0 and stats.num_waiting == 0:
@@ -82,8 +88,11 @@ async def _run_workload(model_dir, prefix_caching: bool, kv_tokens: int, budget:
     assert stats.num_free_blocks == stats.num_total_blocks, "a block leaked"
     outputs = [[t.id for t in result.tokens] for _, result in results]
     outputs += [[t.id for t in result.tokens] for result in n_results]
-    prefill = {index: [p.logprob for p in result.prefill_tokens] for index, (_, result) in enumerate(results)
-               if result.prefill_tokens}
+    prefill = {
+        index: [p.logprob for p in result.prefill_tokens]
+        for index, (_, result) in enumerate(results)
+        if result.prefill_tokens
+    }
     requests = [request for request, _ in results] + [n_request] * 3
     return outputs, prefill, requests, stats
 
@@ -95,24 +104,35 @@ def reference(tiny_model_dir):
 
 def _reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
-@pytest.mark.parametrize(("kv_tokens", "budget", "stagger_s", "preempts"), [
-    (4096, 12, 0.02, False),  # chunked prefill: 12 tokens a step; hits on running requests' blocks
-    (192, 48, 0.0, True),  # a pool far smaller than the load: preemption and eviction
-], ids=["chunked-prefill", "preemption"])
-async def test_caching_on_gives_the_tokens_of_caching_off(tiny_model_dir, reference, kv_tokens, budget,
-                                                          stagger_s, preempts):
+@pytest.mark.parametrize(
+    ("kv_tokens", "budget", "stagger_s", "preempts"),
+    [
+        (4096, 12, 0.02, False),  # chunked prefill: 12 tokens a step; hits on running requests' blocks
+        (192, 48, 0.0, True),  # a pool far smaller than the load: preemption and eviction
+    ],
+    ids=["chunked-prefill", "preemption"],
+)
+async def test_caching_on_gives_the_tokens_of_caching_off(
+    tiny_model_dir, reference, kv_tokens, budget, stagger_s, preempts
+):
     on = await _run_workload(tiny_model_dir, True, kv_tokens, budget, stagger_s)
     off = await _run_workload(tiny_model_dir, False, kv_tokens, budget, stagger_s)
     (outputs_on, prefill_on, requests, stats_on), (outputs_off, prefill_off, _, stats_off) = on, off
     assert outputs_on == outputs_off
     for request, tokens in zip(requests, outputs_on, strict=True):
-        assert tokens == _reference_greedy(reference, request.prompt_token_ids,
-                                           request.stopping.max_new_tokens), request.inputs
+        assert tokens == _reference_greedy(reference, request.prompt_token_ids, request.stopping.max_new_tokens), (
+            request.inputs
+        )
     assert prefill_on.keys() == prefill_off.keys() == {5}
     assert prefill_on[5][0] is None and prefill_on[5][1:] == pytest.approx(prefill_off[5][1:], abs=1e-5)
     prompt_ids = requests[5].prompt_token_ids
@@ -168,8 +188,10 @@ async def test_best_of_variants_share_their_prompt(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir, True, 4096, 512))
     engine.start()
     try:
-        result = await generate_tgi(engine, GenerateRequest(SYSTEM * 2, GenerateParameters(
-            max_new_tokens=6, details=True, best_of=2, do_sample=True)))
+        result = await generate_tgi(
+            engine,
+            GenerateRequest(SYSTEM * 2, GenerateParameters(max_new_tokens=6, details=True, best_of=2, do_sample=True)),
+        )
         stats = engine.stats()
     finally:
         await engine.shutdown(timeout_s=1)

@@ -21,20 +21,30 @@ def test_every_flag_value_has_a_scheme_family():
     assert set(QUANTIZE_SCHEMES) == {*schemes.AT_LOAD, *schemes.CHECKPOINT_FORMATS, schemes.GGUF}
 
 
-@pytest.mark.parametrize(("flag", "stored", "gguf", "expected"), [
-    (None, None, False, None), ("eetq", None, False, "eetq"), (None, "gptq", False, "gptq"),
-    ("awq", "awq", False, "awq"), ("gguf", None, True, "gguf"), ("bitsandbytes-nf4", None, True, "bitsandbytes-nf4"),
-])
+@pytest.mark.parametrize(
+    ("flag", "stored", "gguf", "expected"),
+    [
+        (None, None, False, None),
+        ("eetq", None, False, "eetq"),
+        (None, "gptq", False, "gptq"),
+        ("awq", "awq", False, "awq"),
+        ("gguf", None, True, "gguf"),
+        ("bitsandbytes-nf4", None, True, "bitsandbytes-nf4"),
+    ],
+)
 def test_schemes_resolve_as_tgi(flag, stored, gguf, expected):
     assert schemes.resolve_scheme(flag, stored, is_gguf=gguf) == expected
 
 
-@pytest.mark.parametrize(("flag", "stored", "gguf", "message"), [
-    ("eetq", "gptq", False, "already quantized with gptq"),
-    ("gptq", None, False, "reads a checkpoint stored in that format"),
-    ("gguf", None, False, "must be a .gguf file"),
-    (None, "bitsandbytes-nf4", False, "only made while loading"),
-])
+@pytest.mark.parametrize(
+    ("flag", "stored", "gguf", "message"),
+    [
+        ("eetq", "gptq", False, "already quantized with gptq"),
+        ("gptq", None, False, "reads a checkpoint stored in that format"),
+        ("gguf", None, False, "must be a .gguf file"),
+        (None, "bitsandbytes-nf4", False, "only made while loading"),
+    ],
+)
 def test_contradictions_are_clear_errors(flag, stored, gguf, message):
     with pytest.raises(ModelLoadError, match=message):
         schemes.resolve_scheme(flag, stored, is_gguf=gguf)
@@ -77,7 +87,8 @@ def test_eetq_generates_what_its_dequantized_twin_generates(tiny_engine_config):
 
 
 def test_a_contradicting_flag_fails_the_load(tiny_engine_config):
-    config = dataclasses.replace(tiny_engine_config, model=ModelConfig(
-        model_id=tiny_engine_config.model.model_id, device="cpu", quantize="gguf"))
+    config = dataclasses.replace(
+        tiny_engine_config, model=ModelConfig(model_id=tiny_engine_config.model.model_id, device="cpu", quantize="gguf")
+    )
     with pytest.raises(ModelLoadError, match="gguf"):
         build_engine(config)

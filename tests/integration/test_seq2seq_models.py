@@ -20,8 +20,13 @@ from inference_service.errors import ValidationError
 from tests.engine_calls import generate, idle, seeded_alone_and_among_others
 from tests.tiny_seq2seq import FAMILIES, save_model, seq2seq_config
 
-PROMPTS = [("the quick brown fox", 12), ("a", 20), ("jumps over the lazy dog and runs home", 7),
-           ("café naïve", 16), ("the quick brown fox", 9)]
+PROMPTS = [
+    ("the quick brown fox", 12),
+    ("a", 20),
+    ("jumps over the lazy dog and runs home", 7),
+    ("café naïve", 16),
+    ("the quick brown fox", 9),
+]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -31,10 +36,14 @@ def family_dir(request, tmp_path_factory, byte_tokenizer):
 
 
 def _engine(folder, speculate: int = 0, total_tokens: int = 2048) -> AsyncEngine:
-    return AsyncEngine.from_config(EngineConfig(
-        model=ModelConfig(model_id=str(folder)), cache=CacheConfig(block_size=4, max_batch_total_tokens=total_tokens),
-        scheduler=SchedulerConfig(max_batch_prefill_tokens=8, speculate=speculate),
-        limits=LimitsConfig(max_total_tokens=64)))
+    return AsyncEngine.from_config(
+        EngineConfig(
+            model=ModelConfig(model_id=str(folder)),
+            cache=CacheConfig(block_size=4, max_batch_total_tokens=total_tokens),
+            scheduler=SchedulerConfig(max_batch_prefill_tokens=8, speculate=speculate),
+            limits=LimitsConfig(max_total_tokens=64),
+        )
+    )
 
 
 async def _served(folder, calls, **engine_options):
@@ -56,13 +65,20 @@ def check_against_transformers(reference, request, result, **generate_options):
     """Tokens equal greedy `generate`'s, and each logprob is log_softmax of the logits `generate`
     computed for that position."""
     with torch.inference_mode():
-        out = reference.generate(torch.tensor([request.prompt_token_ids]), do_sample=False, num_beams=1,
-                                 max_new_tokens=request.stopping.max_new_tokens, output_logits=True,
-                                 return_dict_in_generate=True, **generate_options)
+        out = reference.generate(
+            torch.tensor([request.prompt_token_ids]),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=request.stopping.max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **generate_options,
+        )
     tokens = [t.id for t in result.tokens]
     assert tokens == out.sequences[0, 1:].tolist(), request.inputs
-    expected = [torch.log_softmax(logits[0].float(), dim=-1)[t].item()
-                for logits, t in zip(out.logits, tokens, strict=True)]
+    expected = [
+        torch.log_softmax(logits[0].float(), dim=-1)[t].item() for logits, t in zip(out.logits, tokens, strict=True)
+    ]
     assert [t.logprob for t in result.tokens] == pytest.approx(expected, abs=1e-4)
 
 
@@ -72,7 +88,10 @@ async def test_greedy_and_logprobs_equal_transformers(family_dir):
     async def calls(engine):
         info = engine.info
         assert (info.attention_impl, info.pipeline_tag, info.prefix_caching) == (
-            "transformers", "text2text-generation", False)
+            "transformers",
+            "text2text-generation",
+            False,
+        )
 
         async def one(index: int):
             await asyncio.sleep(0.01 * (index // 2))  # pairs arrive together, later ones join a running batch
@@ -125,8 +144,7 @@ async def test_forced_first_token_per_request_and_from_the_generation_config(fam
     generation config gives a default, a request's `forced_bos_token` overrides it."""
     language = byte_tokenizer.convert_tokens_to_ids("<|im_start|>")
     other = byte_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    folder = save_model(seq2seq_config(family, byte_tokenizer), byte_tokenizer, tmp_path,
-                        forced_bos_token_id=language)
+    folder = save_model(seq2seq_config(family, byte_tokenizer), byte_tokenizer, tmp_path, forced_bos_token_id=language)
     reference = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert reference.generation_config.forced_bos_token_id == language
 
@@ -142,8 +160,9 @@ async def test_forced_first_token_per_request_and_from_the_generation_config(fam
     assert default[1].tokens[0].id == language
     assert chosen[1].tokens[0].id == other
     with torch.inference_mode():
-        out = reference.generate(torch.tensor([chosen[0].prompt_token_ids]), do_sample=False, max_new_tokens=8,
-                                 forced_bos_token_id=other)
+        out = reference.generate(
+            torch.tensor([chosen[0].prompt_token_ids]), do_sample=False, max_new_tokens=8, forced_bos_token_id=other
+        )
     assert [t.id for t in chosen[1].tokens] == out[0, 1:].tolist()
 
 

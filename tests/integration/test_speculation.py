@@ -40,13 +40,15 @@ WORKLOAD = [
 STATS_PROMPT = LOOP + "\x00" * 4
 
 
-def _config(model_dir, speculate: int, kv_tokens: int = 4096, budget: int = 64,
-            max_batch_size: int | None = None) -> EngineConfig:
+def _config(
+    model_dir, speculate: int, kv_tokens: int = 4096, budget: int = 64, max_batch_size: int | None = None
+) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model_id=str(model_dir)),
         cache=CacheConfig(block_size=4, max_batch_total_tokens=kv_tokens),
         scheduler=SchedulerConfig(max_batch_prefill_tokens=budget, speculate=speculate, max_batch_size=max_batch_size),
-        limits=LimitsConfig(max_concurrent_requests=2048))
+        limits=LimitsConfig(max_concurrent_requests=2048),
+    )
 
 
 async def _cancelled_stream(engine: AsyncEngine) -> None:
@@ -73,8 +75,11 @@ async def _run_workload(model_dir, speculate: int, kv_tokens: int, budget: int, 
     async def one(index: int):
         await asyncio.sleep(stagger_s * index)  # later requests join a running batch
         inputs, max_new, parameters = WORKLOAD[index]
-        request = await validated(engine, GenerateRequest(inputs, GenerateParameters(
-            max_new_tokens=max_new, details=True, **parameters)), stream=False)
+        request = await validated(
+            engine,
+            GenerateRequest(inputs, GenerateParameters(max_new_tokens=max_new, details=True, **parameters)),
+            stream=False,
+        )
         return await engine.generate(request)
 
     try:
@@ -86,11 +91,15 @@ async def _run_workload(model_dir, speculate: int, kv_tokens: int, budget: int, 
     return results, stats
 
 
-@pytest.mark.parametrize(("kv_tokens", "budget", "stagger_s"), [
-    (4096, 64, 0.01),  # room for every guess; requests join while others decode
-    (4096, 9, 0.0),  # a step budget smaller than the batch's guesses: some are dropped
-    (192, 64, 0.0),  # a pool far smaller than the load: preemption, guesses dropped for lack of blocks
-], ids=["roomy", "small-budget", "preemption"])
+@pytest.mark.parametrize(
+    ("kv_tokens", "budget", "stagger_s"),
+    [
+        (4096, 64, 0.01),  # room for every guess; requests join while others decode
+        (4096, 9, 0.0),  # a step budget smaller than the batch's guesses: some are dropped
+        (192, 64, 0.0),  # a pool far smaller than the load: preemption, guesses dropped for lack of blocks
+    ],
+    ids=["roomy", "small-budget", "preemption"],
+)
 async def test_speculative_outputs_equal_plain_decoding(tiny_model_dir, kv_tokens, budget, stagger_s):
     speculative, stats = await _run_workload(tiny_model_dir, 4, kv_tokens, budget, stagger_s)
     plain, plain_stats = await _run_workload(tiny_model_dir, 0, kv_tokens, budget, stagger_s)
@@ -101,7 +110,11 @@ async def test_speculative_outputs_equal_plain_decoding(tiny_model_dir, kv_token
         assert [t.logprob for t in got.tokens] == pytest.approx([t.logprob for t in want.tokens], abs=1e-4)
         assert [[t.id for t in top] for top in got.top_tokens] == [[t.id for t in top] for top in want.top_tokens]
         assert (got.generated_text, got.finish_reason, got.num_generated_tokens, got.seed) == (
-            want.generated_text, want.finish_reason, want.num_generated_tokens, want.seed)
+            want.generated_text,
+            want.finish_reason,
+            want.num_generated_tokens,
+            want.seed,
+        )
         assert [p.id for p in got.prefill_tokens] == [p.id for p in want.prefill_tokens]
     assert speculative[3].finish_reason == speculative[5].finish_reason == "stop_sequence"
     assert speculative[5].num_generated_tokens == 7 and speculative[6].num_generated_tokens == 3
@@ -109,12 +122,14 @@ async def test_speculative_outputs_equal_plain_decoding(tiny_model_dir, kv_token
 
 async def test_accepted_guesses_save_steps(tiny_model_dir):
     """An answer that repeats itself: most tokens are accepted guesses, so the steps are far fewer."""
+
     async def steps(speculate: int) -> tuple[list[int], int, float]:
         engine = AsyncEngine.from_config(_config(tiny_model_dir, speculate))
         engine.start()
         try:
-            request = await validated(engine, GenerateRequest(LOOP, GenerateParameters(max_new_tokens=60)),
-                                            stream=False)
+            request = await validated(
+                engine, GenerateRequest(LOOP, GenerateParameters(max_new_tokens=60)), stream=False
+            )
             before = engine.stats().num_steps
             result = await engine.generate(request)
             stats = await _wait_idle(engine)
@@ -139,9 +154,17 @@ async def test_speculative_sampling_keeps_the_distribution(tiny_model_dir):
     engine = AsyncEngine.from_config(_config(tiny_model_dir, 4, kv_tokens=65536, budget=8192, max_batch_size=16))
     engine.start()
     try:
-        requests = [await validated(engine, GenerateRequest(STATS_PROMPT, GenerateParameters(
-            max_new_tokens=3, do_sample=True, seed=seed, temperature=temperature)), stream=False)
-            for seed in range(samples)]
+        requests = [
+            await validated(
+                engine,
+                GenerateRequest(
+                    STATS_PROMPT,
+                    GenerateParameters(max_new_tokens=3, do_sample=True, seed=seed, temperature=temperature),
+                ),
+                stream=False,
+            )
+            for seed in range(samples)
+        ]
         results = await engine.generate_all(requests)
         stats = await _wait_idle(engine)
     finally:
@@ -187,8 +210,9 @@ def test_a_stream_carries_every_accepted_token(tiny_engine_config, start_grpc_se
     request = pb.GenerateRequest(inputs=LOOP, parameters=pb.GenerateParameters(max_new_tokens=30, details=True))
     unary = {}
     for speculate in (4, 0):
-        server = start_grpc_server(dataclasses.replace(tiny_engine_config,
-                                                       scheduler=SchedulerConfig(speculate=speculate)))
+        server = start_grpc_server(
+            dataclasses.replace(tiny_engine_config, scheduler=SchedulerConfig(speculate=speculate))
+        )
         unary[speculate] = [t.id for t in server.stub.Generate(request, timeout=60).details.tokens]
         if speculate:
             streamed = [response.token.id for response in server.stub.GenerateStream(request, timeout=60)]

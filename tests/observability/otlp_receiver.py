@@ -59,14 +59,24 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             resource = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    received.append(ReceivedSpan(
-                        service=resource.get("service.name", ""), name=span.name, trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(), kind=span.kind,
-                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-                        attributes={kv.key: _value(kv.value) for kv in span.attributes},
-                        events=[(e.name, e.time_unix_nano, {kv.key: _value(kv.value) for kv in e.attributes})
-                                for e in span.events],
-                        status_code=span.status.code))
+                    received.append(
+                        ReceivedSpan(
+                            service=resource.get("service.name", ""),
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            kind=span.kind,
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
+                            attributes={kv.key: _value(kv.value) for kv in span.attributes},
+                            events=[
+                                (e.name, e.time_unix_nano, {kv.key: _value(kv.value) for kv in e.attributes})
+                                for e in span.events
+                            ],
+                            status_code=span.status.code,
+                        )
+                    )
         with self._lock:
             self.spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()

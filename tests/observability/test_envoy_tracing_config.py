@@ -59,6 +59,5 @@ def test_envoy_accepts_the_traced_config(tmp_path):
         pytest.skip(str(error))
     path = tmp_path / "envoy.yaml"
     path.write_text(render_yaml(GatewayConfig(port=0, admin_port=0, otlp_endpoint="http://127.0.0.1:4317")))
-    result = subprocess.run([binary, "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([binary, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]

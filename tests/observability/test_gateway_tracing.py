@@ -27,8 +27,15 @@ def gateway(traced_server, otlp_receiver, tmp_path_factory):
         envoy_binary()
     except GatewayError as error:
         pytest.skip(str(error))
-    config = GatewayConfig(hostname="127.0.0.1", port=0, upstream_host="127.0.0.1", upstream_port=traced_server.port,
-                           admin_port=0, otlp_endpoint=otlp_receiver.endpoint, otlp_service_name=GATEWAY_SERVICE)
+    config = GatewayConfig(
+        hostname="127.0.0.1",
+        port=0,
+        upstream_host="127.0.0.1",
+        upstream_port=traced_server.port,
+        admin_port=0,
+        otlp_endpoint=otlp_receiver.endpoint,
+        otlp_service_name=GATEWAY_SERVICE,
+    )
     envoy = Envoy(config, tmp_path_factory.mktemp("envoy-traced"))
     envoy.start()
     yield envoy
@@ -36,8 +43,12 @@ def gateway(traced_server, otlp_receiver, tmp_path_factory):
 
 
 def post(envoy: Envoy, path: str, body: dict, headers: dict[str, str]) -> bytes:
-    request = urllib.request.Request(envoy.url(path), data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
+    request = urllib.request.Request(
+        envoy.url(path),
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **headers},
+    )
     with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
         assert response.status == 200
         return response.read()
@@ -46,8 +57,7 @@ def post(envoy: Envoy, path: str, body: dict, headers: dict[str, str]) -> bytes:
 @pytest.mark.parametrize(("path", "rpc"), [("/generate", "Generate"), ("/generate_stream", "GenerateStream")])
 def test_rest_span_is_the_parent_of_the_grpc_span(gateway, traced_server, otlp_receiver, traceparent, path, rpc):
     trace_id, caller_span_id, header = traceparent
-    post(gateway, path, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 3}},
-         {"traceparent": header})
+    post(gateway, path, {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 3}}, {"traceparent": header})
     traced_server.server.observability.tracing.provider.force_flush()
     server_name = f"/textgen.v1.TextGeneration/{rpc}"
     rest_name = f"POST {path}"
@@ -68,8 +78,11 @@ def test_metrics_through_the_gateway(gateway, traced_server):
             assert response.headers["content-type"].startswith("text/plain")
             text = response.read().decode()
         assert "\ntgi_request_count " in text  # TGI's counter names, as TGI renders them
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     before = scrape()
     for _ in range(2):

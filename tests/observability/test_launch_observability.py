@@ -34,8 +34,17 @@ def launched(tiny_model_dir, otlp_receiver):
         envoy_binary()
     except GatewayError as error:
         pytest.skip(str(error))
-    run = Launched(tiny_model_dir, "--prometheus-port", "0", "--json-output", "--otlp-endpoint", otlp_receiver.endpoint,
-                   "--otlp-service-name", SERVICE, message_of=json_message)
+    run = Launched(
+        tiny_model_dir,
+        "--prometheus-port",
+        "0",
+        "--json-output",
+        "--otlp-endpoint",
+        otlp_receiver.endpoint,
+        "--otlp-service-name",
+        SERVICE,
+        message_of=json_message,
+    )
     yield run
     run.stop()
 
@@ -45,23 +54,34 @@ def test_one_rest_call_traced_counted_and_logged(launched, otlp_receiver, tracep
     metrics_port = int(launched.wait_for(r"Prometheus metrics on \S+:(\d+)").group(1))
     trace_id, caller_span_id, header = traceparent
     request = urllib.request.Request(
-        f"{rest_url}/generate", method="POST", headers={"Content-Type": "application/json", "traceparent": header},
-        data=json.dumps({"inputs": "hello there", "parameters": {"max_new_tokens": 3}}).encode())
+        f"{rest_url}/generate",
+        method="POST",
+        headers={"Content-Type": "application/json", "traceparent": header},
+        data=json.dumps({"inputs": "hello there", "parameters": {"max_new_tokens": 3}}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        samples = {s.name: s.value for family in text_string_to_metric_families(response.read().decode())
-                   for s in family.samples if not s.labels}
+        samples = {
+            s.name: s.value
+            for family in text_string_to_metric_families(response.read().decode())
+            for s in family.samples
+            if not s.labels
+        }
     assert samples["tgi_request_count_total"] == samples["tgi_request_success_total"] == 1
 
     # Both export in batches every few seconds (Envoy's tracer each 5 s): wait while they run.
-    spans = otlp_receiver.wait_for(trace_id, {"POST /generate", "/textgen.v1.TextGeneration/Generate", "inference"},
-                                   timeout=20)
+    spans = otlp_receiver.wait_for(
+        trace_id, {"POST /generate", "/textgen.v1.TextGeneration/Generate", "inference"}, timeout=20
+    )
     launched.process.send_signal(signal.SIGTERM)
     assert launched.process.wait(60) == 0
-    [rest], [server], [inference] = spans["POST /generate"], spans["/textgen.v1.TextGeneration/Generate"], \
-        spans["inference"]
+    [rest], [server], [inference] = (
+        spans["POST /generate"],
+        spans["/textgen.v1.TextGeneration/Generate"],
+        spans["inference"],
+    )
     assert rest.service == f"{SERVICE}-gateway" and rest.parent_span_id == caller_span_id
     assert server.service == SERVICE and server.parent_span_id == rest.span_id
     assert inference.parent_span_id == server.span_id

@@ -23,22 +23,35 @@ def test_one_line_per_request_with_its_fields(tiny_grpc_server, caplog, tracepar
     trace_id, _, header = traceparent
     metadata = (("traceparent", header), ("x-request-id", "req-42"))
     with caplog.at_level(logging.INFO):
-        response = tiny_grpc_server.stub.Generate(pb.GenerateRequest(
-            inputs=SECRET_PROMPT, parameters=pb.GenerateParameters(max_new_tokens=3, details=True)),
-            metadata=metadata, timeout=TIMEOUT)
-        list(tiny_grpc_server.stub.GenerateStream(pb.GenerateRequest(
-            inputs=SECRET_PROMPT, parameters=pb.GenerateParameters(max_new_tokens=2)), timeout=TIMEOUT))
+        response = tiny_grpc_server.stub.Generate(
+            pb.GenerateRequest(inputs=SECRET_PROMPT, parameters=pb.GenerateParameters(max_new_tokens=3, details=True)),
+            metadata=metadata,
+            timeout=TIMEOUT,
+        )
+        list(
+            tiny_grpc_server.stub.GenerateStream(
+                pb.GenerateRequest(inputs=SECRET_PROMPT, parameters=pb.GenerateParameters(max_new_tokens=2)),
+                timeout=TIMEOUT,
+            )
+        )
     first, second = request_records(caplog)
     assert first.levelno == logging.INFO
     fields = first.fields
-    num_prompt_tokens = len(tiny_grpc_server.stub.Tokenize(pb.GenerateRequest(inputs=SECRET_PROMPT),
-                                                           timeout=TIMEOUT).tokens)
+    num_prompt_tokens = len(
+        tiny_grpc_server.stub.Tokenize(pb.GenerateRequest(inputs=SECRET_PROMPT), timeout=TIMEOUT).tokens
+    )
     assert fields["request_id"] == "req-42" and fields["method"] == "Generate"
     assert fields["input_tokens"] == num_prompt_tokens
     assert fields["generated_tokens"] == response.details.generated_tokens == 3
     assert fields["finish_reason"] == "length" and fields["trace_id"] == trace_id
-    for name in ("total_time", "validation_time", "queue_time", "inference_time", "time_per_token",
-                 "time_to_first_token"):
+    for name in (
+        "total_time",
+        "validation_time",
+        "queue_time",
+        "inference_time",
+        "time_per_token",
+        "time_to_first_token",
+    ):
         assert fields[name] >= 0, name
     assert fields["total_time"] >= fields["inference_time"]
     assert second.fields["method"] == "GenerateStream" and len(second.fields["request_id"]) == 32
@@ -65,8 +78,9 @@ def make_record(fields: dict | None = None) -> logging.LogRecord:
 
 
 def test_json_lines_carry_the_fields():
-    entry = json.loads(JsonFormatter().format(make_record({"request_id": "r1", "total_time": 0.25,
-                                                           "finish_reason": "length"})))
+    entry = json.loads(
+        JsonFormatter().format(make_record({"request_id": "r1", "total_time": 0.25, "finish_reason": "length"}))
+    )
     assert entry["message"] == "Generate ok" and entry["level"] == "INFO"
     assert entry["target"] == "inference_service.requests"
     assert (entry["request_id"], entry["total_time"], entry["finish_reason"]) == ("r1", 0.25, "length")

@@ -29,8 +29,10 @@ def server(tiny_engine_config):
     from tests.conftest import GrpcServerThread
 
     config = dataclasses.replace(
-        tiny_engine_config, scheduler=SchedulerConfig(max_batch_prefill_tokens=PREFILL_BUDGET),
-        limits=LimitsConfig(max_total_tokens=tiny_engine_config.limits.max_total_tokens, max_concurrent_requests=1))
+        tiny_engine_config,
+        scheduler=SchedulerConfig(max_batch_prefill_tokens=PREFILL_BUDGET),
+        limits=LimitsConfig(max_total_tokens=tiny_engine_config.limits.max_total_tokens, max_concurrent_requests=1),
+    )
     server = GrpcServerThread(config)
     yield server
     server.stop(timeout_s=1.0)
@@ -38,8 +40,11 @@ def server(tiny_engine_config):
 
 def parse(text: str) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} (the parser names counter samples `<name>_total`)."""
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def scrape_rpc(server) -> str:
@@ -60,8 +65,9 @@ def delta(after: dict, before: dict, name: str, **labels: str) -> float:
 
 
 def request(max_new_tokens: int = 3, **parameters) -> pb.GenerateRequest:
-    return pb.GenerateRequest(inputs=PROMPT, parameters=pb.GenerateParameters(
-        max_new_tokens=max_new_tokens, details=True, **parameters))
+    return pb.GenerateRequest(
+        inputs=PROMPT, parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens, details=True, **parameters)
+    )
 
 
 def wait_for(server, condition, timeout: float = 10.0) -> dict:
@@ -75,10 +81,12 @@ def wait_for(server, condition, timeout: float = 10.0) -> dict:
 
 def test_requests_successes_and_failures_by_kind(server):
     before = parse(scrape_rpc(server))
-    generated = [server.stub.Generate(request(3), timeout=TIMEOUT).details.generated_tokens,
-                 server.stub.Generate(request(4), timeout=TIMEOUT).details.generated_tokens,
-                 server.stub.CompatGenerate(request(2), timeout=TIMEOUT).responses[0].details.generated_tokens,
-                 list(server.stub.GenerateStream(request(5), timeout=TIMEOUT))[-1].details.generated_tokens]
+    generated = [
+        server.stub.Generate(request(3), timeout=TIMEOUT).details.generated_tokens,
+        server.stub.Generate(request(4), timeout=TIMEOUT).details.generated_tokens,
+        server.stub.CompatGenerate(request(2), timeout=TIMEOUT).responses[0].details.generated_tokens,
+        list(server.stub.GenerateStream(request(5), timeout=TIMEOUT))[-1].details.generated_tokens,
+    ]
     bad = pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(temperature=0.0))
     for call in (server.stub.Generate, lambda r, timeout: list(server.stub.GenerateStream(r, timeout=timeout))):
         with pytest.raises(grpc.RpcError):
@@ -93,11 +101,22 @@ def test_requests_successes_and_failures_by_kind(server):
     assert delta(after, before, "tgi_request_success_total") == 4
     assert delta(after, before, "tgi_request_failure_total", err="validation") == 2
     assert delta(after, before, "tgi_request_failure_total", err="overloaded") == 1
-    assert sum(delta(after, before, "tgi_request_failure_total", err=kind)
-               for kind in ("generation", "dropped", "cancelled", "unavailable", "internal", "incomplete")) == 0
-    for name in ("tgi_request_duration", "tgi_request_validation_duration", "tgi_request_queue_duration",
-                 "tgi_request_inference_duration", "tgi_request_mean_time_per_token_duration",
-                 "tgi_request_time_to_first_token_duration", "tgi_request_generated_tokens"):
+    assert (
+        sum(
+            delta(after, before, "tgi_request_failure_total", err=kind)
+            for kind in ("generation", "dropped", "cancelled", "unavailable", "internal", "incomplete")
+        )
+        == 0
+    )
+    for name in (
+        "tgi_request_duration",
+        "tgi_request_validation_duration",
+        "tgi_request_queue_duration",
+        "tgi_request_inference_duration",
+        "tgi_request_mean_time_per_token_duration",
+        "tgi_request_time_to_first_token_duration",
+        "tgi_request_generated_tokens",
+    ):
         assert delta(after, before, f"{name}_count") == 4, name
     assert delta(after, before, "tgi_request_generated_tokens_sum") == sum(generated) == 14
     num_prompt_tokens = len(server.stub.Tokenize(pb.GenerateRequest(inputs=PROMPT), timeout=TIMEOUT).tokens)
@@ -184,8 +203,10 @@ def test_gauges_when_idle_and_busy(server):
     busy = parse(scrape_rpc(server))
     call.cancel()
     assert busy[("tgi_batch_current_size", ())] == 1 and busy[("tgi_kv_cache_blocks_used", ())] > 0
-    assert busy[("tgi_batch_current_max_tokens", ())] == len(
-        server.stub.Tokenize(pb.GenerateRequest(inputs="a"), timeout=TIMEOUT).tokens) + 400
+    assert (
+        busy[("tgi_batch_current_max_tokens", ())]
+        == len(server.stub.Tokenize(pb.GenerateRequest(inputs="a"), timeout=TIMEOUT).tokens) + 400
+    )
     server.wait_idle()
 
 
@@ -221,8 +242,9 @@ def test_speculation_acceptance(tiny_engine_config, start_grpc_server):
     info = server.stub.Info(pb.InfoRequest(), timeout=TIMEOUT)
     assert info.speculate == 4 and info.use_prefix_caching
     # The tiny model answers this with one token over and over: most guesses hold.
-    request = pb.GenerateRequest(inputs="1234 3.14 , . ! ? " * 3, parameters=pb.GenerateParameters(
-        max_new_tokens=40, details=True))
+    request = pb.GenerateRequest(
+        inputs="1234 3.14 , . ! ? " * 3, parameters=pb.GenerateParameters(max_new_tokens=40, details=True)
+    )
     response = server.stub.Generate(request, timeout=TIMEOUT)
     server.wait_idle()
     metrics = parse(scrape_rpc(server))
@@ -265,8 +287,11 @@ def test_bucket_layouts_are_tgis(server):
     families = {family.name: family for family in text_string_to_metric_families(text)}
 
     def bounds(name: str) -> list[float]:
-        return [float(s.labels["le"]) for s in families[name].samples
-                if s.name.endswith("_bucket") and s.labels.get("method") != "prefill"][:-1]
+        return [
+            float(s.labels["le"])
+            for s in families[name].samples
+            if s.name.endswith("_bucket") and s.labels.get("method") != "prefill"
+        ][:-1]
 
     info = server.engine.info
     assert len(DURATION_BUCKETS) == 35 and DURATION_BUCKETS[0] == 0.00015

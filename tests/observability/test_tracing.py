@@ -22,8 +22,9 @@ SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_SERVER
 
 
 def request(max_new_tokens: int = 4) -> pb.GenerateRequest:
-    return pb.GenerateRequest(inputs="the quick brown fox",
-                              parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens, details=True))
+    return pb.GenerateRequest(
+        inputs="the quick brown fox", parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens, details=True)
+    )
 
 
 def spans_of(server, receiver, trace_id: str, names: set[str]):
@@ -67,8 +68,7 @@ def test_generate_continues_the_callers_trace(traced_server, otlp_receiver, trac
 
 def test_stream_spans(traced_server, otlp_receiver, traceparent):
     trace_id, parent_id, header = traceparent
-    messages = list(traced_server.stub.GenerateStream(request(5), metadata=(("traceparent", header),),
-                                                      timeout=TIMEOUT))
+    messages = list(traced_server.stub.GenerateStream(request(5), metadata=(("traceparent", header),), timeout=TIMEOUT))
     name = "/textgen.v1.TextGeneration/GenerateStream"
     spans = spans_of(traced_server, otlp_receiver, trace_id, ENGINE_SPANS | {name})
     [server_span] = spans[name]
@@ -103,8 +103,7 @@ def test_validation_failure_is_an_error_span(traced_server, otlp_receiver, trace
     assert "queued" not in spans and "inference" not in spans
 
 
-def test_a_failure_during_generation_shows_where_it_happened(traced_server, otlp_receiver, traceparent,
-                                                             monkeypatch):
+def test_a_failure_during_generation_shows_where_it_happened(traced_server, otlp_receiver, traceparent, monkeypatch):
     trace_id, _, header = traceparent
 
     def broken_forward(*args, **kwargs):
@@ -142,8 +141,9 @@ def test_probes_and_scrapes_are_not_traced(traced_server, otlp_receiver, tracepa
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     metadata = (("traceparent", traceparent[2]),)
-    health_pb2_grpc.HealthStub(traced_server.channel).Check(health_pb2.HealthCheckRequest(), metadata=metadata,
-                                                            timeout=TIMEOUT)
+    health_pb2_grpc.HealthStub(traced_server.channel).Check(
+        health_pb2.HealthCheckRequest(), metadata=metadata, timeout=TIMEOUT
+    )
     traced_server.stub.Health(pb.HealthRequest(), metadata=metadata, timeout=TIMEOUT)
     traced_server.stub.Metrics(pb.MetricsRequest(), metadata=metadata, timeout=TIMEOUT)
     traced_server.stub.Info(pb.InfoRequest(), metadata=metadata, timeout=TIMEOUT)  # traced: proves the wait
@@ -169,20 +169,27 @@ def test_serving_goes_on_when_the_collector_is_down(start_grpc_server, tiny_engi
 
 
 def test_tracing_off_loads_no_opentelemetry():
-    code = ("import sys\n"
-            "from inference_service.api.config import ServerConfig\n"
-            "from inference_service.observability.hub import Observability\n"
-            "observability = Observability(ServerConfig())\n"
-            "assert observability.tracing is None and observability.server_interceptors() == []\n"
-            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")
+    code = (
+        "import sys\n"
+        "from inference_service.api.config import ServerConfig\n"
+        "from inference_service.observability.hub import Observability\n"
+        "observability = Observability(ServerConfig())\n"
+        "assert observability.tracing is None and observability.server_interceptors() == []\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(("endpoint", "target"), [
-    ("http://collector:4317", ("collector", 4317, False)), ("collector:4318", ("collector", 4318, False)),
-    ("https://otel.example.com", ("otel.example.com", 443, True)), ("http://[::1]:4317", ("::1", 4317, False)),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "target"),
+    [
+        ("http://collector:4317", ("collector", 4317, False)),
+        ("collector:4318", ("collector", 4318, False)),
+        ("https://otel.example.com", ("otel.example.com", 443, True)),
+        ("http://[::1]:4317", ("::1", 4317, False)),
+    ],
+)
 def test_otlp_endpoint_forms(endpoint, target):
     assert otlp_target(endpoint) == target
 

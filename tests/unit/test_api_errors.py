@@ -17,15 +17,18 @@ from inference_service.errors import (
 )
 
 
-@pytest.mark.parametrize(("error", "code", "error_type"), [
-    (ValidationError("`top_k` must be strictly positive"), grpc.StatusCode.INVALID_ARGUMENT, "validation"),
-    (OverloadedError(), grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
-    (GenerationError("CUDA out of memory"), grpc.StatusCode.INTERNAL, "generation"),
-    (RequestCancelled("server shutting down"), grpc.StatusCode.CANCELLED, "cancelled"),
-    (UnavailableError("the model is still loading"), grpc.StatusCode.UNAVAILABLE, "unavailable"),
-    (InferenceError("base"), grpc.StatusCode.UNKNOWN, "internal"),
-    (ZeroDivisionError("division by zero"), grpc.StatusCode.UNKNOWN, "internal"),
-])
+@pytest.mark.parametrize(
+    ("error", "code", "error_type"),
+    [
+        (ValidationError("`top_k` must be strictly positive"), grpc.StatusCode.INVALID_ARGUMENT, "validation"),
+        (OverloadedError(), grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
+        (GenerationError("CUDA out of memory"), grpc.StatusCode.INTERNAL, "generation"),
+        (RequestCancelled("server shutting down"), grpc.StatusCode.CANCELLED, "cancelled"),
+        (UnavailableError("the model is still loading"), grpc.StatusCode.UNAVAILABLE, "unavailable"),
+        (InferenceError("base"), grpc.StatusCode.UNKNOWN, "internal"),
+        (ZeroDivisionError("division by zero"), grpc.StatusCode.UNKNOWN, "internal"),
+    ],
+)
 def test_each_kind_has_its_code(error, code, error_type):
     described_code, message, described_type = errors.describe(error)
     assert (described_code, described_type) == (code, error_type)
@@ -35,8 +38,7 @@ def test_each_kind_has_its_code(error, code, error_type):
 def test_messages_keep_tgi_prefixes():
     assert errors.describe(ValidationError("x"))[1] == "Input validation error: x"
     assert errors.describe(OverloadedError())[1] == "Model is overloaded"
-    assert errors.describe(GenerationError("boom"))[1] == (
-        "Request failed during generation: Server error: boom")
+    assert errors.describe(GenerationError("boom"))[1] == ("Request failed during generation: Server error: boom")
 
 
 def test_generation_failure_and_bug_are_told_apart():
@@ -44,8 +46,7 @@ def test_generation_failure_and_bug_are_told_apart():
 
 
 def test_trailers_carry_status_details_and_kind():
-    trailers = dict(errors.trailing_metadata(grpc.StatusCode.RESOURCE_EXHAUSTED, "Model is overloaded",
-                                             "overloaded"))
+    trailers = dict(errors.trailing_metadata(grpc.StatusCode.RESOURCE_EXHAUSTED, "Model is overloaded", "overloaded"))
     assert trailers[errors.ERROR_TYPE_KEY] == "overloaded"
     status = status_pb2.Status.FromString(trailers[errors.STATUS_DETAILS_KEY])
     assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

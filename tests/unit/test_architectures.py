@@ -84,10 +84,14 @@ def _schedule() -> list[list[Chunk]]:
     continuation, a fresh prefill and decodes interleaved in one packed batch. Then decode-only
     steps, running every sequence past the window."""
     steps = [
-        [Chunk("a", 0, 6, sample=False, prompt_logprobs=True), Chunk("c", 0, 1), Chunk("d", 0, 10),
-         Chunk("e", 0, 3)],
-        [Chunk("c", 1, 1), Chunk("a", 6, 5, prompt_logprobs=True), Chunk("d", 10, 1), Chunk("b", 0, 9),
-         Chunk("e", 3, 1)],
+        [Chunk("a", 0, 6, sample=False, prompt_logprobs=True), Chunk("c", 0, 1), Chunk("d", 0, 10), Chunk("e", 0, 3)],
+        [
+            Chunk("c", 1, 1),
+            Chunk("a", 6, 5, prompt_logprobs=True),
+            Chunk("d", 10, 1),
+            Chunk("b", 0, 9),
+            Chunk("e", 3, 1),
+        ],
     ]
     lengths = {"a": 11, "b": 9, "c": 2, "d": 11, "e": 4}
     for _ in range(NUM_DECODE_ONLY_STEPS):
@@ -117,9 +121,18 @@ def _sequences_and_tables() -> tuple[dict[str, list[int]], dict[str, list[int]]]
 
 def _scheduled(step: list[Chunk], tokens, tables) -> list[ScheduledRequest]:
     """The step as the scheduler hands it over: each table holds the blocks allocated so far."""
-    return [ScheduledRequest(c.request_id, c.start, c.count, tokens[c.request_id][c.start:c.end],
-                             tables[c.request_id][: -(-c.end // BLOCK_SIZE)], c.sample, c.prompt_logprobs)
-            for c in step]
+    return [
+        ScheduledRequest(
+            c.request_id,
+            c.start,
+            c.count,
+            tokens[c.request_id][c.start : c.end],
+            tables[c.request_id][: -(-c.end // BLOCK_SIZE)],
+            c.sample,
+            c.prompt_logprobs,
+        )
+        for c in step
+    ]
 
 
 @contextlib.contextmanager
@@ -206,8 +219,10 @@ def _run_paged(model, tokens, tables, monkeypatch, decode_kernel=None, decode_st
             for chunk in asked:
                 prompt_logits = out.prompt_logits[chunk.request_id]
                 assert prompt_logits.shape == (chunk.count, VOCAB_SIZE)
-                rows.extend(Row(step_index, "prompt logprobs", chunk.request_id, chunk.start + i, logits)
-                            for i, logits in enumerate(prompt_logits))
+                rows.extend(
+                    Row(step_index, "prompt logprobs", chunk.request_id, chunk.start + i, logits)
+                    for i, logits in enumerate(prompt_logits)
+                )
     return rows
 
 
@@ -308,8 +323,9 @@ def _control_diffs(model_type: str, wrong_overrides: dict, monkeypatch) -> dict[
     rows = _run_paged(paged_model, tokens, tables, monkeypatch)
     right = _max_diffs(rows, PlainForward(reference_model, tokens), key=lambda row: row.kind)
     assert max(right.values()) <= TOLERANCE
-    wrong = _max_diffs([row for row in rows if row.position >= WINDOW], PlainForward(wrong_model, tokens),
-                       key=lambda row: row.kind)
+    wrong = _max_diffs(
+        [row for row in rows if row.position >= WINDOW], PlainForward(wrong_model, tokens), key=lambda row: row.kind
+    )
     print(f"{model_type} {wrong_overrides}: control |diff| per kind {wrong}")
     return wrong
 
@@ -356,8 +372,9 @@ def test_a_step_with_no_row_to_keep_still_fills_the_cache(monkeypatch):
     reference_model = tiny_model("llama")
     paged_model = same_weights_model(reference_model, attention.ATTENTION_NAME)
     tokens = list(range(3, 10))
-    cache = PagedKVCache(probe_layer_shapes(paged_model, torch.device("cpu")), 4, BLOCK_SIZE,
-                         torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(
+        probe_layer_shapes(paged_model, torch.device("cpu")), 4, BLOCK_SIZE, torch.float32, torch.device("cpu")
+    )
     runner = ModelRunner(paged_model, cache, torch.device("cpu"))
     first = runner.execute([ScheduledRequest("a", 0, 4, tokens[:4], [2], sample=False)])
     assert first.sample_ids == [] and first.sample_logits.shape == (0, VOCAB_SIZE)

@@ -17,32 +17,56 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A valid value per flag, and the config field it must land in.
 SAMPLES = {
-    "--model-id": ("some/model", "some/model"), "--revision": ("abc123", "abc123"),
-    "--dtype": ("bfloat16", "bfloat16"), "--device": ("cuda:1", "cuda:1"),
-    "--trust-remote-code": (None, True), "--num-threads": ("3", 3),
-    "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"), "--chat-template": ("chat.jinja", "chat.jinja"),
+    "--model-id": ("some/model", "some/model"),
+    "--revision": ("abc123", "abc123"),
+    "--dtype": ("bfloat16", "bfloat16"),
+    "--device": ("cuda:1", "cuda:1"),
+    "--trust-remote-code": (None, True),
+    "--num-threads": ("3", 3),
+    "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"),
+    "--chat-template": ("chat.jinja", "chat.jinja"),
     "--quantize": ("eetq", "eetq"),
-    "--max-concurrent-requests": ("7", 7), "--max-best-of": ("3", 3), "--max-stop-sequences": ("6", 6),
-    "--max-top-n-tokens": ("9", 9), "--max-input-tokens": ("100", 100), "--max-input-length": ("101", 101),
-    "--max-total-tokens": ("200", 200), "--watermark-gamma": ("0.25", 0.25),
-    "--watermark-delta": ("1.5", 1.5), "--disable-grammar-support": (None, True),
-    "--max-batch-prefill-tokens": ("512", 512), "--max-batch-size": ("8", 8),
-    "--waiting-served-ratio": ("1.2", 1.2), "--max-waiting-tokens": ("5", 5),
-    "--max-batch-total-tokens": ("4096", 4096), "--kv-cache-memory": ("512MiB", "512MiB"),
-    "--block-size": ("32", 32), "--prefix-caching": ("false", False), "--speculate": ("3", 3),
-    "--hostname": ("127.0.0.1", "127.0.0.1"), "--grpc-port": ("6000", 6000),
-    "--payload-limit": ("1000", 1000), "--graceful-termination-timeout": ("2.5", 2.5),
-    "--json-output": (None, True), "--log-level": ("debug", "debug"),
+    "--max-concurrent-requests": ("7", 7),
+    "--max-best-of": ("3", 3),
+    "--max-stop-sequences": ("6", 6),
+    "--max-top-n-tokens": ("9", 9),
+    "--max-input-tokens": ("100", 100),
+    "--max-input-length": ("101", 101),
+    "--max-total-tokens": ("200", 200),
+    "--watermark-gamma": ("0.25", 0.25),
+    "--watermark-delta": ("1.5", 1.5),
+    "--disable-grammar-support": (None, True),
+    "--max-batch-prefill-tokens": ("512", 512),
+    "--max-batch-size": ("8", 8),
+    "--waiting-served-ratio": ("1.2", 1.2),
+    "--max-waiting-tokens": ("5", 5),
+    "--max-batch-total-tokens": ("4096", 4096),
+    "--kv-cache-memory": ("512MiB", "512MiB"),
+    "--block-size": ("32", 32),
+    "--prefix-caching": ("false", False),
+    "--speculate": ("3", 3),
+    "--hostname": ("127.0.0.1", "127.0.0.1"),
+    "--grpc-port": ("6000", 6000),
+    "--payload-limit": ("1000", 1000),
+    "--graceful-termination-timeout": ("2.5", 2.5),
+    "--json-output": (None, True),
+    "--log-level": ("debug", "debug"),
     "--otlp-endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
-    "--otlp-service-name": ("svc", "svc"), "--prometheus-port": ("9100", 9100),
-    "--api-key": ("s3cret", "s3cret"), "--tls-cert": ("c.pem", "c.pem"), "--tls-key": ("k.pem", "k.pem"),
+    "--otlp-service-name": ("svc", "svc"),
+    "--prometheus-port": ("9100", 9100),
+    "--api-key": ("s3cret", "s3cret"),
+    "--tls-cert": ("c.pem", "c.pem"),
+    "--tls-key": ("k.pem", "k.pem"),
     "--tls-client-ca": ("ca.pem", "ca.pem"),
 }
 
 
 # Flags that only make sense with others: what a sample of them is parsed with.
-COMPANIONS = {"--tls-cert": ["--tls-key", "k.pem"], "--tls-key": ["--tls-cert", "c.pem"],
-              "--tls-client-ca": ["--tls-cert", "c.pem", "--tls-key", "k.pem"]}
+COMPANIONS = {
+    "--tls-cert": ["--tls-key", "k.pem"],
+    "--tls-key": ["--tls-cert", "c.pem"],
+    "--tls-client-ca": ["--tls-cert", "c.pem", "--tls-key", "k.pem"],
+}
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
@@ -115,20 +139,22 @@ def run_main(argv: list[str], monkeypatch, capsys, environ: dict[str, str] | Non
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("argv", "environ", "message"), [
-    (["serve", "--max-total-tokens", "abc"], {},
-     "argument --max-total-tokens: expected an integer, not 'abc'"),
-    (["serve", "--bogus"], {}, "unrecognized arguments: --bogus"),
-    (["serve", "--max-input-tokens", "3", "--max-input-length", "4"], {}, "give only one"),
-    (["serve", "--max-input-tokens", "3"], {"MAX_INPUT_LENGTH": "4"}, "give only one"),
-    (["serve"], {"MAX_TOTAL_TOKENS": "x"}, "MAX_TOTAL_TOKENS='x': expected an integer"),
-    (["serve"], {"TRUST_REMOTE_CODE": "maybe"}, "TRUST_REMOTE_CODE='maybe': expected true or false"),
-    (["serve", "--dtype", "int8"], {}, "--dtype must be auto, float32, bfloat16 or float16"),
-    (["serve", "--max-input-tokens", "10", "--max-total-tokens", "10"], {}, "must be < `max_total_tokens`"),
-    (["serve", "--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
-    (["serve", "--kv-cache-memory", "lots"], {}, "--kv-cache-memory must be a fraction"),
-    ([], {}, "choose a command"),
-])
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["serve", "--max-total-tokens", "abc"], {}, "argument --max-total-tokens: expected an integer, not 'abc'"),
+        (["serve", "--bogus"], {}, "unrecognized arguments: --bogus"),
+        (["serve", "--max-input-tokens", "3", "--max-input-length", "4"], {}, "give only one"),
+        (["serve", "--max-input-tokens", "3"], {"MAX_INPUT_LENGTH": "4"}, "give only one"),
+        (["serve"], {"MAX_TOTAL_TOKENS": "x"}, "MAX_TOTAL_TOKENS='x': expected an integer"),
+        (["serve"], {"TRUST_REMOTE_CODE": "maybe"}, "TRUST_REMOTE_CODE='maybe': expected true or false"),
+        (["serve", "--dtype", "int8"], {}, "--dtype must be auto, float32, bfloat16 or float16"),
+        (["serve", "--max-input-tokens", "10", "--max-total-tokens", "10"], {}, "must be < `max_total_tokens`"),
+        (["serve", "--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
+        (["serve", "--kv-cache-memory", "lots"], {}, "--kv-cache-memory must be a fraction"),
+        ([], {}, "choose a command"),
+    ],
+)
 def test_mistakes_are_one_line_and_exit_2(argv, environ, message, monkeypatch, capsys):
     code, err = run_main(argv, monkeypatch, capsys, environ)
     assert code == cli.EXIT_USAGE
@@ -152,9 +178,23 @@ def test_download_weights_of_a_local_folder_prints_it(monkeypatch, capsys, tmp_p
 def test_serve_with_an_unloadable_model_exits_1_without_traceback(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     result = subprocess.run(
-        [sys.executable, "-m", "inference_service", "serve", "--model-id", str(tmp_path),
-         "--hostname", "127.0.0.1", "--grpc-port", "0"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "inference_service",
+            "serve",
+            "--model-id",
+            str(tmp_path),
+            "--hostname",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == cli.EXIT_FAILURE, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("inference-service: error: ")
     assert "Traceback" not in result.stderr

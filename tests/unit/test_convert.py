@@ -36,8 +36,10 @@ def test_every_proto_parameter_is_a_domain_parameter():
 
 
 def test_absent_optionals_are_none_and_zeros_stay_zeros():
-    request = pb.GenerateRequest(inputs="hi", parameters=pb.GenerateParameters(
-        temperature=0.0, top_k=0, max_new_tokens=0, seed=0, do_sample=False))
+    request = pb.GenerateRequest(
+        inputs="hi",
+        parameters=pb.GenerateParameters(temperature=0.0, top_k=0, max_new_tokens=0, seed=0, do_sample=False),
+    )
     params = tgi.request_from_pb(request).parameters
     assert (params.temperature, params.top_k, params.max_new_tokens, params.seed) == (0.0, 0, 0, 0)
     assert params.top_p is None and params.best_of is None and params.truncate is None
@@ -45,19 +47,53 @@ def test_absent_optionals_are_none_and_zeros_stay_zeros():
 
 
 def test_values_are_carried_over():
-    request = pb.GenerateRequest(inputs="héllo", parameters=pb.GenerateParameters(
-        best_of=2, temperature=0.5, repetition_penalty=1.2, frequency_penalty=-0.5, top_k=7, top_p=0.75,
-        typical_p=0.5, do_sample=True, max_new_tokens=12, return_full_text=True, stop=["a", "\n"],
-        truncate=9, watermark=True, details=True, decoder_input_details=True, seed=2**64 - 1,
-        top_n_tokens=3, adapter_id="x",
-        grammar=pb.Grammar(type="regex", value=struct_pb2.Value(string_value="[a-z]+"))))
+    request = pb.GenerateRequest(
+        inputs="héllo",
+        parameters=pb.GenerateParameters(
+            best_of=2,
+            temperature=0.5,
+            repetition_penalty=1.2,
+            frequency_penalty=-0.5,
+            top_k=7,
+            top_p=0.75,
+            typical_p=0.5,
+            do_sample=True,
+            max_new_tokens=12,
+            return_full_text=True,
+            stop=["a", "\n"],
+            truncate=9,
+            watermark=True,
+            details=True,
+            decoder_input_details=True,
+            seed=2**64 - 1,
+            top_n_tokens=3,
+            adapter_id="x",
+            grammar=pb.Grammar(type="regex", value=struct_pb2.Value(string_value="[a-z]+")),
+        ),
+    )
     domain = tgi.request_from_pb(request)
     assert domain.inputs == "héllo"
     assert domain.parameters == GenerateParameters(
-        best_of=2, temperature=0.5, repetition_penalty=pytest.approx(1.2), frequency_penalty=-0.5, top_k=7,
-        top_p=0.75, typical_p=0.5, do_sample=True, max_new_tokens=12, return_full_text=True,
-        stop=["a", "\n"], truncate=9, watermark=True, details=True, decoder_input_details=True,
-        seed=2**64 - 1, top_n_tokens=3, adapter_id="x", grammar={"type": "regex", "value": "[a-z]+"})
+        best_of=2,
+        temperature=0.5,
+        repetition_penalty=pytest.approx(1.2),
+        frequency_penalty=-0.5,
+        top_k=7,
+        top_p=0.75,
+        typical_p=0.5,
+        do_sample=True,
+        max_new_tokens=12,
+        return_full_text=True,
+        stop=["a", "\n"],
+        truncate=9,
+        watermark=True,
+        details=True,
+        decoder_input_details=True,
+        seed=2**64 - 1,
+        top_n_tokens=3,
+        adapter_id="x",
+        grammar={"type": "regex", "value": "[a-z]+"},
+    )
 
 
 def test_whole_numbers_of_a_grammar_schema_come_back_as_ints():
@@ -81,13 +117,16 @@ def test_absent_parameters_are_all_defaults():
     assert tgi.request_from_pb(pb.GenerateRequest(inputs="hi")).parameters == GenerateParameters()
 
 
-@pytest.mark.parametrize(("request_pb", "compat", "expected"), [
-    (pb.GenerateRequest(inputs="a"), False, None),
-    (pb.GenerateRequest(inputs="a"), True, True),
-    (pb.GenerateRequest(inputs="a", stream=False), False, True),  # the root route's body
-    (pb.GenerateRequest(inputs="a", stream=True, parameters=pb.GenerateParameters()), False, True),
-    (pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(return_full_text=False)), True, False),
-])
+@pytest.mark.parametrize(
+    ("request_pb", "compat", "expected"),
+    [
+        (pb.GenerateRequest(inputs="a"), False, None),
+        (pb.GenerateRequest(inputs="a"), True, True),
+        (pb.GenerateRequest(inputs="a", stream=False), False, True),  # the root route's body
+        (pb.GenerateRequest(inputs="a", stream=True, parameters=pb.GenerateParameters()), False, True),
+        (pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(return_full_text=False)), True, False),
+    ],
+)
 def test_root_route_returns_full_text_by_default(request_pb, compat, expected):
     assert tgi.request_from_pb(request_pb, compat_route=compat).parameters.return_full_text is expected
 
@@ -109,18 +148,31 @@ def test_one_message_per_token_with_running_index():
 
 
 def test_final_output_puts_text_and_details_on_its_last_token():
-    output = RequestOutput("r", tokens=[tok(1), tok(2, special=True)], finish_reason=FinishReason.EOS_TOKEN,
-                           generated_text="t1", num_generated_tokens=5, num_prompt_tokens=3, seed=42)
+    output = RequestOutput(
+        "r",
+        tokens=[tok(1), tok(2, special=True)],
+        finish_reason=FinishReason.EOS_TOKEN,
+        generated_text="t1",
+        num_generated_tokens=5,
+        num_prompt_tokens=3,
+        seed=42,
+    )
     first, last = convert.stream_responses_to_pb(output, first_index=4, details=True)
     assert not first.HasField("generated_text")
     assert last.generated_text == "t1" and last.token.special
-    assert last.details == pb.StreamDetails(finish_reason="eos_token", generated_tokens=5, seed=42,
-                                            input_length=3)
+    assert last.details == pb.StreamDetails(finish_reason="eos_token", generated_tokens=5, seed=42, input_length=3)
 
 
 def test_stream_details_only_when_asked_and_seed_absent_for_greedy():
-    output = RequestOutput("r", tokens=[tok(1)], finish_reason=FinishReason.LENGTH, generated_text="",
-                           num_generated_tokens=1, num_prompt_tokens=2, seed=None)
+    output = RequestOutput(
+        "r",
+        tokens=[tok(1)],
+        finish_reason=FinishReason.LENGTH,
+        generated_text="",
+        num_generated_tokens=1,
+        num_prompt_tokens=2,
+        seed=None,
+    )
     [without] = convert.stream_responses_to_pb(output, first_index=1, details=False)
     assert without.HasField("generated_text") and not without.HasField("details")
     [with_details] = convert.stream_responses_to_pb(output, first_index=1, details=True)
@@ -128,8 +180,7 @@ def test_stream_details_only_when_asked_and_seed_absent_for_greedy():
 
 
 def test_final_output_without_a_token_still_ends_the_stream():
-    output = RequestOutput("r", finish_reason=FinishReason.STOP_SEQUENCE, generated_text="abc",
-                           num_generated_tokens=3)
+    output = RequestOutput("r", finish_reason=FinishReason.STOP_SEQUENCE, generated_text="abc", num_generated_tokens=3)
     [response] = convert.stream_responses_to_pb(output, first_index=4, details=False)
     assert response.generated_text == "abc" and not response.HasField("token")
 
@@ -142,9 +193,16 @@ def test_stream_top_tokens_follow_their_token():
 
 # -- whole responses ----------------------------------------------------------------------------
 def result(**overrides) -> GenerateResult:
-    fields = dict(generated_text="out", finish_reason=FinishReason.LENGTH, num_generated_tokens=2,
-                  num_prompt_tokens=2, seed=None, tokens=[tok(1), tok(2)], top_tokens=[[], []],
-                  prefill_tokens=[])
+    fields = dict(
+        generated_text="out",
+        finish_reason=FinishReason.LENGTH,
+        num_generated_tokens=2,
+        num_prompt_tokens=2,
+        seed=None,
+        tokens=[tok(1), tok(2)],
+        top_tokens=[[], []],
+        prefill_tokens=[],
+    )
     return GenerateResult(**{**fields, **overrides})
 
 
@@ -182,19 +240,38 @@ def test_best_of_sequences_carry_their_seed():
 
 
 # -- the rest -----------------------------------------------------------------------------------
-INFO = EngineInfo(model_id="m", model_sha=None, architecture="LlamaForCausalLM", dtype="float32",
-                  device="cuda:0", vocab_size=10, eos_token_ids=(2,), block_size=16, num_blocks=8,
-                  max_input_tokens=99, max_total_tokens=100, max_batch_prefill_tokens=512,
-                  max_batch_size=None, max_concurrent_requests=3, max_best_of=2, max_stop_sequences=4,
-                  max_top_n_tokens=5)
+INFO = EngineInfo(
+    model_id="m",
+    model_sha=None,
+    architecture="LlamaForCausalLM",
+    dtype="float32",
+    device="cuda:0",
+    vocab_size=10,
+    eos_token_ids=(2,),
+    block_size=16,
+    num_blocks=8,
+    max_input_tokens=99,
+    max_total_tokens=100,
+    max_batch_prefill_tokens=512,
+    max_batch_size=None,
+    max_concurrent_requests=3,
+    max_best_of=2,
+    max_stop_sequences=4,
+    max_top_n_tokens=5,
+)
 
 
 def test_info_has_tgi_fields_and_stats():
-    stats = EngineStats(num_waiting=1, num_running=2, num_free_blocks=5, num_total_blocks=8,
-                        num_preemptions=0, num_steps=11)
+    stats = EngineStats(
+        num_waiting=1, num_running=2, num_free_blocks=5, num_total_blocks=8, num_preemptions=0, num_steps=11
+    )
     info = convert.info_to_pb(INFO, SchedulerConfig(), stats)
     assert (info.model_id, info.model_device_type, info.max_input_tokens, info.max_total_tokens) == (
-        "m", "cuda", 99, 100)
+        "m",
+        "cuda",
+        99,
+        100,
+    )
     assert info.max_batch_total_tokens == 128 and info.block_size == 16 and info.max_concurrent_requests == 3
     assert not info.HasField("model_sha") and not info.HasField("max_batch_size")
     assert info.waiting_served_ratio == pytest.approx(0.3) and info.max_waiting_tokens == 20

@@ -32,13 +32,21 @@ def kernel() -> cpu_kernels.PagedDecodeKernel:
 class Batch:
     """Random decode batch: q [S, H, D], a filled cache, shuffled block tables padded with block 0."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, context_lens: list[int],
-                 dtype: torch.dtype = torch.float32, seed: int = 0):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        context_lens: list[int],
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ):
         generator = torch.Generator().manual_seed(seed)
         blocks_needed = [-(-n // BLOCK_SIZE) for n in context_lens]
         num_blocks = sum(blocks_needed) + 3
-        self.cache = PagedKVCache([LayerShape(num_kv_heads, head_dim)], num_blocks, BLOCK_SIZE, dtype,
-                                  torch.device("cpu"))
+        self.cache = PagedKVCache(
+            [LayerShape(num_kv_heads, head_dim)], num_blocks, BLOCK_SIZE, dtype, torch.device("cpu")
+        )
         for tensor in (*self.cache.layer(0),):
             tensor.copy_(torch.randn(tensor.shape, generator=generator))
         order = torch.randperm(num_blocks, generator=generator).tolist()
@@ -50,7 +58,7 @@ class Batch:
         self.block_table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
         self.context_lens = torch.tensor(context_lens)
         self.q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator).to(dtype)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
     def reference(self, window: int | None, softcap: float | None) -> torch.Tensor:
         """Per sequence and head, in float64: softmax over the (windowed) prefix, weighted values."""
@@ -60,7 +68,7 @@ class Batch:
         for s, (table, length) in enumerate(zip(self.tables, self.context_lens.tolist(), strict=True)):
             slots = torch.tensor([table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(length)])
             if window is not None:
-                slots = slots[max(0, length - window):]
+                slots = slots[max(0, length - window) :]
             for h in range(self.q.shape[1]):
                 k, v = keys[slots, h // groups], values[slots, h // groups]  # [n, D]
                 scores = (k @ self.q[s, h].double()) * self.scale
@@ -71,10 +79,15 @@ class Batch:
 
     def run(self, decode_kernel, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Through the attention module's decode path ([S, H, Dv]), with or without the kernel."""
-        meta = attention.StepMetadata(kv_cache=self.cache, num_tokens=len(self.context_lens),
-                                      slot_mapping=torch.zeros(0, dtype=torch.long),
-                                      decode_block_table=self.block_table, decode_context_lens=self.context_lens,
-                                      decode_only=True, decode_kernel=decode_kernel)
+        meta = attention.StepMetadata(
+            kv_cache=self.cache,
+            num_tokens=len(self.context_lens),
+            slot_mapping=torch.zeros(0, dtype=torch.long),
+            decode_block_table=self.block_table,
+            decode_context_lens=self.context_lens,
+            decode_only=True,
+            decode_kernel=decode_kernel,
+        )
         keys, values = self.cache.layer(0)
         return attention.attend_decode(meta, self.q.transpose(0, 1), keys, values, self.scale, window, softcap)
 
@@ -84,12 +97,14 @@ FEW = [1, 8, 13]  # fewer sequences than 4 per thread: the kernel splits work by
 MANY = [1, 4, 5, 8, 9, 13, 16, 17, 3, 40, 2, 7]  # whole sequences per work item
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
-                         [(4, 4, 16), (9, 3, 64), (8, 1, 32), (16, 2, 128), (6, 3, 8)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (8, 1, 32), (16, 2, 128), (6, 3, 8)]
+)
 @pytest.mark.parametrize("context_lens", [FEW, MANY], ids=["few", "many"])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 2.0), (6, 1.5)])
-def test_kernel_equals_float64_math_and_the_torch_path(kernel, num_heads, num_kv_heads, head_dim, context_lens,
-                                                       window, softcap):
+def test_kernel_equals_float64_math_and_the_torch_path(
+    kernel, num_heads, num_kv_heads, head_dim, context_lens, window, softcap
+):
     batch = Batch(num_heads, num_kv_heads, head_dim, context_lens)
     assert kernel.supports(batch.q, *batch.cache.layer(0))
     native = batch.run(kernel, window, softcap)
@@ -111,11 +126,14 @@ def test_results_do_not_depend_on_the_number_of_threads(kernel):
     assert torch.equal(one, batch.run(kernel))
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "dtype"), [
-    (9, 1, 16, torch.float32),  # 9 query heads per KV head: beyond the instantiated groups
-    (4, 2, 12, torch.float32),  # head size not a multiple of 8
-    (4, 2, 16, torch.bfloat16),  # not fp32
-])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "dtype"),
+    [
+        (9, 1, 16, torch.float32),  # 9 query heads per KV head: beyond the instantiated groups
+        (4, 2, 12, torch.float32),  # head size not a multiple of 8
+        (4, 2, 16, torch.bfloat16),  # not fp32
+    ],
+)
 def test_shapes_the_kernel_refuses_take_the_torch_path(kernel, num_heads, num_kv_heads, head_dim, dtype):
     batch = Batch(num_heads, num_kv_heads, head_dim, FEW, dtype=dtype)
     assert not kernel.supports(batch.q, *batch.cache.layer(0))
@@ -160,10 +178,13 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
     assert "broken.cpp" in caplog.text
 
 
-@pytest.mark.parametrize(("kernel_for", "kind"), [
-    (cpu_kernels.decode_kernel_for, cpu_kernels.PagedDecodeKernel),
-    (cpu_kernels.linear_kernel_for, cpu_kernels.SmallBatchLinear),
-])
+@pytest.mark.parametrize(
+    ("kernel_for", "kind"),
+    [
+        (cpu_kernels.decode_kernel_for, cpu_kernels.PagedDecodeKernel),
+        (cpu_kernels.linear_kernel_for, cpu_kernels.SmallBatchLinear),
+    ],
+)
 def test_the_kernels_apply_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch, kernel_for, kind):
     cpu = torch.device("cpu")
     assert isinstance(kernel_for(cpu, torch.float32), kind)

@@ -40,22 +40,23 @@ def sp_tokenizer():
     trained = Tokenizer(models.BPE())
     trained.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     trained.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    trained.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=200, special_tokens=specials,
-                                                           show_progress=False))
+    trained.train_from_iterator(
+        lines, trainers.BpeTrainer(vocab_size=200, special_tokens=specials, show_progress=False)
+    )
     model = json.loads(trained.to_str())["model"]
     vocab = dict(model["vocab"])
     vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m) for m in model["merges"]],
-                                   unk_token="<unk>", byte_fallback=True))
+    backend = Tokenizer(
+        models.BPE(vocab=vocab, merges=[tuple(m) for m in model["merges"]], unk_token="<unk>", byte_fallback=True)
+    )
     backend.normalizer = trained.normalizer
     backend.pre_tokenizer = trained.pre_tokenizer
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     backend.add_special_tokens(specials)
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                           special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -71,7 +72,7 @@ def decoded_after(tokenizer, prompt_ids: list[int], token_ids: list[int], skip_s
     whole = decode(tokenizer, prompt_ids + token_ids, skip_special_tokens=skip_special_tokens)
     prompt = decode(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
     assert whole.startswith(prompt)
-    return whole[len(prompt):]
+    return whole[len(prompt) :]
 
 
 def run_text_state(state: TextState, token_ids: list[int], specials: frozenset[int]) -> list[str]:
@@ -230,8 +231,10 @@ def first_match_end(text: str, stops: list[str]) -> int | None:
 
 
 @PROPERTY
-@given(stops=st.lists(st.text("abc", min_size=1, max_size=4), min_size=1, max_size=3),
-       pieces=st.lists(st.text("abc", max_size=4), max_size=12))
+@given(
+    stops=st.lists(st.text("abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    pieces=st.lists(st.text("abc", max_size=4), max_size=12),
+)
 def test_stop_checker_agrees_with_brute_force(stops, pieces):
     checker = StopChecker(stops)
     text = ""
@@ -290,7 +293,7 @@ def stop_run(tokenizer, text: str, stops: list[str]) -> tuple[TextState, list[st
         pieces.append(state.add(token_id, False).text)
         if state.matched_stop is not None:
             break
-    return state, pieces, token_ids[:len(pieces)]
+    return state, pieces, token_ids[: len(pieces)]
 
 
 def test_a_stop_sequence_spanning_tokens_ends_the_text_right_after_it(byte_tokenizer):
@@ -325,8 +328,10 @@ def expected_releasable(token_ends: list[int], text: str, stops: list[str], matc
 
 
 @PROPERTY
-@given(text=st.text(alphabet=list("ab c日"), max_size=30),
-       stops=st.lists(st.text(alphabet=list("ab c日"), min_size=1, max_size=4), max_size=3))
+@given(
+    text=st.text(alphabet=list("ab c日"), max_size=30),
+    stops=st.lists(st.text(alphabet=list("ab c日"), min_size=1, max_size=4), max_size=3),
+)
 def test_hold_back_releases_exactly_when_no_stop_can_start_there(byte_tokenizer, text, stops):
     state = TextState(byte_tokenizer, [0], stops)
     token_ends: list[int] = []

@@ -16,14 +16,20 @@ from gateway.__main__ import DEPLOY_CONFIG, DEPLOY_CONFIG_PATH
 from gateway.config import GatewayConfig, lua_source, render, render_yaml
 
 FieldType = descriptor_pb2.FieldDescriptorProto
-INT64_TYPES = {FieldType.TYPE_INT64, FieldType.TYPE_UINT64, FieldType.TYPE_SINT64, FieldType.TYPE_FIXED64,
-               FieldType.TYPE_SFIXED64}
+INT64_TYPES = {
+    FieldType.TYPE_INT64,
+    FieldType.TYPE_UINT64,
+    FieldType.TYPE_SINT64,
+    FieldType.TYPE_FIXED64,
+    FieldType.TYPE_SFIXED64,
+}
 FLOAT_TYPES = {FieldType.TYPE_FLOAT, FieldType.TYPE_DOUBLE}
 
 
 def test_deploy_config_is_fresh():
     assert DEPLOY_CONFIG_PATH.read_text(encoding="utf-8") == render_yaml(DEPLOY_CONFIG), (
-        "deploy/envoy/envoy.yaml is stale: run `python -m gateway --output deploy/envoy/envoy.yaml`")
+        "deploy/envoy/envoy.yaml is stale: run `python -m gateway --output deploy/envoy/envoy.yaml`"
+    )
 
 
 def test_yaml_says_what_the_config_says():
@@ -38,26 +44,46 @@ def test_headers_the_gateway_adds_are_the_ones_the_server_reads():
 
     assert gateway_config.INBAND_ERRORS_HEADER == errors.INBAND_ERRORS_KEY
     assert gateway_config.KEEPALIVE_HEADER == keepalive.KEEPALIVE_KEY
-    streams = [r for r in render(DEPLOY_CONFIG)["static_resources"]["listeners"][0]["filter_chains"][0]
-               ["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-               if r["name"] == "GenerateStream"]
+    streams = [
+        r
+        for r in render(DEPLOY_CONFIG)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"
+        ]["route_config"]["virtual_hosts"][0]["routes"]
+        if r["name"] == "GenerateStream"
+    ]
     added = {h["header"]["key"]: h["header"]["value"] for h in streams[0]["request_headers_to_add"]}
     assert added == {errors.INBAND_ERRORS_KEY: "1", keepalive.KEEPALIVE_KEY: "15"}
 
 
 def test_routes_are_tgis_and_openais():
     routes = {(r.method, r.path): r for r in contract.rest_routes()}
-    assert set(routes) == {("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"),
-                           ("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/info"), ("GET", "/health"),
-                           ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/{file}"),
-                           ("GET", "/v1/models"), ("GET", "/v1/models/{id=**}"),
-                           ("POST", "/v1/chat/completions"), ("POST", "/v1/chat/completions/stream"),
-                           ("POST", "/v1/completions"), ("POST", "/v1/completions/stream")}
+    assert set(routes) == {
+        ("POST", "/generate"),
+        ("POST", "/generate_stream"),
+        ("POST", "/"),
+        ("POST", "/invocations"),
+        ("POST", "/tokenize"),
+        ("GET", "/info"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/docs/{file}"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/{id=**}"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/chat/completions/stream"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/completions/stream"),
+    }
     assert routes["POST", "/"].unwrap == "responses" and routes["POST", "/tokenize"].unwrap == "tokens"
     sagemaker = routes["POST", "/invocations"]
     assert (sagemaker.rpc, sagemaker.unwrap) == ("CompatGenerate", "responses")
-    assert [r.rpc for r in routes.values() if r.streams] == ["GenerateStream", "ChatCompletionStream",
-                                                           "CompletionStream"]
+    assert [r.rpc for r in routes.values() if r.streams] == [
+        "GenerateStream",
+        "ChatCompletionStream",
+        "CompletionStream",
+    ]
     assert routes["GET", "/v1/models/{id=**}"].path_match() == {"prefix": "/v1/models/"}
     assert routes["GET", "/v1/models"].path_match() == {"path": "/v1/models"}
 
@@ -113,8 +139,12 @@ def test_envoy_accepts_the_deploy_config():
         binary = envoy_binary()
     except GatewayError:
         pytest.skip("envoy is not installed (the gateway extra)")
-    result = subprocess.run([binary, "--mode", "validate", "-c", str(DEPLOY_CONFIG_PATH), "-l", "error"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [binary, "--mode", "validate", "-c", str(DEPLOY_CONFIG_PATH), "-l", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
 
 
@@ -128,8 +158,9 @@ def test_launch_flags_and_environment():
     from gateway.launch import options_from_args
     from inference_service.cli import build_parser
 
-    args = build_parser().parse_args(["launch", "--port", "9000", "--cors-allow-origin", "https://a, https://b",
-                                      "--cors-allow-origin", "https://c"])
+    args = build_parser().parse_args(
+        ["launch", "--port", "9000", "--cors-allow-origin", "https://a, https://b", "--cors-allow-origin", "https://c"]
+    )
     options = options_from_args(args, {"PORT": "1", "ENVOY_CONCURRENCY": "2"})
     assert options.port == 9000 and options.envoy_concurrency == 2
     assert options.cors_allow_origin == ("https://a", "https://b", "https://c")

@@ -26,8 +26,11 @@ def test_plaintext_by_default():
 
 
 def test_mutual_tls_on_the_listener_and_tls_to_the_engine():
-    listener, upstream = _parts(GatewayConfig(listener_tls=TlsFiles("s.pem", "s.key", "ca.pem"),
-                                              upstream_tls=TlsFiles("s.pem", "s.key", "ca.pem")))
+    listener, upstream = _parts(
+        GatewayConfig(
+            listener_tls=TlsFiles("s.pem", "s.key", "ca.pem"), upstream_tls=TlsFiles("s.pem", "s.key", "ca.pem")
+        )
+    )
     tls = listener["typed_config"]
     assert tls["require_client_certificate"] is True
     assert tls["common_tls_context"]["validation_context"] == {"trusted_ca": {"filename": "ca.pem"}}
@@ -55,11 +58,29 @@ def test_envoy_accepts_tls_configs_with_real_files(tmp_path):
         pytest.skip("envoy is not installed (the gateway extra)")
     certs = make_certs(tmp_path / "certs")
     output = tmp_path / "envoy.yaml"
-    assert gateway_main(["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                         "--tls-client-ca", str(certs.ca), "--upstream-tls-ca", str(certs.ca),
-                         "--upstream-tls-cert", str(certs.client_cert), "--upstream-tls-key", str(certs.client_key),
-                         "--output", str(output)]) == 0
-    result = subprocess.run([binary, "--mode", "validate", "-c", str(output), "-l", "error"], capture_output=True,
-                            text=True, timeout=60)
+    assert (
+        gateway_main(
+            [
+                "--tls-cert",
+                str(certs.server_cert),
+                "--tls-key",
+                str(certs.server_key),
+                "--tls-client-ca",
+                str(certs.ca),
+                "--upstream-tls-ca",
+                str(certs.ca),
+                "--upstream-tls-cert",
+                str(certs.client_cert),
+                "--upstream-tls-key",
+                str(certs.client_key),
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
+    result = subprocess.run(
+        [binary, "--mode", "validate", "-c", str(output), "-l", "error"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
     assert gateway_main(["--tls-cert", str(certs.server_cert)]) == 2  # the key is missing

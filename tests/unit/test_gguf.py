@@ -22,10 +22,13 @@ from inference_service.models.loader import load_model, load_tokenizer, resolve_
 from inference_service.worker.weights.gguf.convert import CONVERSION_MARKER, conversion_name, convert_gguf, is_converted
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "In 2018 there were 12345 cats.",
-          "Hello world! Hello tokenizer, hello model, 42 times.", "2019 2020 12 123 1234 2018 42"] * 20
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In 2018 there were 12345 cats.",
+    "Hello world! Hello tokenizer, hello model, 42 times.",
+    "2019 2020 12 123 1234 2018 42",
+] * 20
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 TEXTS = ["In 2018 there were 12345 cats.", "Hello world!  The quick brown fox, 42 times.", "<|im_start|>hi"]
 
 
@@ -38,8 +41,12 @@ def digit_splitting_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -49,29 +56,51 @@ def digit_splitting_tokenizer() -> Tokenizer:
 
 def tiny_llama(vocab_size: int, tied: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf q/k row order (interleaved rotary halves)."""
-    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     """The model's weights under llama.cpp's tensor names, q/k permuted as llama.cpp does."""
     config, state = model.config, {name: t.detach().numpy() for name, t in model.state_dict().items()}
-    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
-               "output_norm.weight": state["model.norm.weight"]}
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
     if not config.tie_word_embeddings:
         tensors["output.weight"] = state["lm_head.weight"]
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for layer in range(config.num_hidden_layers):
         for hf_name, gguf_name in names.items():
             weights = state[f"model.layers.{layer}.{hf_name}.weight"]
@@ -118,8 +147,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-                            for t in tokens])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens])
     writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in merges])
     writer.add_bos_token_id(vocab["<|im_start|>"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
@@ -172,8 +200,9 @@ def converted_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 def test_tokenizer_splits_digits_and_matches_the_original(converted_dir, tokenizer):
-    plain_byte_level = [piece for piece, _ in
-                        pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(" 2018")]
+    plain_byte_level = [
+        piece for piece, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(" 2018")
+    ]
     assert len(tokenizer.model.tokenize(plain_byte_level[0])) < 5  # digits merge without the split
     loaded = load_tokenizer(converted_dir)
     pieces = loaded.convert_ids_to_tokens(loaded("In 2018 there were 12345 cats.")["input_ids"])

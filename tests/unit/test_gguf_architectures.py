@@ -45,10 +45,14 @@ def llama_cpp_layout(arch: str, gguf_name: str, weights: np.ndarray, config) -> 
     """The tensor as llama.cpp's convert_hf_to_gguf.py stores it (what transformers' reader undoes)."""
     if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
         heads = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
-        return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2) \
+        return (
+            weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
             .reshape(weights.shape)
-    if arch == "gpt2" and gguf_name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
-                                              "ffn_down.weight")):
+        )
+    if arch == "gpt2" and gguf_name.endswith(
+        ("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")
+    ):
         return weights.T.copy()
     if arch == "bloom" and "attn_qkv" in gguf_name:
         heads, width = config.n_head, config.hidden_size
@@ -109,23 +113,36 @@ def written(request, tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     arch, overrides = ARCHITECTURES[request.param]
     vocab = tokenizer.get_vocab()
-    config = tiny_config(request.param, vocab_size=len(vocab), bos_token_id=vocab["<|im_start|>"],
-                         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|im_end|>"], **overrides)
+    config = tiny_config(
+        request.param,
+        vocab_size=len(vocab),
+        bos_token_id=vocab["<|im_start|>"],
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|im_end|>"],
+        **overrides,
+    )
     model = tiny_model(config)
     return model, write_gguf(tmp_path / f"tiny-{request.param}.gguf", model, tokenizer, arch)
 
 
 def greedy(prompt: list[int], max_new_tokens: int) -> EngineRequest:
     """A greedy request for exactly `max_new_tokens` tokens (EOS ignored)."""
-    return EngineRequest(prompt_token_ids=list(prompt), sampling=SamplingParams(),
-                         stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return EngineRequest(
+        prompt_token_ids=list(prompt),
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
 
 
 def served_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The tokens an engine serving the file at `path` generates greedily for `prompt`."""
-    engine = build_engine(EngineConfig(model=ModelConfig(model_id=str(path)),
-                                       cache=CacheConfig(max_batch_total_tokens=512),
-                                       limits=LimitsConfig(max_total_tokens=64)))
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model_id=str(path)),
+            cache=CacheConfig(max_batch_total_tokens=512),
+            limits=LimitsConfig(max_total_tokens=64),
+        )
+    )
     engine.add_request("r", greedy(prompt, max_new_tokens))
     tokens = []
     while engine.has_unfinished():
@@ -145,6 +162,7 @@ def test_a_gguf_file_loads_with_the_original_logits_and_serves_what_it_generates
 
     tokens = served_greedy(path, ids[0].tolist(), 10)
     with torch.inference_mode():
-        reference = original.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10,
-                                      pad_token_id=original.config.eos_token_id)
-    assert tokens == reference[0, ids.shape[1]:].tolist()
+        reference = original.generate(
+            ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=original.config.eos_token_id
+        )
+    assert tokens == reference[0, ids.shape[1] :].tolist()

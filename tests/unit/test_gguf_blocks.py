@@ -33,8 +33,15 @@ from inference_service.worker.weights.gguf.weights import gguf_linear_weights
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Byte offsets of each type's fp16 fields (d, and m or dmin), the bytes random data could make inf/NaN.
-FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-               Q.Q2_K: (80, 82)}
+FP16_FIELDS = {
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.Q2_K: (80, 82),
+}
 # gguf-py computes these as one product d·(q − c), which gives −0.0 where our exact sum gives +0.0.
 SIGNED_ZERO_MAY_DIFFER = {Q.Q4_0, Q.Q8_0, Q.Q6_K}
 LAYOUT = {Q.Q4_0: (4, 32), Q.Q4_1: (4, 32), Q.Q8_0: (8, 32), Q.Q4_K: (4, 32), Q.Q5_K: (8, 32), Q.Q6_K: (8, 16)}
@@ -51,8 +58,9 @@ def finite_fp16_bits(rng: np.random.Generator, count: int) -> np.ndarray:
     return bits
 
 
-def random_blocks(rng: np.random.Generator, quant_type: Q, shape: tuple[int, int],
-                  fp16: np.ndarray | None = None) -> np.ndarray:
+def random_blocks(
+    rng: np.random.Generator, quant_type: Q, shape: tuple[int, int], fp16: np.ndarray | None = None
+) -> np.ndarray:
     """Random uint8 `[N, row bytes]` for an `[N, K]` tensor, its fp16 fields finite (or from `fp16`)."""
     n, k = shape
     block_size, type_size = GGML_QUANT_SIZES[quant_type]
@@ -60,7 +68,7 @@ def random_blocks(rng: np.random.Generator, quant_type: Q, shape: tuple[int, int
     blocks = raw.reshape(-1, type_size)
     for start in FP16_FIELDS[quant_type]:
         values = finite_fp16_bits(rng, len(blocks)) if fp16 is None else rng.choice(fp16, len(blocks)).view(np.uint16)
-        blocks[:, start:start + 2] = values.view(np.uint8).reshape(-1, 2)
+        blocks[:, start : start + 2] = values.view(np.uint8).reshape(-1, 2)
     return raw
 
 
@@ -143,22 +151,40 @@ HIDDEN, INTERMEDIATE = 256, 512  # K-quant rows are multiples of 256
 # Layer 0 covers every supported type (q and k are K-quants: rows llama.cpp permutes); layer 1 keeps
 # an F16, an F32 and an unsupported quantized type (Q2_K) that must stay dense.
 TENSOR_TYPES = {
-    "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q6_K, "blk.0.attn_v.weight": Q.Q8_0,
-    "blk.0.attn_output.weight": Q.Q4_0, "blk.0.ffn_gate.weight": Q.Q5_K, "blk.0.ffn_up.weight": Q.Q4_1,
+    "blk.0.attn_q.weight": Q.Q4_K,
+    "blk.0.attn_k.weight": Q.Q6_K,
+    "blk.0.attn_v.weight": Q.Q8_0,
+    "blk.0.attn_output.weight": Q.Q4_0,
+    "blk.0.ffn_gate.weight": Q.Q5_K,
+    "blk.0.ffn_up.weight": Q.Q4_1,
     "blk.0.ffn_down.weight": Q.Q4_K,
-    "blk.1.attn_q.weight": Q.Q4_0, "blk.1.attn_k.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.F16,
-    "blk.1.attn_output.weight": Q.Q6_K, "blk.1.ffn_gate.weight": Q.Q2_K, "blk.1.ffn_up.weight": Q.Q5_K,
+    "blk.1.attn_q.weight": Q.Q4_0,
+    "blk.1.attn_k.weight": Q.Q8_0,
+    "blk.1.attn_v.weight": Q.F16,
+    "blk.1.attn_output.weight": Q.Q6_K,
+    "blk.1.ffn_gate.weight": Q.Q2_K,
+    "blk.1.ffn_up.weight": Q.Q5_K,
     "blk.1.ffn_down.weight": Q.F32,
-    "token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K,
+    "token_embd.weight": Q.Q8_0,
+    "output.weight": Q.Q6_K,
 }
 DENSE_LINEARS = {"model.layers.1.self_attn.v_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.down_proj"}
 
 
 def tiny_llama(vocab_size: int, tied: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -240,8 +266,9 @@ def test_q_and_k_rows_follow_transformers_reverse_permutation(quantized_gguf):
     hf_order = packed["model.layers.0.self_attn.q_proj"].dequantize().numpy()
     assert not np.array_equal(hf_order, in_file_order)
     heads, half = 4, HIDDEN // 4 // 2  # HF row (h, j·half + i) is llama.cpp row (h, 2i + j)
-    np.testing.assert_array_equal(hf_order.reshape(heads, 2, half, -1),
-                                  in_file_order.reshape(heads, half, 2, -1).swapaxes(1, 2))
+    np.testing.assert_array_equal(
+        hf_order.reshape(heads, 2, half, -1), in_file_order.reshape(heads, half, 2, -1).swapaxes(1, 2)
+    )
 
 
 class UnusualProcessor(LlamaTensorProcessor):
@@ -268,8 +295,12 @@ def test_only_row_permutations_are_replayed(quantized_gguf, monkeypatch, caplog)
     with caplog.at_level(logging.INFO, logger="inference_service.worker.weights.gguf.weights"):
         packed = gguf_linear_weights(path, meta_model(folder))
 
-    dropped = {"model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
-               "model.layers.0.self_attn.v_proj"}
+    dropped = {
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.v_proj",
+    }
     assert not dropped & set(packed)
     assert "does more than reorder rows: blk.0.attn_output.weight, blk.0.ffn_gate.weight, blk.0.ffn_down" in caplog.text
     assert "processor stores it itself: blk.0.attn_v.weight" in caplog.text

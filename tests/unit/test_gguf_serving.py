@@ -26,9 +26,13 @@ def tied_gguf(tmp_path_factory):
 
 
 def _engine(path, quantize):
-    return build_engine(EngineConfig(model=ModelConfig(model_id=str(path), device="cpu", quantize=quantize),
-                                     cache=CacheConfig(max_batch_total_tokens=1024),
-                                     limits=LimitsConfig(max_total_tokens=64)))
+    return build_engine(
+        EngineConfig(
+            model=ModelConfig(model_id=str(path), device="cpu", quantize=quantize),
+            cache=CacheConfig(max_batch_total_tokens=1024),
+            limits=LimitsConfig(max_total_tokens=64),
+        )
+    )
 
 
 def test_gguf_packed_serving_equals_the_dequantized_folder(tied_gguf):

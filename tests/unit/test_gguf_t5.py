@@ -36,9 +36,21 @@ CASES = {
 def tiny_t5(model_type: str, feed_forward: str, output: str):
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        model_type, vocab_size=len(TOKENS), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=3,
-        num_heads=4, feed_forward_proj=feed_forward, tie_word_embeddings=output != "own", dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model_type,
+        vocab_size=len(TOKENS),
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=4,
+        feed_forward_proj=feed_forward,
+        tie_word_embeddings=output != "own",
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32).eval()
     if output == "own":  # transformers 5 ties every T5 it builds; checkpoints like FLAN-T5's are not
         model.lm_head.weight = torch.nn.Parameter(torch.randn(len(TOKENS), 64))
@@ -114,6 +126,7 @@ def test_a_t5_gguf_loads_with_the_original_logits_and_serves_what_it_generates(w
     # An explicit cache: generate's own is sized by the encoder's depth, too shallow for this decoder.
     cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
     with torch.inference_mode():
-        reference = original.generate(encoder_ids, do_sample=False, max_new_tokens=10, eos_token_id=None,
-                                      past_key_values=cache)
+        reference = original.generate(
+            encoder_ids, do_sample=False, max_new_tokens=10, eos_token_id=None, past_key_values=cache
+        )
     assert tokens == reference[0, 1:].tolist()

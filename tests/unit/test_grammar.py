@@ -23,13 +23,16 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
 
 
-@pytest.mark.parametrize("grammar", [
-    {"type": "json", "value": SCHEMA},
-    {"type": "json", "value": json.dumps(SCHEMA, indent=2)},  # a string holding JSON
-    {"type": "json_object", "value": SCHEMA},
-    {"type": "json_schema", "value": {"name": "thing", "schema": SCHEMA}},
-    {"type": "json_schema", "value": {"schema": SCHEMA}},
-])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        {"type": "json", "value": SCHEMA},
+        {"type": "json", "value": json.dumps(SCHEMA, indent=2)},  # a string holding JSON
+        {"type": "json_object", "value": SCHEMA},
+        {"type": "json_schema", "value": {"name": "thing", "schema": SCHEMA}},
+        {"type": "json_schema", "value": {"schema": SCHEMA}},
+    ],
+)
 def test_tgi_json_shapes_give_one_compact_spec(grammar):
     assert grammar_spec_from_tgi(grammar) == GrammarSpec("json", SCHEMA_TEXT)
 
@@ -39,16 +42,19 @@ def test_tgi_regex_and_schemas_without_properties():
     assert grammar_spec_from_tgi({"type": "json", "value": {"type": "object"}}).value == '{"type":"object"}'
 
 
-@pytest.mark.parametrize(("grammar", "message"), [
-    ({"type": "xml", "value": "<a/>"}, "unknown grammar type 'xml'"),
-    ({"value": "x"}, "unknown grammar type None"),
-    ("[0-9]", "expected an object"),
-    ({"type": "regex", "value": {"a": 1}}, "a regex grammar's value must be a string"),
-    ({"type": "json", "value": "{oops"}, "the schema is not JSON"),
-    ({"type": "json", "value": [1, 2]}, "a JSON schema must be an object"),
-    ({"type": "json_schema", "value": SCHEMA}, "a json_schema grammar's value must be"),
-    ({"type": "json_schema", "value": {"name": 3, "schema": SCHEMA}}, "`name` must be a string"),
-])
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ({"type": "xml", "value": "<a/>"}, "unknown grammar type 'xml'"),
+        ({"value": "x"}, "unknown grammar type None"),
+        ("[0-9]", "expected an object"),
+        ({"type": "regex", "value": {"a": 1}}, "a regex grammar's value must be a string"),
+        ({"type": "json", "value": "{oops"}, "the schema is not JSON"),
+        ({"type": "json", "value": [1, 2]}, "a JSON schema must be an object"),
+        ({"type": "json_schema", "value": SCHEMA}, "a json_schema grammar's value must be"),
+        ({"type": "json_schema", "value": {"name": 3, "schema": SCHEMA}}, "`name` must be a string"),
+    ],
+)
 def test_bad_tgi_shapes(grammar, message):
     with pytest.raises(ValidationError, match=re.escape(message)) as error:
         grammar_spec_from_tgi(grammar)
@@ -90,12 +96,15 @@ def test_concurrent_compiles_of_one_spec_compile_once(byte_tokenizer):
     assert compiler.num_compiled == 1 and len({id(r) for r in results}) == 1
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    (GrammarSpec("regex", "[0-9"), "unclosed character class"),
-    (GrammarSpec("json", '{"type": "foo"}'), "Invalid type: foo"),
-    (GrammarSpec("json", '{"$ref": "#/nowhere"}'), "does not exist"),
-    (GrammarSpec("lark", "start: undefined_rule"), "unknown name"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (GrammarSpec("regex", "[0-9"), "unclosed character class"),
+        (GrammarSpec("json", '{"type": "foo"}'), "Invalid type: foo"),
+        (GrammarSpec("json", '{"$ref": "#/nowhere"}'), "does not exist"),
+        (GrammarSpec("lark", "start: undefined_rule"), "unknown name"),
+    ],
+)
 def test_invalid_grammars_carry_the_engines_message(byte_grammar_compiler, spec, message):
     with pytest.raises(ValidationError, match=message) as error:
         byte_grammar_compiler.compile(spec)
@@ -114,14 +123,17 @@ def test_masks_allow_exactly_the_tokens_that_continue_the_regex(byte_tokenizer, 
     state = byte_grammar_compiler.compile(GrammarSpec("regex", "[0-9]{3}-[a-z]{2,4}")).new_state()
     texts = {i: byte_tokenizer.decode([i]) for i in range(vocab_size)}
     assert allowed_ids(fill_bitmasks([state], vocab_size)[0], vocab_size) == {
-        i for i, t in texts.items() if re.fullmatch(r"[0-9]{1,3}|[0-9]{3}-|[0-9]{3}-[a-z]{1,4}", t)
-        and i not in byte_tokenizer.all_special_ids}
+        i
+        for i, t in texts.items()
+        if re.fullmatch(r"[0-9]{1,3}|[0-9]{3}-|[0-9]{3}-[a-z]{1,4}", t) and i not in byte_tokenizer.all_special_ids
+    }
     for token_id in byte_tokenizer.encode("123-ab", add_special_tokens=False):
         state.accept(token_id)
     allowed = allowed_ids(fill_bitmasks([state], vocab_size)[0], vocab_size)
     assert byte_tokenizer.eos_token_id in allowed and not state.is_complete  # accepting, may go on
     assert {texts[i] for i in allowed - {byte_tokenizer.eos_token_id}} <= {chr(c) for c in range(97, 123)} | {
-        t for t in texts.values() if re.fullmatch("[a-z]{1,2}", t)}
+        t for t in texts.values() if re.fullmatch("[a-z]{1,2}", t)
+    }
     for token_id in byte_tokenizer.encode("cd", add_special_tokens=False):
         state.accept(token_id)
     assert state.is_complete
@@ -175,14 +187,15 @@ def test_lark_grammars_can_mix_free_text_and_a_json_call(byte_tokenizer, byte_gr
     state = byte_grammar_compiler.compile(GrammarSpec("lark", lark)).new_state()
     for token_id in byte_tokenizer.encode("the fox", add_special_tokens=False):
         state.accept(token_id)
-    assert byte_tokenizer.eos_token_id in allowed_ids(fill_bitmasks([state], len(byte_tokenizer))[0],
-                                                      len(byte_tokenizer))
+    assert byte_tokenizer.eos_token_id in allowed_ids(
+        fill_bitmasks([state], len(byte_tokenizer))[0], len(byte_tokenizer)
+    )
 
 
 def test_apply_token_bitmask_matches_a_per_id_reference():
     generator = torch.Generator().manual_seed(0)
     vocab_size = 77  # not a multiple of 32
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 3), generator=generator, dtype=torch.int32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=generator, dtype=torch.int32)
     logits = torch.randn(3, vocab_size, generator=generator)
     expected = logits.clone()
     for row in range(3):
@@ -200,8 +213,11 @@ def test_every_engine_eos_id_ends_a_complete_grammar(byte_tokenizer):
     compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [byte_tokenizer.eos_token_id, im_end])
     state = compiler.compile(GrammarSpec("regex", "[0-9]")).new_state()
     assert allowed_ids(fill_bitmasks([state], len(byte_tokenizer))[0], len(byte_tokenizer)).isdisjoint(
-        {byte_tokenizer.eos_token_id, im_end})
+        {byte_tokenizer.eos_token_id, im_end}
+    )
     state.accept(byte_tokenizer.convert_tokens_to_ids("7"))
     assert state.is_complete
     assert allowed_ids(fill_bitmasks([state], len(byte_tokenizer))[0], len(byte_tokenizer)) == {
-        byte_tokenizer.eos_token_id, im_end}
+        byte_tokenizer.eos_token_id,
+        im_end,
+    }

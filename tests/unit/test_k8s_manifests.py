@@ -18,8 +18,10 @@ KUBERNETES_VERSION = "1.33"  # a release with native gRPC probes (GA in 1.27) an
 
 
 def _documents() -> dict[str, list[dict]]:
-    return {name: [doc for doc in yaml.safe_load_all((K8S_DIR / name).read_text()) if doc]
-            for name in k8s.render_files(k8s.Deployment())}
+    return {
+        name: [doc for doc in yaml.safe_load_all((K8S_DIR / name).read_text()) if doc]
+        for name in k8s.render_files(k8s.Deployment())
+    }
 
 
 def test_committed_manifests_are_fresh():
@@ -46,14 +48,20 @@ def test_the_pieces_fit_together():
     engine = {doc["kind"]: doc for doc in _documents()["engine.yaml"]}
     pod = engine["Deployment"]["spec"]["template"]
     container = pod["spec"]["containers"][0]
-    assert pod["metadata"]["labels"] == engine["Service"]["spec"]["selector"] == \
-        engine["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
+    assert (
+        pod["metadata"]["labels"]
+        == engine["Service"]["spec"]["selector"]
+        == engine["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
+    )
     assert engine["Service"]["spec"]["clusterIP"] == "None"  # headless: DNS lists every ready pod
     drain_s = int(engine["ConfigMap"]["data"]["GRACEFUL_TERMINATION_TIMEOUT"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > drain_s
     assert container["readinessProbe"]["grpc"] == {"port": k8s.GRPC_PORT}
-    assert container["livenessProbe"]["grpc"] == container["startupProbe"]["grpc"] == {
-        "port": k8s.GRPC_PORT, "service": "liveness"}
+    assert (
+        container["livenessProbe"]["grpc"]
+        == container["startupProbe"]["grpc"]
+        == {"port": k8s.GRPC_PORT, "service": "liveness"}
+    )
     assert engine["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == "tgi_queue_size"
     (gpu,) = _documents()["engine-gpu.yaml"]
     assert gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -62,7 +70,9 @@ def test_the_pieces_fit_together():
     cluster = next(c for c in envoy_yaml["static_resources"]["clusters"] if c["name"] == "textgen")
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
     assert cluster["type"] == "STRICT_DNS" and address == {
-        "address": f"{k8s.ENGINE}.default.svc.cluster.local", "port_value": k8s.GRPC_PORT}
+        "address": f"{k8s.ENGINE}.default.svc.cluster.local",
+        "port_value": k8s.GRPC_PORT,
+    }
     collector = next(c for c in envoy_yaml["static_resources"]["clusters"] if c["name"] != "textgen")
     collector_address = collector["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     host, port = collector_address["socket_address"]["address"], collector_address["socket_address"]["port_value"]
@@ -79,6 +89,7 @@ def test_envoy_accepts_the_kubernetes_config(tmp_path):
         pytest.skip("envoy is not installed (the gateway extra)")
     path = tmp_path / "envoy.yaml"
     path.write_text(render_yaml(k8s.envoy_config(k8s.Deployment())))
-    result = subprocess.run([binary, "--mode", "validate", "-c", str(path), "-l", "error"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [binary, "--mode", "validate", "-c", str(path), "-l", "error"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr

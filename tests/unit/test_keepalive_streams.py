@@ -40,10 +40,10 @@ async def collect(iterator) -> list:
 async def test_heartbeats_fill_the_gaps_and_items_keep_their_order():
     events = await collect(with_keepalives(Source([1, 2, 3], pauses=[0, 2])(), INTERVAL))
     assert [e for e in events if e is not None] == [1, 2, 3]
-    first_gap, second_gap = events[:events.index(1)], events[events.index(2) + 1:events.index(3)]
+    first_gap, second_gap = events[: events.index(1)], events[events.index(2) + 1 : events.index(3)]
     assert len(first_gap) >= 2 and set(first_gap) == {None}
     assert len(second_gap) >= 2 and set(second_gap) == {None}
-    assert None not in events[events.index(1):events.index(2) + 1]  # no pause, no heartbeat
+    assert None not in events[events.index(1) : events.index(2) + 1]  # no pause, no heartbeat
 
 
 async def test_without_an_interval_the_source_passes_through():

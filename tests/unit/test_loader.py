@@ -29,8 +29,11 @@ from inference_service.models.loader import (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "In 2018 there were 12345 cats.",
-          "Hello world! Hello tokenizer, hello model."] * 20
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In 2018 there were 12345 cats.",
+    "Hello world! Hello tokenizer, hello model.",
+] * 20
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -38,22 +41,34 @@ def tiny_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     return tokenizer
 
 
 def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
-                                      eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
     wrapped.save_pretrained(folder)
 
 
@@ -233,12 +248,26 @@ def resolve_many_in_subprocess(env: dict[str, str], *configs: dict) -> list[dict
     )
     hub_prefixes = ("HF_", "HUGGINGFACE")
     child_env = {name: value for name, value in os.environ.items() if not name.startswith(hub_prefixes)}
-    child_env.update({"HF_HUB_ETAG_TIMEOUT": "3", "HF_HUB_DOWNLOAD_TIMEOUT": "3",
-                      "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONPATH": str(REPO_ROOT)}, **env)
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(configs)], env=child_env, cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=60, check=False)
+    child_env.update(
+        {
+            "HF_HUB_ETAG_TIMEOUT": "3",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "3",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "PYTHONPATH": str(REPO_ROOT),
+        },
+        **env,
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(configs)],
+        env=child_env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in result.stdout.strip().splitlines()[-len(configs):]]
+    return [json.loads(line) for line in result.stdout.strip().splitlines()[-len(configs) :]]
 
 
 def write_hub_cache(cache: Path, repo_id: str, source: Path, commit: str = COMMIT) -> Path:
@@ -325,7 +354,8 @@ def hub_errors_endpoint():
 def test_missing_repo_and_revision_are_named(tmp_path, hub_errors_endpoint):
     env = {"HF_ENDPOINT": hub_errors_endpoint, "HF_HUB_CACHE": str(tmp_path)}
     missing_repo, missing_revision = resolve_many_in_subprocess(
-        env, {"model_id": "org/missing"}, {"model_id": "org/tiny", "revision": "v9"})
+        env, {"model_id": "org/missing"}, {"model_id": "org/tiny", "revision": "v9"}
+    )
     assert missing_repo["error"].startswith("could not fetch 'org/missing' from the Hugging Face hub: ")
     assert "repository not found" in missing_repo["error"]
     assert "revision 'v9' not found" in missing_revision["error"]

@@ -42,6 +42,10 @@ def test_a_guess_continues_a_real_earlier_occurrence(tokens, max_tokens):
         assert tokens[-1] not in tokens[:-1]  # even the last token alone never occurred before
         return
     assert len(guess) == max_tokens
-    followers = {tokens[i + n] for n in range(1, 4) for i in range(len(tokens) - n)
-                 if tokens[i:i + n] == tokens[len(tokens) - n:]}
+    followers = {
+        tokens[i + n]
+        for n in range(1, 4)
+        for i in range(len(tokens) - n)
+        if tokens[i : i + n] == tokens[len(tokens) - n :]
+    }
     assert guess[0] in followers

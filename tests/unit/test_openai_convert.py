@@ -14,10 +14,17 @@ from inference_service.frontend.chat_template import ChatTemplate, tool_calls_te
 from inference_service.sample import grammar as grammar_module
 from textgen.v1 import generate_pb2 as pb
 
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
 
 
 def chat_request(**fields) -> pb.ChatCompletionRequest:
@@ -37,9 +44,18 @@ def test_openai_defaults_sample_at_temperature_one_and_zero_is_greedy():
 
 
 def test_stop_max_tokens_penalties_and_bias_map_to_engine_parameters():
-    plan = openai_convert.chat_plan(chat_request(stop="END", max_tokens=9, max_completion_tokens=7,
-                                                 presence_penalty=0.5, frequency_penalty=0.25,
-                                                 logit_bias={"17": -100, "3": 2.5}, seed=4, n=2))
+    plan = openai_convert.chat_plan(
+        chat_request(
+            stop="END",
+            max_tokens=9,
+            max_completion_tokens=7,
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            logit_bias={"17": -100, "3": 2.5},
+            seed=4,
+            n=2,
+        )
+    )
     params = plan.parameters
     assert params.stop == ["END"] and params.max_new_tokens == 7  # max_completion_tokens wins
     assert (params.presence_penalty, params.frequency_penalty, params.seed) == (0.5, 0.25, 4)
@@ -47,17 +63,20 @@ def test_stop_max_tokens_penalties_and_bias_map_to_engine_parameters():
     assert openai_convert.chat_plan(chat_request(stop=["a", "b"])).parameters.stop == ["a", "b"]
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"stop": 3}, "`stop` must be a string or a list of strings"),
-    ({"n": 0}, "`n` must be >= 1"),
-    ({"n": 17}, "`n` x prompts must be <= 16"),
-    ({"temperature": -0.5}, "`temperature` must be >= 0"),
-    ({"logit_bias": {"abc": 1}}, "`logit_bias` keys must be token ids"),
-    ({"logit_bias": {"1": 101}}, "`logit_bias` values must be in [-100, 100]"),
-    ({"top_logprobs": 2}, "`top_logprobs` needs `logprobs` set to true"),
-    ({"messages": []}, "`messages` must not be empty"),
-    ({"response_format": {"type": "yaml"}}, "`response_format.type` must be text, json_object or json_schema"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"stop": 3}, "`stop` must be a string or a list of strings"),
+        ({"n": 0}, "`n` must be >= 1"),
+        ({"n": 17}, "`n` x prompts must be <= 16"),
+        ({"temperature": -0.5}, "`temperature` must be >= 0"),
+        ({"logit_bias": {"abc": 1}}, "`logit_bias` keys must be token ids"),
+        ({"logit_bias": {"1": 101}}, "`logit_bias` values must be in [-100, 100]"),
+        ({"top_logprobs": 2}, "`top_logprobs` needs `logprobs` set to true"),
+        ({"messages": []}, "`messages` must not be empty"),
+        ({"response_format": {"type": "yaml"}}, "`response_format.type` must be text, json_object or json_schema"),
+    ],
+)
 def test_bad_chat_parameters_are_validation_errors(fields, message):
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         openai_convert.chat_plan(chat_request(**fields))
@@ -75,7 +94,9 @@ def test_response_formats_become_grammars():
     as_openai = chat_request(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     assert openai_convert.chat_plan(as_openai).parameters.grammar == {"type": "json", "value": schema}
     assert openai_convert.chat_plan(chat_request(response_format={"type": "json_object"})).parameters.grammar == {
-        "type": "json", "value": {"type": "object"}}
+        "type": "json",
+        "value": {"type": "object"},
+    }
     as_tgi = chat_request(response_format={"type": "regex", "value": "[0-9]+"})
     assert openai_convert.chat_plan(as_tgi).parameters.grammar == {"type": "regex", "value": "[0-9]+"}
     assert openai_convert.chat_plan(chat_request(response_format={"type": "text"})).parameters.grammar is None
@@ -88,10 +109,13 @@ def test_completion_prompts_and_refusals():
 
     assert plan(prompt="a").prompts == ["a"] and plan(prompt="a").parameters.max_new_tokens == 16  # OpenAI's default
     assert plan(prompt=["a", "b"], n=2).num_choices == 2
-    for fields, message in [({"prompt": []}, "`prompt` must be a string"), ({"prompt": [1, 2]}, "`prompt` must be"),
-                            ({"prompt": ["a"] * 5}, "at most 4 prompts"),
-                            ({"prompt": "a", "suffix": "b"}, "fill-in-the-middle"),
-                            ({"prompt": "a", "best_of": 3}, "`best_of` must equal `n`")]:
+    for fields, message in [
+        ({"prompt": []}, "`prompt` must be a string"),
+        ({"prompt": [1, 2]}, "`prompt` must be"),
+        ({"prompt": ["a"] * 5}, "at most 4 prompts"),
+        ({"prompt": "a", "suffix": "b"}, "fill-in-the-middle"),
+        ({"prompt": "a", "best_of": 3}, "`best_of` must equal `n`"),
+    ]:
         with pytest.raises(ValidationError, match=message):
             plan(**fields)
 
@@ -103,9 +127,13 @@ def test_template_renders_parts_tool_calls_and_continues_a_last_assistant_messag
     prompt = template.render([{"role": "user", "content": parts}])
     assert prompt == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
-    prompt = template.render([{"role": "user", "content": "hi"},
-                              {"role": "assistant", "content": None, "tool_calls": [call]},
-                              {"role": "tool", "content": "42", "tool_call_id": "c1"}])
+    prompt = template.render(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        ]
+    )
     assert '<|im_start|>assistant\n{"name": "lookup", "arguments": {"q": "x"}}<|im_end|>' in prompt
     assert prompt.endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
     continued = template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}])
@@ -116,8 +144,11 @@ def test_tools_go_into_the_last_message_when_the_template_ignores_them(byte_toke
     prompt = ChatTemplate(byte_tokenizer, CHATML).render([{"role": "user", "content": "hi"}], tools=[TOOL])
     assert "You have access to the following functions" in prompt and '"name": "lookup"' in prompt
     native = "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    assert ChatTemplate(byte_tokenizer, native).render([{"role": "user", "content": "hi"}], tools=[TOOL]).startswith(
-        '[{"type": "function"')
+    assert (
+        ChatTemplate(byte_tokenizer, native)
+        .render([{"role": "user", "content": "hi"}], tools=[TOOL])
+        .startswith('[{"type": "function"')
+    )
 
 
 def test_template_errors_are_typed(byte_tokenizer):
@@ -138,8 +169,13 @@ def test_tool_choice_decides_the_call_format():
     assert not openai_tools.tool_call_format([TOOL], "required", True).text_allowed
     named = openai_tools.tool_call_format([TOOL], {"type": "function", "function": {"name": "lookup"}}, True)
     assert not named.parallel and not named.text_allowed
-    for tools, choice in [([TOOL], "sometimes"), ([], "required"), ([TOOL, TOOL], "auto"),
-                          ([TOOL], {"type": "function", "function": {"name": "other"}}), ([{"type": "x"}], "auto")]:
+    for tools, choice in [
+        ([TOOL], "sometimes"),
+        ([], "required"),
+        ([TOOL, TOOL], "auto"),
+        ([TOOL], {"type": "function", "function": {"name": "other"}}),
+        ([{"type": "x"}], "auto"),
+    ]:
         with pytest.raises(ToolError):
             openai_tools.tool_call_format(tools, choice, True)
 
@@ -155,15 +191,19 @@ def test_tool_grammar_is_lark_with_each_functions_schema():
 
 
 def test_calls_are_parsed_whole_and_while_streaming():
-    text = tool_calls_text([{"function": {"name": "lookup", "arguments": '{"q": "a \\"}\\" b"}'}},
-                            {"function": {"name": "lookup", "arguments": '{"q": "c"}'}}])
+    text = tool_calls_text(
+        [
+            {"function": {"name": "lookup", "arguments": '{"q": "a \\"}\\" b"}'}},
+            {"function": {"name": "lookup", "arguments": '{"q": "c"}'}},
+        ]
+    )
     calls = openai_tools.parse_tool_calls(text)
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"q": 'a "}" b'}, {"q": "c"}]
     assert openai_tools.parse_tool_calls("plain words") is None and openai_tools.parse_tool_calls("{broken") is None
     for size in (1, 3, 7, len(text)):
         stream, deltas = openai_tools.ToolCallStream(), []
         for start in range(0, len(text), size):
-            deltas += stream.feed(text[start:start + size])
+            deltas += stream.feed(text[start : start + size])
         heads = [d for d in deltas if d[0] == "call"]
         assert [(d[1], d[3]) for d in heads] == [(0, "lookup"), (1, "lookup")]
         for index, call in enumerate(calls):

@@ -33,10 +33,12 @@ def test_every_route_with_its_schemas_and_errors():
         openai_route = route.kind.startswith("openai") or route.path.startswith("/v1/")
         if route.kind in ("json", "stream") and not openai_route:
             assert operation["responses"]["422"]["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/ErrorResponse"}
+                "$ref": "#/components/schemas/ErrorResponse"
+            }
         if openai_route:
             assert operation["responses"]["404"]["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/OpenAIErrorResponse"}
+                "$ref": "#/components/schemas/OpenAIErrorResponse"
+            }
     assert document["paths"]["/v1/models/{id}"]["get"]["parameters"][0]["name"] == "id"
     schemas = document["components"]["schemas"]
     for ref in _refs(document):

@@ -63,8 +63,7 @@ def test_fp32_weights(panel, rows, out_features, in_features):
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (8, 32), (4, 32), (4, 16), (4, 24), (8, 5)])
 def test_packed_weights(panel, rows, out_features, in_features, bits, group_size):
     generator = torch.Generator().manual_seed(rows + out_features + bits)
-    packed = quantize_rtn(torch.randn(out_features, in_features, generator=generator), bits,
-                          group_size or in_features)
+    packed = quantize_rtn(torch.randn(out_features, in_features, generator=generator), bits, group_size or in_features)
     x = torch.randn(rows, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
     assert_close(panel.quant(x, packed, bias), expected(x, packed.dequantize(), bias))
@@ -128,14 +127,15 @@ def test_a_tiny_model_prefills_the_same_through_the_panel_gemm(panel):
         assert (model(ids).logits - reference).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize(("out_features", "in_features", "group_size"), [(32, 8, 8), (64, 96, 32), (96, 100, 7),
-                                                                         (320, 576, 576)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group_size"), [(32, 8, 8), (64, 96, 32), (96, 100, 7), (320, 576, 576)]
+)
 def test_panel_layout_round_trips(out_features, in_features, group_size):
     packed = quantize_rtn(torch.randn(out_features, in_features), 8, group_size)
     assert panels.takes(packed)
     codes, scales, offsets = panels.to_panels(packed)
     assert codes.shape == (out_features // panels.PANEL, in_features, panels.PANEL)
-    assert torch.equal(codes[-1, 3], packed.codes[-panels.PANEL:, 3])  # a panel's k-th line: its rows' codes
+    assert torch.equal(codes[-1, 3], packed.codes[-panels.PANEL :, 3])  # a panel's k-th line: its rows' codes
     back = panels.from_panels(codes, scales, offsets, group_size, in_features)
     assert all(torch.equal(getattr(back, n), getattr(packed, n)) for n in ("codes", "scales", "offsets"))
 
@@ -163,8 +163,10 @@ def test_panelled_codes_at_every_row_count(panel, rows, out_features, in_feature
         with torch.no_grad():
             assert_close(module(x), expected(x, packed.dequantize(), module_bias))
     assert torch.equal(module.packed.codes, packed.codes)
-    assert_close(panel.codes(x, module.codes, module.scales, module.offsets, bias, group_size),
-                 expected(x, packed.dequantize(), bias))
+    assert_close(
+        panel.codes(x, module.codes, module.scales, module.offsets, bias, group_size),
+        expected(x, packed.dequantize(), bias),
+    )
 
 
 def test_panelled_codes_without_the_native_library_take_torchs_path(monkeypatch):
@@ -220,4 +222,4 @@ def test_a_model_keeps_its_logits_and_fused_modules_share_writes(panel):
         q_rows, k_rows = attention.q_proj.out_features, attention.k_proj.out_features
         after = fused(x)
         assert torch.equal(after[:, :q_rows], before[:, :q_rows])
-        assert after[:, q_rows:q_rows + k_rows].abs().max().item() == 0  # the fused module sees the write
+        assert after[:, q_rows : q_rows + k_rows].abs().max().item() == 0  # the fused module sees the write

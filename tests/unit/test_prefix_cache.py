@@ -24,14 +24,13 @@ SALT = cache_salt("test-model")
 def _chain(tokens: list[int], block_size: int, salt: bytes = SALT) -> list[bytes]:
     hashes, parent = [], salt
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start:start + block_size])
+        parent = hash_block(parent, tokens[start : start + block_size])
         hashes.append(parent)
     return hashes
 
 
 def _request(request_id: str, tokens: list[int], max_new: int = 4, prompt_logprobs: bool = False) -> Request:
-    return Request(request_id, list(tokens), SamplingParams(prompt_logprobs=prompt_logprobs),
-                   StoppingParams(max_new))
+    return Request(request_id, list(tokens), SamplingParams(prompt_logprobs=prompt_logprobs), StoppingParams(max_new))
 
 
 # -- hashing --------------------------------------------------------------------------------------
@@ -151,8 +150,10 @@ def test_index_refuses_a_second_hash_for_one_block():
 
 
 # -- random operations on the manager against a reference model of LRU --------------------------
-manager_ops = st.lists(st.tuples(st.sampled_from(["add", "add", "free"]), st.integers(0, 5),
-                                 st.integers(0, 3), st.integers(1, 14)), max_size=60)
+manager_ops = st.lists(
+    st.tuples(st.sampled_from(["add", "add", "free"]), st.integers(0, 5), st.integers(0, 3), st.integers(1, 14)),
+    max_size=60,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -178,7 +179,7 @@ def test_random_manager_operations_keep_counts_and_evict_lru(num_blocks, block_s
                 assert kv.num_free_blocks == free_before
             else:
                 assert table[: len(cached)] == cached
-                fresh = table[len(cached):]
+                fresh = table[len(cached) :]
                 assert all(kv.ref_count(block) == 1 for block in fresh), "a fresh block is shared"
                 evicted = [block for block in fresh if block in expected_evictions]
                 remaining = [block for block in expected_evictions if block not in cached]
@@ -228,7 +229,7 @@ class ShadowModel:
             request = self.requests[item.request_id]
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
             tokens = request.token_ids(0, end)
-            for block in item.block_ids[start // self.kv.block_size:]:  # blocks written this step
+            for block in item.block_ids[start // self.kv.block_size :]:  # blocks written this step
                 assert self.kv.ref_count(block) == 1, "a block being written is shared"
                 assert self.kv.index is None or block not in self.kv.index, "a block being written is indexed"
             self._check_reads(item.block_ids, tokens[:start])
@@ -243,20 +244,23 @@ class ShadowModel:
             if item.sample:
                 request.output_token_ids.append(sum(request.token_ids(0, request.num_tokens)) % 3)
         for request in self.scheduler.running:  # nobody's computed slots were overwritten
-            self._check_reads(self.kv.block_table(request.request_id),
-                              request.token_ids(0, request.num_computed_tokens))
+            self._check_reads(
+                self.kv.block_table(request.request_id), request.token_ids(0, request.num_computed_tokens)
+            )
         return plan
 
     def _check_reads(self, table: list[int], tokens: list[int]) -> None:
         for position in range(len(tokens)):
-            assert self.slots.get(self._slot(table, position)) == tuple(tokens[: position + 1]), \
+            assert self.slots.get(self._slot(table, position)) == tuple(tokens[: position + 1]), (
                 f"slot of position {position} holds another prefix"
+            )
 
 
 def _run_stream(arrivals, aborts, num_blocks, budget, block_size, max_seqs=None, prefix_caching=True):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    scheduler = Scheduler(kv, max_batch_prefill_tokens=budget, max_batch_size=max_seqs,
-                          prefix_cache=PrefixCache(kv, SALT))
+    scheduler = Scheduler(
+        kv, max_batch_prefill_tokens=budget, max_batch_size=max_seqs, prefix_cache=PrefixCache(kv, SALT)
+    )
     requests: dict[str, Request] = {}
     bases = [[(seed * 7 + i * i) % 5 for i in range(60)] for seed in range(3)]
     capacity = num_blocks * block_size
@@ -293,11 +297,17 @@ arrival = st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 12), s
 
 
 @settings(max_examples=200, deadline=None)
-@given(arrivals=st.lists(arrival, min_size=1, max_size=14), aborts=st.lists(st.integers(0, 60), max_size=4),
-       num_blocks=st.integers(8, 40), budget=st.integers(1, 32), block_size=st.sampled_from([1, 2, 4]),
-       max_seqs=st.one_of(st.none(), st.integers(1, 5)))
-def test_random_streams_with_shared_prefixes_keep_every_slot_right(arrivals, aborts, num_blocks, budget,
-                                                                     block_size, max_seqs):
+@given(
+    arrivals=st.lists(arrival, min_size=1, max_size=14),
+    aborts=st.lists(st.integers(0, 60), max_size=4),
+    num_blocks=st.integers(8, 40),
+    budget=st.integers(1, 32),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_seqs=st.one_of(st.none(), st.integers(1, 5)),
+)
+def test_random_streams_with_shared_prefixes_keep_every_slot_right(
+    arrivals, aborts, num_blocks, budget, block_size, max_seqs
+):
     requests, _, scheduler = _run_stream(arrivals, aborts, num_blocks, budget, block_size, max_seqs)
     for request in requests.values():
         assert request.status.is_finished
@@ -308,12 +318,14 @@ def test_random_streams_with_shared_prefixes_keep_every_slot_right(arrivals, abo
 
 def test_outputs_and_work_with_and_without_prefix_caching():
     rng = random.Random(0)
-    arrivals = [(rng.randrange(3), rng.randrange(20, 41), rng.randrange(0, 9), rng.randrange(1, 8), False)
-                for _ in range(12)]
+    arrivals = [
+        (rng.randrange(3), rng.randrange(20, 41), rng.randrange(0, 9), rng.randrange(1, 8), False) for _ in range(12)
+    ]
     arrivals.append((0, 40, 0, 3, True))  # prompt logprobs: computes its whole prompt
     on, model_on, scheduler = _run_stream(arrivals, [], num_blocks=200, budget=16, block_size=4)
-    off, model_off, scheduler_off = _run_stream(arrivals, [], num_blocks=200, budget=16, block_size=4,
-                                                prefix_caching=False)
+    off, model_off, scheduler_off = _run_stream(
+        arrivals, [], num_blocks=200, budget=16, block_size=4, prefix_caching=False
+    )
     assert scheduler.num_preemptions == scheduler_off.num_preemptions == 0
     assert {r: q.output_token_ids for r, q in on.items()} == {r: q.output_token_ids for r, q in off.items()}
     assert scheduler.prefix.num_hit_tokens > 0

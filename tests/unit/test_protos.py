@@ -8,8 +8,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_files_match_the_protos():
-    result = subprocess.run([sys.executable, str(ROOT / "protos" / "generate.py"), "--check"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "protos" / "generate.py"), "--check"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -26,8 +27,13 @@ def test_descriptor_set_holds_the_service_and_its_http_rules():
 
     descriptors = descriptor_pb2.FileDescriptorSet.FromString(textgen.DESCRIPTOR_SET.read_bytes())
     names = {f.name for f in descriptors.file}
-    assert {"textgen/v1/generate.proto", "google/api/annotations.proto", "google/api/http.proto",
-            "google/api/httpbody.proto", "google/protobuf/descriptor.proto"} <= names
+    assert {
+        "textgen/v1/generate.proto",
+        "google/api/annotations.proto",
+        "google/api/http.proto",
+        "google/api/httpbody.proto",
+        "google/protobuf/descriptor.proto",
+    } <= names
     ours = next(f for f in descriptors.file if f.name == "textgen/v1/generate.proto")
     assert ours.service[0].name == "TextGeneration"
     assert ours.source_code_info.location  # comments kept

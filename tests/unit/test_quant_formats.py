@@ -37,7 +37,10 @@ from tools.checkpoint_writers import (
 
 def assert_same(actual: PackedWeight, expected: PackedWeight) -> None:
     assert (actual.bits, actual.group_size, actual.in_features) == (
-        expected.bits, expected.group_size, expected.in_features)
+        expected.bits,
+        expected.group_size,
+        expected.in_features,
+    )
     assert torch.equal(actual.codes, expected.codes)
     assert torch.equal(actual.scales, expected.scales)
     assert torch.equal(actual.offsets, expected.offsets)
@@ -88,8 +91,16 @@ def test_gptq_round_trip(bits, sym, group_size, checkpoint_format):
     assert tensors["qweight"].shape == (256 * bits // 32, 67) and tensors["qweight"].dtype == torch.int32
     assert tensors["qzeros"].shape == (code.zeros.shape[1], -(-67 * bits // 32))
     assert tensors["scales"].dtype == torch.float16 and tensors["g_idx"].dtype == torch.int32
-    packed, perm = packed_from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
-                                    bits=bits, group_size=group_size, sym=sym, checkpoint_format=checkpoint_format)
+    packed, perm = packed_from_gptq(
+        tensors["qweight"],
+        tensors["qzeros"],
+        tensors["scales"],
+        tensors["g_idx"],
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+        checkpoint_format=checkpoint_format,
+    )
     assert perm is None
     assert_same(packed, code.packed())
 
@@ -102,17 +113,29 @@ def test_gptq_layout_matches_the_reference_decoder(bits, checkpoint_format):
     code.zeros[1, :] = 2**bits - 1
     g_idx = natural_g_idx(72, 32)
     tensors = gptq_tensors(code, g_idx, checkpoint_format)
-    expected = gptq_reference(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, bits,
-                              checkpoint_format)
-    packed, _ = packed_from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, bits=bits,
-                                 group_size=32, checkpoint_format=checkpoint_format, sym=False)
+    expected = gptq_reference(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, bits, checkpoint_format)
+    packed, _ = packed_from_gptq(
+        tensors["qweight"],
+        tensors["qzeros"],
+        tensors["scales"],
+        g_idx,
+        bits=bits,
+        group_size=32,
+        checkpoint_format=checkpoint_format,
+        sym=False,
+    )
     assert torch.equal(packed.dequantize(), expected)
     assert torch.equal(packed.dequantize(), code.packed().dequantize())
 
 
 def test_gptq_v1_zero_is_stored_minus_one():
-    code = IntegerCode(codes=torch.zeros(8, 32, dtype=torch.uint8), zeros=torch.full((8, 1), 8, dtype=torch.uint8),
-                       scales=torch.ones(8, 1, dtype=torch.float16), bits=4, group_size=32)
+    code = IntegerCode(
+        codes=torch.zeros(8, 32, dtype=torch.uint8),
+        zeros=torch.full((8, 1), 8, dtype=torch.uint8),
+        scales=torch.ones(8, 1, dtype=torch.float16),
+        bits=4,
+        group_size=32,
+    )
     assert int(gptq_tensors(code, natural_g_idx(32, 32), "gptq")["qzeros"][0, 0]) == 0x77777777
     assert int(gptq_tensors(code, natural_g_idx(32, 32), "gptq_v2")["qzeros"][0, 0]) == (0x88888888 - (1 << 32))
 
@@ -127,8 +150,9 @@ def test_gptq_act_order(bits, sym, tmp_path):
     original = code.codes.clone()
     original[:, order] = code.codes  # qweight keeps the inputs' order
     tensors = gptq_tensors(IntegerCode(original, code.zeros, code.scales, bits, 32), g_idx)
-    packed, perm = packed_from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
-                                    bits=bits, group_size=32, sym=sym)
+    packed, perm = packed_from_gptq(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], bits=bits, group_size=32, sym=sym
+    )
     assert perm is not None and perm.dtype == torch.int64
     reference = code.packed().dequantize()[:, torch.argsort(order)]  # fp32 [N, K] in the original order
     assert torch.equal(packed.dequantize()[:, torch.argsort(perm)], reference)
@@ -148,8 +172,9 @@ def test_gptq_errors():
     with pytest.raises(ModelLoadError, match="int16; only int32 packing"):
         packed_from_gptq(t["qweight"].to(torch.int16), *args[1:], bits=4, group_size=32)
     with pytest.raises(ModelLoadError, match="exactly 32 inputs"):
-        packed_from_gptq(*args[:3], torch.zeros(64, dtype=torch.int32).index_fill_(0, torch.tensor([5]), 1),
-                         bits=4, group_size=32)
+        packed_from_gptq(
+            *args[:3], torch.zeros(64, dtype=torch.int32).index_fill_(0, torch.tensor([5]), 1), bits=4, group_size=32
+        )
     with pytest.raises(ModelLoadError, match="no qzeros"):
         packed_from_gptq(t["qweight"], None, t["scales"], t["g_idx"], bits=4, group_size=32, sym=False)
     with pytest.raises(ModelLoadError, match="GPTQ scales has shape"):
@@ -184,8 +209,9 @@ def test_awq_round_trip(version, sym, group_size):
         assert tensors["qweight"].shape == (256, 6) and tensors["qzeros"].shape == (code.zeros.shape[1], 6)
     else:
         assert tensors["qweight"].shape == (48, 32) and tensors["scales"].shape[0] == 48
-    packed = packed_from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], bits=4,
-                             group_size=group_size, version=version)
+    packed = packed_from_awq(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], bits=4, group_size=group_size, version=version
+    )
     assert_same(packed, code.packed())
 
 
@@ -241,9 +267,15 @@ def test_compressed_tensors_pack_quantized_round_trip(bits, sym, group_size):
     assert torch.equal(dense, code.packed().dequantize())
 
 
-@pytest.mark.parametrize(("fmt", "bits", "sym", "group_size"), [
-    ("int-quantized", 8, True, -1), ("int-quantized", 8, False, -1),
-    ("naive-quantized", 4, False, 32), ("naive-quantized", 8, True, 128)])
+@pytest.mark.parametrize(
+    ("fmt", "bits", "sym", "group_size"),
+    [
+        ("int-quantized", 8, True, -1),
+        ("int-quantized", 8, False, -1),
+        ("naive-quantized", 4, False, 32),
+        ("naive-quantized", 8, True, 128),
+    ],
+)
 def test_compressed_tensors_int_and_naive_quantized(fmt, bits, sym, group_size):
     from compressed_tensors.compressors import NaiveQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
@@ -269,8 +301,11 @@ def test_compressed_tensors_tensor_strategy_and_unpacked_zero_points():
     tensors = compressed_tensors_tensors(code, sym=False)
     tensors["weight_scale"] = code.scales[:1, 0]  # [1]
     tensors["weight_zero_point"] = (code.zeros[:1, 0].to(torch.int16) - 128).to(torch.int8)  # [1], unpacked
-    scheme = {"targets": ["Linear"], "format": "pack-quantized",
-              "weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"}}
+    scheme = {
+        "targets": ["Linear"],
+        "format": "pack-quantized",
+        "weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"},
+    }
     assert_same(packed_from_compressed_tensors(tensors, scheme), code.packed())
 
 
@@ -285,29 +320,39 @@ def test_compressed_tensors_errors():
 
     fails("fp8 weights \\(float-quantized\\) are not supported", {**scheme, "format": "float-quantized"})
     fails("2:4 sparse weights \\(marlin-24\\)", {**scheme, "format": "marlin-24"})
-    fails("float 8-bit weights are not supported",
-          {**scheme, "format": "naive-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}})
+    fails(
+        "float 8-bit weights are not supported",
+        {**scheme, "format": "naive-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+    )
     fails("int2 weights are not supported", {**scheme, "weights": {**scheme["weights"], "num_bits": 2}})
-    fails("'block' weight strategy is not supported",
-          {**scheme, "weights": {**scheme["weights"], "strategy": "block", "group_size": None}})
+    fails(
+        "'block' weight strategy is not supported",
+        {**scheme, "weights": {**scheme["weights"], "strategy": "block", "group_size": None}},
+    )
     fails("act-order 'group'", {**scheme, "weights": {**scheme["weights"], "actorder": "group"}})
     fails("act-order 'group'", tensors={**tensors, "weight_g_idx": torch.arange(64).flip(0) // 32})
-    fails("activation quantization .*fp8|activation quantization .*float",
-          {**scheme, "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}})
+    fails(
+        "activation quantization .*fp8|activation quantization .*float",
+        {**scheme, "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
+    )
     fails("no weight_packed", tensors={key: v for key, v in tensors.items() if key != "weight_packed"})
-    fails("asymmetric compressed-tensors weight has no weight_zero_point",
-          {**scheme, "weights": {**scheme["weights"], "symmetric": False}})
+    fails(
+        "asymmetric compressed-tensors weight has no weight_zero_point",
+        {**scheme, "weights": {**scheme["weights"], "symmetric": False}},
+    )
     fails("format 'mystery' is not supported", {**scheme, "format": "mystery"})
 
 
 def test_compressed_tensors_config_checks_and_matching():
     config = compressed_tensors_config(4, 128, True, "pack-quantized", ["lm_head"])
     validate_compressed_tensors_config(config)
-    for change, match in [({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity \\(sparse-24-bitmask"),
-                          ({"transform_config": {"config_groups": {"u": {}}}}, "transforms"),
-                          ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "KV-cache quantization"),
-                          ({"quantization_status": "initialized"}, "not finished"),
-                          ({"format": "float-quantized"}, "fp8 weights")]:
+    for change, match in [
+        ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity \\(sparse-24-bitmask"),
+        ({"transform_config": {"config_groups": {"u": {}}}}, "transforms"),
+        ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "KV-cache quantization"),
+        ({"quantization_status": "initialized"}, "not finished"),
+        ({"format": "float-quantized"}, "fp8 weights"),
+    ]:
         with pytest.raises(ModelLoadError, match=match):
             validate_compressed_tensors_config({**config, **change})
     validate_compressed_tensors_config({**config, "kv_cache_scheme": {"num_bits": 8}}, weights_only=True)
@@ -318,47 +363,81 @@ def test_compressed_tensors_config_checks_and_matching():
     assert scheme_for_module(regex, "model.layers.0.self_attn.q_proj") is None
 
 
-@pytest.mark.parametrize(("bits", "group_size", "sym", "fmt"), [
-    (4, 128, True, "pack-quantized"), (4, 32, False, "pack-quantized"), (8, -1, True, "int-quantized")])
+@pytest.mark.parametrize(
+    ("bits", "group_size", "sym", "fmt"),
+    [(4, 128, True, "pack-quantized"), (4, 32, False, "pack-quantized"), (8, -1, True, "int-quantized")],
+)
 def test_compressed_tensors_config_is_the_library_s(bits, group_size, sym, fmt):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     ours = compressed_tensors_config(bits, group_size, sym, fmt, ["lm_head"])
-    weights = (QuantizationArgs(num_bits=bits, symmetric=sym, strategy="channel") if group_size == -1 else
-               QuantizationArgs(num_bits=bits, symmetric=sym, strategy="group", group_size=group_size))
-    activations = (QuantizationArgs(num_bits=8, symmetric=True, strategy="token", dynamic=True)
-                   if fmt == "int-quantized" else None)
+    weights = (
+        QuantizationArgs(num_bits=bits, symmetric=sym, strategy="channel")
+        if group_size == -1
+        else QuantizationArgs(num_bits=bits, symmetric=sym, strategy="group", group_size=group_size)
+    )
+    activations = (
+        QuantizationArgs(num_bits=8, symmetric=True, strategy="token", dynamic=True) if fmt == "int-quantized" else None
+    )
     library = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights,
-                                                     input_activations=activations, format=fmt)},
-        format=fmt, quantization_status="compressed", ignore=["lm_head"])
-    expected = {"quant_method": "compressed-tensors", "sparsity_config": {}, "transform_config": {},
-                **library.model_dump(exclude=["quant_method"])}
+        config_groups={
+            "group_0": QuantizationScheme(
+                targets=["Linear"], weights=weights, input_activations=activations, format=fmt
+            )
+        },
+        format=fmt,
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    )
+    expected = {
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        **library.model_dump(exclude=["quant_method"]),
+    }
     assert {key: v for key, v in ours.items() if key != "version"} == expected
     assert QuantizationConfig.model_validate(ours).model_dump() == library.model_dump()
 
 
 # -- whole checkpoints -----------------------------------------------------------------------------
 def module_tensors(tensors: dict, name: str) -> dict:
-    return {key[len(name) + 1:]: value for key, value in tensors.items() if key.startswith(name + ".")}
+    return {key[len(name) + 1 :]: value for key, value in tensors.items() if key.startswith(name + ".")}
 
 
-@pytest.mark.parametrize(("options", "config_keys"), [
-    ({"format": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq"},
-     {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
-      "checkpoint_format": "gptq"}),
-    ({"format": "gptq", "bits": 8, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"},
-     {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"}),
-    ({"format": "gptq", "bits": 4, "group_size": 32, "desc_act": True},
-     {"quant_method": "gptq", "desc_act": True}),
-    ({"format": "awq", "group_size": 32, "sym": False},
-     {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}),
-    ({"format": "awq", "group_size": 64, "awq_version": "gemv"}, {"zero_point": False, "version": "gemv"}),
-    ({"format": "compressed-tensors", "bits": 4, "group_size": 32, "sym": False},
-     {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"]}),
-    ({"format": "compressed-tensors", "bits": 8, "group_size": -1, "ct_format": "int-quantized"},
-     {"format": "int-quantized"}),
-])
+@pytest.mark.parametrize(
+    ("options", "config_keys"),
+    [
+        (
+            {"format": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq"},
+            {
+                "quant_method": "gptq",
+                "bits": 4,
+                "group_size": 32,
+                "sym": True,
+                "desc_act": False,
+                "checkpoint_format": "gptq",
+            },
+        ),
+        (
+            {"format": "gptq", "bits": 8, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"},
+            {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": False, "checkpoint_format": "gptq_v2"},
+        ),
+        ({"format": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, {"quant_method": "gptq", "desc_act": True}),
+        (
+            {"format": "awq", "group_size": 32, "sym": False},
+            {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+        ),
+        ({"format": "awq", "group_size": 64, "awq_version": "gemv"}, {"zero_point": False, "version": "gemv"}),
+        (
+            {"format": "compressed-tensors", "bits": 4, "group_size": 32, "sym": False},
+            {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"]},
+        ),
+        (
+            {"format": "compressed-tensors", "bits": 8, "group_size": -1, "ct_format": "int-quantized"},
+            {"format": "int-quantized"},
+        ),
+    ],
+)
 def test_written_checkpoint_reads_back(tiny_model_dir, tmp_path, options, config_keys):
     written = write_checkpoint(tiny_model_dir, tmp_path, **options)
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
@@ -374,13 +453,29 @@ def test_written_checkpoint_reads_back(tiny_model_dir, tmp_path, options, config
         parts = module_tensors(tensors, name)
         assert f"{name}.weight" not in tensors or tensors[f"{name}.weight"].dtype == torch.int8  # int-quantized
         if fmt == "gptq":
-            packed, perm = packed_from_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts["g_idx"],
-                                            bits=config["bits"], group_size=config["group_size"], sym=config["sym"],
-                                            checkpoint_format=config["checkpoint_format"])
+            packed, perm = packed_from_gptq(
+                parts["qweight"],
+                parts["qzeros"],
+                parts["scales"],
+                parts["g_idx"],
+                bits=config["bits"],
+                group_size=config["group_size"],
+                sym=config["sym"],
+                checkpoint_format=config["checkpoint_format"],
+            )
             assert (perm is not None) == config["desc_act"]
         elif fmt == "awq":
-            packed, perm = packed_from_awq(parts["qweight"], parts["qzeros"], parts["scales"], bits=config["bits"],
-                                           group_size=config["group_size"], version=config["version"]), None
+            packed, perm = (
+                packed_from_awq(
+                    parts["qweight"],
+                    parts["qzeros"],
+                    parts["scales"],
+                    bits=config["bits"],
+                    group_size=config["group_size"],
+                    version=config["version"],
+                ),
+                None,
+            )
         else:
             validate_compressed_tensors_config(config)
             scheme = scheme_for_module(config, name)  # int-quantized is W8A8: served weights-only here
@@ -395,11 +490,19 @@ def test_transformers_loads_the_written_compressed_tensors_checkpoint(tiny_model
     """transformers' own compressed-tensors path (dequantize=True, on CPU) reads our checkpoint as we do."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    written = write_checkpoint(tiny_model_dir, tmp_path, format="compressed-tensors", bits=4, group_size=32,
-                               sym=False, scale_dtype=torch.float16)
+    written = write_checkpoint(
+        tiny_model_dir,
+        tmp_path,
+        format="compressed-tensors",
+        bits=4,
+        group_size=32,
+        sym=False,
+        scale_dtype=torch.float16,
+    )
     with pytest.warns(UserWarning, match="already has a `quantization_config`"):
-        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
     state = model.state_dict()
     for name, linear in written.items():
         # It computes (q - zp)·s in the fp16 scales' dtype: our exact fp32 value, rounded once.

@@ -45,8 +45,23 @@ def random_packed(n: int, k: int, bits: int, group_size: int, seed: int) -> Pack
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(("k", "group_size"), [(64, 16), (576, 32), (256, 128), (576, 576), (100, 32), (99, 16),
-                                               (48, 24), (40, 8), (72, 72), (101, 101), (7, 7), (1536, 64)])
+@pytest.mark.parametrize(
+    ("k", "group_size"),
+    [
+        (64, 16),
+        (576, 32),
+        (256, 128),
+        (576, 576),
+        (100, 32),
+        (99, 16),
+        (48, 24),
+        (40, 8),
+        (72, 72),
+        (101, 101),
+        (7, 7),
+        (1536, 64),
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_kernel_equals_float64_math(kernel, bits, k, group_size, rows):
     packed = random_packed(37, k, bits, group_size, seed=bits * 1000 + k + group_size)

@@ -45,8 +45,12 @@ def test_replicas_are_the_cluster_endpoints_with_health_checks_and_outlier_detec
 def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_routing():
     for route in _routes(GatewayConfig()):
         policy = route["route"]["retry_policy"]
-        assert set(policy["retry_on"].split(",")) == {"connect-failure", "refused-stream", "unavailable",
-                                                         "resource-exhausted"}
+        assert set(policy["retry_on"].split(",")) == {
+            "connect-failure",
+            "refused-stream",
+            "unavailable",
+            "resource-exhausted",
+        }
         assert "hash_policy" not in route["route"]
     prefix = GatewayConfig(upstream_ports=(7001, 7002), routing="prefix")
     assert _engine_cluster(prefix)["lb_policy"] == "RING_HASH"
@@ -58,8 +62,9 @@ def test_the_lua_filter_hashes_prefixes_only_with_prefix_routing():
     def lua(config: GatewayConfig) -> str:
         listener = render(config)["static_resources"]["listeners"][0]
         filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        return next(f for f in filters if f["name"] == "envoy.filters.http.lua")["typed_config"][
-            "default_source_code"]["inline_string"]
+        return next(f for f in filters if f["name"] == "envoy.filters.http.lua")["typed_config"]["default_source_code"][
+            "inline_string"
+        ]
 
     assert lua(GatewayConfig(routing="prefix")).startswith("PREFIX_ROUTING = true\n")
     assert "PREFIX_ROUTING = true" not in lua(GatewayConfig())
@@ -75,8 +80,9 @@ def test_envoy_accepts_replica_configs(tmp_path, routing):
         pytest.skip("envoy is not installed (the gateway extra)")
     path = tmp_path / "envoy.yaml"
     path.write_text(render_yaml(GatewayConfig(upstream_ports=(7001, 7002), routing=routing)))
-    result = subprocess.run([binary, "--mode", "validate", "-c", str(path), "-l", "error"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [binary, "--mode", "validate", "-c", str(path), "-l", "error"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
 
 
@@ -86,9 +92,11 @@ def test_bad_routing_is_refused():
 
 
 def test_args_for_gives_back_the_configs():
-    engine = EngineConfig(model=ModelConfig(model_id="some/model", dtype="float32", trust_remote_code=True),
-                          cache=CacheConfig(block_size=32, prefix_caching=False),
-                          scheduler=SchedulerConfig(speculate=3, max_batch_size=8))
+    engine = EngineConfig(
+        model=ModelConfig(model_id="some/model", dtype="float32", trust_remote_code=True),
+        cache=CacheConfig(block_size=32, prefix_caching=False),
+        scheduler=SchedulerConfig(speculate=3, max_batch_size=8),
+    )
     server = ServerConfig(grpc_port=7000, json_output=True, log_level="debug")
     args = flags.args_for(engine, server)
     assert "--max-input-length" not in args  # legacy aliases are never written
@@ -104,7 +112,7 @@ def test_replicas_share_the_threads_and_get_ports_of_their_own():
     replicas = ReplicaSet(engine, ServerConfig(grpc_port=7000, prometheus_port=9100), 2, "127.0.0.1")
     assert replicas.ports == (7000, 7001)
     command = replicas.command(replicas.replicas[1])
-    serve = command[command.index("serve") + 1:]
+    serve = command[command.index("serve") + 1 :]
     assert serve.count("--grpc-port") == serve.count("--num-threads") == serve.count("--prometheus-port") == 1
     assert serve[serve.index("--grpc-port") + 1] == "7001" and serve[serve.index("--num-threads") + 1] == "2"
     assert serve[serve.index("--prometheus-port") + 1] == "9101"
@@ -119,7 +127,8 @@ def test_on_cuda_each_replica_sees_one_gpu_of_its_own():
     first, second = replicas.replicas
     assert replicas.environment(first, {})["CUDA_VISIBLE_DEVICES"] == "0"
     assert replicas.environment(second, {"CUDA_VISIBLE_DEVICES": "2,3", "MAX_BATCH_SIZE": "4"}) == {
-        "CUDA_VISIBLE_DEVICES": "3"}  # the launcher's settings travel on the command line, not the environment
+        "CUDA_VISIBLE_DEVICES": "3"
+    }  # the launcher's settings travel on the command line, not the environment
     command = replicas.command(second)
     assert command[command.index("--device") + 1] == "cuda" and command.count("--device") == 1
     cpu = ReplicaSet(EngineConfig(model=ModelConfig(model_id="m")), ServerConfig(grpc_port=7000), 2, "127.0.0.1")

@@ -38,8 +38,10 @@ def _logits(num_rows: int, vocab_size: int, seed: int, scale: float = 3.0) -> to
 
 def _history(num_rows: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (int(n),), generator=generator)
-            for n in torch.randint(1, 60, (num_rows,), generator=generator)]
+    return [
+        torch.randint(0, vocab_size, (int(n),), generator=generator)
+        for n in torch.randint(1, 60, (num_rows,), generator=generator)
+    ]
 
 
 def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -72,13 +74,20 @@ def test_each_op_matches_transformers_row_by_row(vocab_size: int) -> None:
     logits = _logits(len(MIXED_ROWS), vocab_size, seed=vocab_size)
     history = _history(len(MIXED_ROWS), vocab_size, seed=1)
     rep = _column(0, torch.float32)
-    _assert_same(ops.apply_repetition_penalty(logits, _padded(history), rep),
-                 _per_row(logits, lambda v: RepetitionPenaltyLogitsProcessor(v) if v != 1.0 else None,
-                          [row[0] for row in MIXED_ROWS], history))
+    _assert_same(
+        ops.apply_repetition_penalty(logits, _padded(history), rep),
+        _per_row(
+            logits,
+            lambda v: RepetitionPenaltyLogitsProcessor(v) if v != 1.0 else None,
+            [row[0] for row in MIXED_ROWS],
+            history,
+        ),
+    )
     temperature = _column(1, torch.float32)
-    _assert_same(ops.apply_temperature(logits, temperature),
-                 _per_row(logits, lambda v: TemperatureLogitsWarper(v) if v != 1.0 else None,
-                          [row[1] for row in MIXED_ROWS]))
+    _assert_same(
+        ops.apply_temperature(logits, temperature),
+        _per_row(logits, lambda v: TemperatureLogitsWarper(v) if v != 1.0 else None, [row[1] for row in MIXED_ROWS]),
+    )
     top_k = _column(2, torch.int64)
     ref_top_k = _per_row(logits, lambda v: TopKLogitsWarper(v) if v else None, top_k.tolist())
     _assert_same(ops.apply_top_k(logits, top_k), ref_top_k)
@@ -88,9 +97,10 @@ def test_each_op_matches_transformers_row_by_row(vocab_size: int) -> None:
     _assert_same(ops.apply_top_p(logits, top_p), ref_top_p)
     _assert_same(ops.apply_top_k_top_p(logits, torch.zeros_like(top_k), top_p), ref_top_p)
     typical_p = _column(4, torch.float32)
-    _assert_same(ops.apply_typical_p(logits, typical_p),
-                 _per_row(logits, lambda v: TypicalLogitsWarper(v) if v < 1.0 else None,
-                          [row[4] for row in MIXED_ROWS]))
+    _assert_same(
+        ops.apply_typical_p(logits, typical_p),
+        _per_row(logits, lambda v: TypicalLogitsWarper(v) if v < 1.0 else None, [row[4] for row in MIXED_ROWS]),
+    )
 
 
 def test_thresholds_hit_exactly_match_transformers() -> None:
@@ -101,17 +111,18 @@ def test_thresholds_hit_exactly_match_transformers() -> None:
     ref_top_p = _per_row(logits, TopPLogitsWarper, masses)
     _assert_same(ops.apply_top_p(logits, top_p), ref_top_p)
     _assert_same(ops.apply_top_k_top_p(logits, torch.zeros(4, dtype=torch.int64), top_p), ref_top_p)
-    _assert_same(ops.apply_typical_p(logits, torch.tensor(masses)),
-                 _per_row(logits, TypicalLogitsWarper, masses))
+    _assert_same(ops.apply_typical_p(logits, torch.tensor(masses)), _per_row(logits, TypicalLogitsWarper, masses))
     assert (ref_top_p == NEG_INF).sum(dim=-1).tolist() == [3, 3, 2, 1]
 
 
 def test_ops_filter_something() -> None:
     """Guards the comparisons above against a batch where every op happens to be a no-op."""
     logits = _logits(len(MIXED_ROWS), 1000, seed=3)
-    for out in (ops.apply_top_k(logits, _column(2, torch.int64)),
-                ops.apply_top_p(logits, _column(3, torch.float64)),
-                ops.apply_typical_p(logits, _column(4, torch.float32))):
+    for out in (
+        ops.apply_top_k(logits, _column(2, torch.int64)),
+        ops.apply_top_p(logits, _column(3, torch.float64)),
+        ops.apply_typical_p(logits, _column(4, torch.float32)),
+    ):
         num_removed = (out == NEG_INF).sum(dim=-1)  # [B]
         assert (num_removed > 0).sum() >= 3
         assert (num_removed < 1000).all()
@@ -130,10 +141,14 @@ def test_candidate_path_equals_exact_path(vocab_size: int, scale: float) -> None
 def test_candidate_tiers_and_exact_fallback() -> None:
     """Rows the first tier decides, rows the second tier decides, and rows only a full sort decides."""
     vocab_size = 49152
-    logits = torch.cat([_logits(1, vocab_size, seed=12, scale=6.0),  # peaked: a few hundred tokens
-                        _logits(1, vocab_size, seed=13, scale=3.0),  # ~2500 tokens in the nucleus
-                        _logits(2, vocab_size, seed=11, scale=0.05),  # near flat: most of the vocabulary
-                        torch.zeros(1, vocab_size)])  # flat: every value ties
+    logits = torch.cat(
+        [
+            _logits(1, vocab_size, seed=12, scale=6.0),  # peaked: a few hundred tokens
+            _logits(1, vocab_size, seed=13, scale=3.0),  # ~2500 tokens in the nucleus
+            _logits(2, vocab_size, seed=11, scale=0.05),  # near flat: most of the vocabulary
+            torch.zeros(1, vocab_size),
+        ]
+    )  # flat: every value ties
     top_p = torch.tensor([0.9, 0.9, 0.999, 0.9, 0.5], dtype=torch.float64)
     covered_by_tier = []
     for num_candidates in ops.CANDIDATE_TIERS:

@@ -25,16 +25,25 @@ GAMMA, DELTA = 0.5, 2.0
 MIXED_PARAMS = [
     SamplingParams(),
     SamplingParams(repetition_penalty=1.3, top_n_tokens=3),
-    SamplingParams(do_sample=True, watermark=True, temperature=1.4, top_k=20, top_p=0.95,
-                   typical_p=0.95, frequency_penalty=-0.4, seed=5),
+    SamplingParams(
+        do_sample=True,
+        watermark=True,
+        temperature=1.4,
+        top_k=20,
+        top_p=0.95,
+        typical_p=0.95,
+        frequency_penalty=-0.4,
+        seed=5,
+    ),
     SamplingParams(do_sample=True, seed=1),
     SamplingParams(do_sample=True, temperature=0.7, top_k=50, seed=2, top_n_tokens=5),
     SamplingParams(do_sample=True, top_p=0.9, temperature=0.6, repetition_penalty=1.2, frequency_penalty=0.5, seed=3),
     SamplingParams(do_sample=True, typical_p=0.9, temperature=1.3, seed=4),
     SamplingParams(watermark=True, repetition_penalty=0.9, top_n_tokens=1),
     SamplingParams(do_sample=True, top_p=0.999, temperature=0.9, seed=6),
-    SamplingParams(logit_bias=((3, 5.0), (17, -100.0)), presence_penalty=1.5, repetition_penalty=1.1,
-                   temperature=0.8, seed=7),
+    SamplingParams(
+        logit_bias=((3, 5.0), (17, -100.0)), presence_penalty=1.5, repetition_penalty=1.1, temperature=0.8, seed=7
+    ),
     SamplingParams(presence_penalty=-0.5, frequency_penalty=0.3, top_n_tokens=2),
 ]
 GENERATED = [4, 9, 4, 600]  # appended to every row: the presence penalty counts these only
@@ -54,8 +63,9 @@ def _states(params: list[SamplingParams], prompts: list[list[int]], vocab_size: 
     return [SamplingState(p, prompt, vocab_size) for p, prompt in zip(params, prompts, strict=True)]
 
 
-def _reference_row(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
-                   generated: list[int] = ()) -> torch.Tensor:
+def _reference_row(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int] = ()
+) -> torch.Tensor:
     """One row through our order with transformers' processors and plain loops."""
     x = logits[None, :].clone()  # [1, V]
     token_ids = [*prompt, *generated]
@@ -71,10 +81,12 @@ def _reference_row(logits: torch.Tensor, params: SamplingParams, prompt: list[in
             x[0, token_id] -= params.frequency_penalty * token_ids.count(token_id) / len(token_ids)
     for token_id in set(generated):
         x[0, token_id] -= params.presence_penalty
-    warpers = [(params.temperature != 1.0, lambda: TemperatureLogitsWarper(params.temperature)),
-               (params.top_k != 0, lambda: TopKLogitsWarper(params.top_k)),
-               (params.top_p < 1.0, lambda: TopPLogitsWarper(params.top_p)),
-               (params.typical_p < 1.0, lambda: TypicalLogitsWarper(params.typical_p))]
+    warpers = [
+        (params.temperature != 1.0, lambda: TemperatureLogitsWarper(params.temperature)),
+        (params.top_k != 0, lambda: TopKLogitsWarper(params.top_k)),
+        (params.top_p < 1.0, lambda: TopPLogitsWarper(params.top_p)),
+        (params.typical_p < 1.0, lambda: TypicalLogitsWarper(params.typical_p)),
+    ]
     for enabled, make in warpers:
         if enabled:
             x = make()(ids, x)
@@ -122,8 +134,11 @@ def test_greedy_rows_follow_logit_bias_and_presence_penalty() -> None:
     vocab_size = 1000
     logits = _logits(3, vocab_size, seed=5)
     best = logits.argmax(dim=-1).tolist()
-    params = [SamplingParams(logit_bias=((7, 100.0),)), SamplingParams(logit_bias=((best[1], -100.0),)),
-              SamplingParams(presence_penalty=2.0)]
+    params = [
+        SamplingParams(logit_bias=((7, 100.0),)),
+        SamplingParams(logit_bias=((best[1], -100.0),)),
+        SamplingParams(presence_penalty=2.0),
+    ]
     states = _states(params, [[1]] * 3, vocab_size)
     assert Sampler(vocab_size)(logits, states).token_ids[:2] == [7, int(logits[1].topk(2).indices[1])]
     states[2].append(best[2])  # generated once: now penalized; in the prompt only, it would not be
@@ -149,16 +164,16 @@ def test_logprobs_and_top_n_are_raw_log_softmax() -> None:
     assert [len(ids) for ids in out.top_ids] == [p.top_n_tokens for p in MIXED_PARAMS]
 
 
-def _decode(sampler: Sampler, states: list[SamplingState], step_logits: list[torch.Tensor],
-            tracked: SamplingState, seed: int) -> list[int]:
+def _decode(
+    sampler: Sampler, states: list[SamplingState], step_logits: list[torch.Tensor], tracked: SamplingState, seed: int
+) -> list[int]:
     """Run steps with `tracked` at a shifting row among `states`; return its tokens."""
     generator = torch.Generator().manual_seed(seed)
     tokens = []
     for row_logits in step_logits:
         position = int(torch.randint(0, len(states) + 1, (1,), generator=generator))
         batch = states[:position] + [tracked] + states[position:]
-        logits = _logits(len(batch), sampler.vocab_size,
-                         seed=int(torch.randint(0, 2**31, (1,), generator=generator)))
+        logits = _logits(len(batch), sampler.vocab_size, seed=int(torch.randint(0, 2**31, (1,), generator=generator)))
         logits[position] = row_logits
         out = sampler(logits, batch)
         for state, token_id in zip(batch, out.token_ids, strict=True):
@@ -171,16 +186,26 @@ def _decode(sampler: Sampler, states: list[SamplingState], step_logits: list[tor
 def test_seeded_request_ignores_its_batch(vocab_size: int) -> None:
     num_steps = 8
     sampler = Sampler(vocab_size, GAMMA, DELTA)
-    params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.95, repetition_penalty=1.2, frequency_penalty=0.3,
-                            watermark=True, seed=42)
+    params = SamplingParams(
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        watermark=True,
+        seed=42,
+    )
     step_logits = list(_logits(num_steps, vocab_size, seed=7, scale=1.0))
     prompt = [3, 1, 4, 1, 5]
     alone = _decode(sampler, [], step_logits, SamplingState(params, prompt, vocab_size), seed=0)
     random_seeds = torch.randint(0, 2**62, (2,), generator=torch.Generator().manual_seed(8)).tolist()
-    neighbours = [SamplingParams(do_sample=True, seed=42), SamplingParams(),
-                  SamplingParams(do_sample=True, top_k=5, seed=random_seeds[0]),
-                  SamplingParams(do_sample=True, typical_p=0.5, seed=random_seeds[1], top_n_tokens=2),
-                  SamplingParams(do_sample=True, top_p=0.95, temperature=0.8, seed=43)]
+    neighbours = [
+        SamplingParams(do_sample=True, seed=42),
+        SamplingParams(),
+        SamplingParams(do_sample=True, top_k=5, seed=random_seeds[0]),
+        SamplingParams(do_sample=True, typical_p=0.5, seed=random_seeds[1], top_n_tokens=2),
+        SamplingParams(do_sample=True, top_p=0.95, temperature=0.8, seed=43),
+    ]
     others = _states(neighbours, _prompts(len(neighbours), vocab_size, seed=8), vocab_size)
     batched = _decode(sampler, others, step_logits, SamplingState(params, prompt, vocab_size), seed=1)
     assert batched == alone

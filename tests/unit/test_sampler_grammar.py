@@ -17,13 +17,19 @@ SEEDED = SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, re
 
 def _logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
     """Row r depends on (seed, r) only, not on the number of rows."""
-    return torch.stack([torch.randn(vocab_size, generator=torch.Generator().manual_seed(1000 * seed + row)) * 3.0
-                        for row in range(num_rows)])
+    return torch.stack(
+        [
+            torch.randn(vocab_size, generator=torch.Generator().manual_seed(1000 * seed + row)) * 3.0
+            for row in range(num_rows)
+        ]
+    )
 
 
 def _states(params: list[SamplingParams], grammars: list, vocab_size: int) -> list[SamplingState]:
-    return [SamplingState(p, [5, 6, 7], vocab_size, grammar=g.new_state() if g is not None else None)
-            for p, g in zip(params, grammars, strict=True)]
+    return [
+        SamplingState(p, [5, 6, 7], vocab_size, grammar=g.new_state() if g is not None else None)
+        for p, g in zip(params, grammars, strict=True)
+    ]
 
 
 def _decode(sampler: Sampler, states: list[SamplingState], num_steps: int, seed: int):
@@ -74,7 +80,6 @@ def test_seeded_constrained_row_does_not_depend_on_its_batch(byte_tokenizer, byt
     compiled = byte_grammar_compiler.compile(GrammarSpec("json", '{"type": "object"}'))
     sampler = Sampler(vocab_size)
     alone, _ = _decode(sampler, _states([SEEDED], [compiled], vocab_size), 6, seed=9)
-    in_batch, _ = _decode(sampler, _states([SEEDED, SEEDED, GREEDY], [compiled, None, compiled], vocab_size),
-                          6, seed=9)
+    in_batch, _ = _decode(sampler, _states([SEEDED, SEEDED, GREEDY], [compiled, None, compiled], vocab_size), 6, seed=9)
     assert alone[0] == in_batch[0]
     assert byte_tokenizer.decode(alone[0]).startswith("{")

@@ -38,10 +38,16 @@ def test_running_decodes_go_first_and_waiting_are_admitted_fifo():
     plan = _run_step(scheduler, requests)
     # a takes 6, b takes 3, c gets the last token of the budget as the start of a chunk
     assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [
-        ("a", 6, True), ("b", 3, True), ("c", 1, False)]
+        ("a", 6, True),
+        ("b", 3, True),
+        ("c", 1, False),
+    ]
     plan = _run_step(scheduler, requests)
     assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] == [
-        ("a", 6, 1), ("b", 3, 1), ("c", 1, 4)]
+        ("a", 6, 1),
+        ("b", 3, 1),
+        ("c", 1, 4),
+    ]
     assert plan.scheduled[2].sample and plan.scheduled[2].token_ids == [2, 3, 4, 5]
 
 

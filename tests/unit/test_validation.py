@@ -21,10 +21,24 @@ FIVE_STOPS = ["a", "b", "c", "d", "e"]
 
 def engine_info(**overrides) -> EngineInfo:
     values = dict(
-        model_id="test/model", model_sha=None, architecture="GPT2LMHeadModel", dtype="float32", device="cpu",
-        vocab_size=331, eos_token_ids=(1,), block_size=16, num_blocks=64, max_input_tokens=MAX_INPUT,
-        max_total_tokens=MAX_TOTAL, max_batch_prefill_tokens=512, max_batch_size=None,
-        max_concurrent_requests=128, max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5)
+        model_id="test/model",
+        model_sha=None,
+        architecture="GPT2LMHeadModel",
+        dtype="float32",
+        device="cpu",
+        vocab_size=331,
+        eos_token_ids=(1,),
+        block_size=16,
+        num_blocks=64,
+        max_input_tokens=MAX_INPUT,
+        max_total_tokens=MAX_TOTAL,
+        max_batch_prefill_tokens=512,
+        max_batch_size=None,
+        max_concurrent_requests=128,
+        max_best_of=2,
+        max_stop_sequences=4,
+        max_top_n_tokens=5,
+    )
     return EngineInfo(**(values | overrides))
 
 
@@ -52,38 +66,42 @@ def text_with_num_tokens_over(tokenizer, num_tokens: int) -> str:
     return " ".join(words)
 
 
-@pytest.mark.parametrize(("parameters", "message"), [
-    (dict(temperature=0.0), "`temperature` must be strictly positive"),
-    (dict(temperature=-1.0), "`temperature` must be strictly positive"),
-    (dict(temperature=float("nan")), "`temperature` must be strictly positive"),
-    (dict(repetition_penalty=0.0), "`repetition_penalty` must be strictly positive"),
-    (dict(frequency_penalty=2.01), "`frequency_penalty` must be >= -2.0 and <= 2.0"),
-    (dict(frequency_penalty=-2.01), "`frequency_penalty` must be >= -2.0 and <= 2.0"),
-    (dict(top_p=1.0), "`top_p` must be > 0.0 and < 1.0"),
-    (dict(top_p=0.0), "`top_p` must be > 0.0 and < 1.0"),
-    (dict(typical_p=1.0), "`typical_p` must be > 0.0 and < 1.0"),
-    (dict(typical_p=0.0), "`typical_p` must be > 0.0 and < 1.0"),
-    (dict(top_k=0), "`top_k` must be strictly positive"),
-    (dict(top_k=-3), "`top_k` must be strictly positive"),
-    (dict(max_new_tokens=0), "`max_new_tokens` must be strictly positive"),
-    (dict(stop=FIVE_STOPS), "`stop` supports up to 4 stop sequences. Given: 5"),
-    (dict(best_of=2, do_sample=True, seed=1), "`seed` must not be set when `best_of` > 1"),
-    (dict(seed=-1), f"`seed` must be >= 0 and <= {MAX_SEED}. Given: -1"),
-    (dict(seed=MAX_SEED + 1), f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {MAX_SEED + 1}"),
-    (dict(top_n_tokens=6), "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
-    (dict(best_of=3, do_sample=True), "`best_of` must be > 0 and <= 2. Given: 3"),
-    (dict(best_of=0), "`best_of` must be > 0 and <= 2. Given: 0"),
-    (dict(best_of=2), "you must use sampling when `best_of` is > 1"),
-    (dict(truncate=0), f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 0"),
-    (dict(truncate=MAX_INPUT + 1),
-     f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}"),
-])
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        (dict(temperature=0.0), "`temperature` must be strictly positive"),
+        (dict(temperature=-1.0), "`temperature` must be strictly positive"),
+        (dict(temperature=float("nan")), "`temperature` must be strictly positive"),
+        (dict(repetition_penalty=0.0), "`repetition_penalty` must be strictly positive"),
+        (dict(frequency_penalty=2.01), "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+        (dict(frequency_penalty=-2.01), "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+        (dict(top_p=1.0), "`top_p` must be > 0.0 and < 1.0"),
+        (dict(top_p=0.0), "`top_p` must be > 0.0 and < 1.0"),
+        (dict(typical_p=1.0), "`typical_p` must be > 0.0 and < 1.0"),
+        (dict(typical_p=0.0), "`typical_p` must be > 0.0 and < 1.0"),
+        (dict(top_k=0), "`top_k` must be strictly positive"),
+        (dict(top_k=-3), "`top_k` must be strictly positive"),
+        (dict(max_new_tokens=0), "`max_new_tokens` must be strictly positive"),
+        (dict(stop=FIVE_STOPS), "`stop` supports up to 4 stop sequences. Given: 5"),
+        (dict(best_of=2, do_sample=True, seed=1), "`seed` must not be set when `best_of` > 1"),
+        (dict(seed=-1), f"`seed` must be >= 0 and <= {MAX_SEED}. Given: -1"),
+        (dict(seed=MAX_SEED + 1), f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {MAX_SEED + 1}"),
+        (dict(top_n_tokens=6), "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+        (dict(best_of=3, do_sample=True), "`best_of` must be > 0 and <= 2. Given: 3"),
+        (dict(best_of=0), "`best_of` must be > 0 and <= 2. Given: 0"),
+        (dict(best_of=2), "you must use sampling when `best_of` is > 1"),
+        (dict(truncate=0), f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 0"),
+        (
+            dict(truncate=MAX_INPUT + 1),
+            f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}",
+        ),
+    ],
+)
 def test_each_message(validator, parameters, message):
     assert error_of(validator, request(**parameters)) == message
 
 
-@pytest.mark.parametrize("grammar", [{"type": "json", "value": {"properties": {}}},
-                                     GrammarSpec("regex", "[0-9]+")])
+@pytest.mark.parametrize("grammar", [{"type": "json", "value": {"properties": {}}}, GrammarSpec("regex", "[0-9]+")])
 def test_grammar_is_refused_when_support_is_disabled(byte_tokenizer, grammar):
     validator = Validator(byte_tokenizer, engine_info(), grammar_compiler=None)  # --disable-grammar-support
     assert error_of(validator, request(grammar=grammar)) == "grammar is not supported"
@@ -98,12 +116,15 @@ def test_grammar_compiles_into_the_validated_request(validator):
     assert validator.validate(request(), stream=False).engine_request.grammar is None
 
 
-@pytest.mark.parametrize(("grammar", "message"), [
-    ({"type": "regex", "value": "[0-9"}, "grammar is not valid: "),
-    ({"type": "json", "value": {"type": "foo"}}, "grammar is not valid: Invalid type: foo"),
-    ({"type": "json", "value": "{not json"}, "grammar is not valid: the schema is not JSON"),
-    ({"type": "xml", "value": "<a/>"}, "grammar is not valid: unknown grammar type 'xml'"),
-])
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ({"type": "regex", "value": "[0-9"}, "grammar is not valid: "),
+        ({"type": "json", "value": {"type": "foo"}}, "grammar is not valid: Invalid type: foo"),
+        ({"type": "json", "value": "{not json"}, "grammar is not valid: the schema is not JSON"),
+        ({"type": "xml", "value": "<a/>"}, "grammar is not valid: unknown grammar type 'xml'"),
+    ],
+)
 def test_invalid_grammar_messages(validator, grammar, message):
     assert error_of(validator, request(grammar=grammar)).startswith(message)
 
@@ -116,58 +137,77 @@ def test_length_messages_report_the_real_numbers(validator, byte_tokenizer):
     input_length = len(byte_tokenizer.encode(PROMPT))
     assert error_of(validator, request(max_new_tokens=100)) == (
         f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. "
-        f"Given: {input_length} `inputs` tokens and 100 `max_new_tokens`")
+        f"Given: {input_length} `inputs` tokens and 100 `max_new_tokens`"
+    )
     long_prompt = text_with_num_tokens_over(byte_tokenizer, MAX_INPUT)
     long_length = len(byte_tokenizer.encode(long_prompt))
     assert MAX_INPUT < long_length < MAX_TOTAL
     assert error_of(validator, request(long_prompt)) == (
-        f"`inputs` must have less than {MAX_INPUT} tokens. Given: {long_length}")
+        f"`inputs` must have less than {MAX_INPUT} tokens. Given: {long_length}"
+    )
 
 
-def test_a_prompt_over_the_total_without_max_new_tokens_gets_zero_new_tokens_in_the_message(
-        validator, byte_tokenizer):
+def test_a_prompt_over_the_total_without_max_new_tokens_gets_zero_new_tokens_in_the_message(validator, byte_tokenizer):
     huge_prompt = text_with_num_tokens_over(byte_tokenizer, MAX_TOTAL)
     huge_length = len(byte_tokenizer.encode(huge_prompt))
     assert error_of(validator, request(huge_prompt)) == (
         f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. "
-        f"Given: {huge_length} `inputs` tokens and 0 `max_new_tokens`")
+        f"Given: {huge_length} `inputs` tokens and 0 `max_new_tokens`"
+    )
 
 
 def test_stream_only_checks(validator):
     assert error_of(validator, request(best_of=2, do_sample=True), stream=True) == (
-        "`best_of` != 1 is not supported when streaming tokens")
+        "`best_of` != 1 is not supported when streaming tokens"
+    )
     assert error_of(validator, request(decoder_input_details=True), stream=True) == (
-        "`decoder_input_details` == true is not supported when streaming tokens")
-    assert validator.validate(request(best_of=2, do_sample=True, decoder_input_details=True),
-                              stream=False).best_of == 2
+        "`decoder_input_details` == true is not supported when streaming tokens"
+    )
+    assert validator.validate(request(best_of=2, do_sample=True, decoder_input_details=True), stream=False).best_of == 2
 
 
 def test_stream_only_checks_come_first(validator):
     assert error_of(validator, request("", best_of=5, temperature=0.0), stream=True) == (
-        "`best_of` != 1 is not supported when streaming tokens")
+        "`best_of` != 1 is not supported when streaming tokens"
+    )
     assert error_of(validator, request("", decoder_input_details=True, top_k=0), stream=True) == (
-        "`decoder_input_details` == true is not supported when streaming tokens")
+        "`decoder_input_details` == true is not supported when streaming tokens"
+    )
 
 
 def test_best_of_limit_comes_before_the_sampling_rule(validator):
-    assert error_of(validator, request(best_of=3, temperature=0.0)) == (
-        "`best_of` must be > 0 and <= 2. Given: 3")
+    assert error_of(validator, request(best_of=3, temperature=0.0)) == ("`best_of` must be > 0 and <= 2. Given: 3")
     assert error_of(validator, request(best_of=2, repetition_penalty=0.0)) == (
-        "you must use sampling when `best_of` is > 1")
+        "you must use sampling when `best_of` is > 1"
+    )
 
 
 def test_best_of_disabled_when_the_limit_is_one(byte_tokenizer):
     validator = Validator(byte_tokenizer, engine_info(max_best_of=1))
     assert error_of(validator, request(best_of=2, do_sample=True)) == (
-        "`best_of` != 1 is not allowed for this endpoint")
+        "`best_of` != 1 is not allowed for this endpoint"
+    )
     assert validator.validate(request(best_of=1), stream=True).best_of == 1
 
 
 def test_checks_run_in_tgi_order(validator, byte_tokenizer):
     """Start with every check failing; fixing the first failure reveals the next one."""
-    params = dict(do_sample=True, best_of=2, seed=1, temperature=0.0, repetition_penalty=0.0,
-                  frequency_penalty=3.0, top_p=1.0, typical_p=1.0, top_k=0, max_new_tokens=0,
-                  stop=FIVE_STOPS, top_n_tokens=9, truncate=0, grammar={"type": "regex", "value": "a+("})
+    params = dict(
+        do_sample=True,
+        best_of=2,
+        seed=1,
+        temperature=0.0,
+        repetition_penalty=0.0,
+        frequency_penalty=3.0,
+        top_p=1.0,
+        typical_p=1.0,
+        top_k=0,
+        max_new_tokens=0,
+        stop=FIVE_STOPS,
+        top_n_tokens=9,
+        truncate=0,
+        grammar={"type": "regex", "value": "a+("},
+    )
     long_prompt = text_with_num_tokens_over(byte_tokenizer, MAX_INPUT)
     steps = [
         ("temperature", 0.5, "`temperature` must be strictly positive"),
@@ -203,7 +243,12 @@ def test_defaults(validator, byte_tokenizer):
     assert validated.input_length == len(prompt_ids)
     sampling = validated.engine_request.sampling
     assert (sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.typical_p) == (
-        False, 1.0, 0, 1.0, 1.0)
+        False,
+        1.0,
+        0,
+        1.0,
+        1.0,
+    )
     assert (sampling.repetition_penalty, sampling.frequency_penalty, sampling.watermark) == (1.0, 0.0, False)
     assert (sampling.top_n_tokens, sampling.prompt_logprobs) == (0, False)
     assert sampling.is_greedy and 0 <= sampling.seed <= MAX_SEED
@@ -214,10 +259,25 @@ def test_defaults(validator, byte_tokenizer):
 
 
 def test_parameters_are_carried_over(validator):
-    validated = validator.validate(request(
-        temperature=0.7, top_k=20, top_p=0.9, typical_p=0.95, repetition_penalty=1.3, frequency_penalty=-2.0,
-        watermark=True, seed=MAX_SEED, top_n_tokens=5, max_new_tokens=3, stop=["a", "b", "c", "d"],
-        details=True, decoder_input_details=True, return_full_text=True), stream=False)
+    validated = validator.validate(
+        request(
+            temperature=0.7,
+            top_k=20,
+            top_p=0.9,
+            typical_p=0.95,
+            repetition_penalty=1.3,
+            frequency_penalty=-2.0,
+            watermark=True,
+            seed=MAX_SEED,
+            top_n_tokens=5,
+            max_new_tokens=3,
+            stop=["a", "b", "c", "d"],
+            details=True,
+            decoder_input_details=True,
+            return_full_text=True,
+        ),
+        stream=False,
+    )
     sampling = validated.engine_request.sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.typical_p) == (0.7, 20, 0.9, 0.95)
     assert (sampling.repetition_penalty, sampling.frequency_penalty) == (1.3, -2.0)
@@ -228,8 +288,7 @@ def test_parameters_are_carried_over(validator):
     assert validated.engine_request.text_prefix == PROMPT and sampling.top_n_tokens == 5  # return_full_text
 
 
-@pytest.mark.parametrize("warper", [dict(temperature=1.0), dict(top_k=5), dict(top_p=0.9),
-                                    dict(typical_p=0.5)])
+@pytest.mark.parametrize("warper", [dict(temperature=1.0), dict(top_k=5), dict(top_p=0.9), dict(typical_p=0.5)])
 def test_giving_any_warper_turns_sampling_on(validator, warper):
     assert validator.validate(request(**warper), stream=False).engine_request.sampling.do_sample
 
@@ -275,7 +334,8 @@ def test_limits_are_inclusive(validator, byte_tokenizer):
 def test_special_tokens_can_be_left_out(validator, byte_tokenizer):
     req = dataclasses.replace(request(), add_special_tokens=False)
     assert list(validator.validate(req, stream=False).engine_request.prompt_token_ids) == byte_tokenizer.encode(
-        PROMPT, add_special_tokens=False)
+        PROMPT, add_special_tokens=False
+    )
     assert byte_tokenizer.encode(PROMPT)[0] == byte_tokenizer.bos_token_id
 
 
@@ -306,7 +366,7 @@ def test_tokenize_gives_character_offsets(byte_tokenizer):
     bos = spans[0]
     assert (bos.id, bos.text, bos.start, bos.stop) == (byte_tokenizer.bos_token_id, "", 0, 0)
     for span in spans:
-        assert span.text == inputs[span.start:span.stop]
+        assert span.text == inputs[span.start : span.stop]
     assert spans[-1].stop == len(inputs) and spans[-1].text == "x"
     emoji_start = inputs.index("😀")
     assert any(span.start <= emoji_start < span.stop and "😀" in span.text for span in spans)

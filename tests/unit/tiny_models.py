@@ -27,13 +27,24 @@ _SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 # Llama-style configs: the same field names; GQA where the architecture supports it.
 _LLAMA_STYLE = {
-    "hidden_size": HIDDEN_SIZE, "intermediate_size": 2 * HIDDEN_SIZE, "num_hidden_layers": NUM_LAYERS,
-    "num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-    "max_position_embeddings": MAX_POSITIONS, "attention_dropout": 0.0,
+    "hidden_size": HIDDEN_SIZE,
+    "intermediate_size": 2 * HIDDEN_SIZE,
+    "num_hidden_layers": NUM_LAYERS,
+    "num_attention_heads": NUM_HEADS,
+    "num_key_value_heads": NUM_KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "max_position_embeddings": MAX_POSITIONS,
+    "attention_dropout": 0.0,
 }
 _GPT2_STYLE = {
-    "n_embd": HIDDEN_SIZE, "n_layer": NUM_LAYERS, "n_head": NUM_HEADS, "n_inner": 2 * HIDDEN_SIZE,
-    "n_positions": MAX_POSITIONS, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+    "n_embd": HIDDEN_SIZE,
+    "n_layer": NUM_LAYERS,
+    "n_head": NUM_HEADS,
+    "n_inner": 2 * HIDDEN_SIZE,
+    "n_positions": MAX_POSITIONS,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
 }
 
 _CONFIGS: dict[str, dict] = {
@@ -49,23 +60,60 @@ _CONFIGS: dict[str, dict] = {
     "stablelm": {**_LLAMA_STYLE, "qk_layernorm": True},
     "gpt2": _GPT2_STYLE,
     "gpt_bigcode": {**_GPT2_STYLE, "multi_query": True},
-    "opt": {"hidden_size": HIDDEN_SIZE, "word_embed_proj_dim": HIDDEN_SIZE, "ffn_dim": 2 * HIDDEN_SIZE,
-            "num_hidden_layers": NUM_LAYERS, "num_attention_heads": NUM_HEADS,
-            "max_position_embeddings": MAX_POSITIONS, "dropout": 0.0, "attention_dropout": 0.0,
-            "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2, "init_std": INIT_STD},
-    "gpt_neox": {"hidden_size": HIDDEN_SIZE, "intermediate_size": 2 * HIDDEN_SIZE,
-                 "num_hidden_layers": NUM_LAYERS, "num_attention_heads": NUM_HEADS,
-                 "max_position_embeddings": MAX_POSITIONS},
+    "opt": {
+        "hidden_size": HIDDEN_SIZE,
+        "word_embed_proj_dim": HIDDEN_SIZE,
+        "ffn_dim": 2 * HIDDEN_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "max_position_embeddings": MAX_POSITIONS,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "pad_token_id": 1,
+        "bos_token_id": 2,
+        "eos_token_id": 2,
+        "init_std": INIT_STD,
+    },
+    "gpt_neox": {
+        "hidden_size": HIDDEN_SIZE,
+        "intermediate_size": 2 * HIDDEN_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "max_position_embeddings": MAX_POSITIONS,
+    },
     # Architectures the engine refuses; built to prove that it does.
     "bloom": {"hidden_size": HIDDEN_SIZE, "n_layer": NUM_LAYERS, "n_head": NUM_HEADS},
-    "falcon": {"hidden_size": HIDDEN_SIZE, "num_hidden_layers": NUM_LAYERS, "num_attention_heads": NUM_HEADS,
-               "num_kv_heads": NUM_HEADS, "max_position_embeddings": MAX_POSITIONS},
-    "gptj": {"n_embd": HIDDEN_SIZE, "n_layer": NUM_LAYERS, "n_head": NUM_HEADS, "rotary_dim": 8,
-             "n_inner": 2 * HIDDEN_SIZE, "n_positions": MAX_POSITIONS},
-    "mpt": {"d_model": HIDDEN_SIZE, "n_heads": NUM_HEADS, "n_layers": NUM_LAYERS, "expansion_ratio": 2,
-            "max_seq_len": MAX_POSITIONS},
-    "t5": {"d_model": HIDDEN_SIZE, "d_kv": HEAD_DIM, "d_ff": 2 * HIDDEN_SIZE, "num_layers": NUM_LAYERS,
-           "num_decoder_layers": NUM_LAYERS, "num_heads": NUM_HEADS, "decoder_start_token_id": 0},
+    "falcon": {
+        "hidden_size": HIDDEN_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "num_kv_heads": NUM_HEADS,
+        "max_position_embeddings": MAX_POSITIONS,
+    },
+    "gptj": {
+        "n_embd": HIDDEN_SIZE,
+        "n_layer": NUM_LAYERS,
+        "n_head": NUM_HEADS,
+        "rotary_dim": 8,
+        "n_inner": 2 * HIDDEN_SIZE,
+        "n_positions": MAX_POSITIONS,
+    },
+    "mpt": {
+        "d_model": HIDDEN_SIZE,
+        "n_heads": NUM_HEADS,
+        "n_layers": NUM_LAYERS,
+        "expansion_ratio": 2,
+        "max_seq_len": MAX_POSITIONS,
+    },
+    "t5": {
+        "d_model": HIDDEN_SIZE,
+        "d_kv": HEAD_DIM,
+        "d_ff": 2 * HIDDEN_SIZE,
+        "num_layers": NUM_LAYERS,
+        "num_decoder_layers": NUM_LAYERS,
+        "num_heads": NUM_HEADS,
+        "decoder_start_token_id": 0,
+    },
 }
 
 ARCHITECTURES = tuple(_CONFIGS)
@@ -73,13 +121,19 @@ ARCHITECTURES = tuple(_CONFIGS)
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A fresh tiny config of `model_type`; `overrides` win over the tiny defaults."""
-    fields = {"vocab_size": VOCAB_SIZE, "initializer_range": INIT_STD, **_SPECIAL_IDS,
-              **_CONFIGS[model_type], **overrides}
+    fields = {
+        "vocab_size": VOCAB_SIZE,
+        "initializer_range": INIT_STD,
+        **_SPECIAL_IDS,
+        **_CONFIGS[model_type],
+        **overrides,
+    }
     return AutoConfig.for_model(model_type, **fields)
 
 
-def tiny_model(model_type: str | PretrainedConfig, attn_implementation: str = "eager", seed: int = 0,
-               **overrides) -> torch.nn.Module:
+def tiny_model(
+    model_type: str | PretrainedConfig, attn_implementation: str = "eager", seed: int = 0, **overrides
+) -> torch.nn.Module:
     """A seeded random fp32 causal LM in eval mode.
 
     Takes a model type (plus config overrides) or a config, which is deep-copied: loading with

@@ -41,38 +41,60 @@ class _Methods:
     def __init__(self, channel: grpc.aio.Channel):
         self.channel = channel
         self.generate = channel.unary_unary(
-            _SERVICE + "Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.GenerateResponse.FromString)
+            _SERVICE + "Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         self.generate_stream = channel.unary_stream(
-            _SERVICE + "GenerateStream", request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.StreamResponse.FromString)
+            _SERVICE + "GenerateStream",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.StreamResponse.FromString,
+        )
         self.tokenize = channel.unary_unary(
-            _SERVICE + "Tokenize", request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.TokenizeResponse.FromString)
+            _SERVICE + "Tokenize",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.TokenizeResponse.FromString,
+        )
         self.info = channel.unary_unary(
-            _SERVICE + "Info", request_serializer=pb.InfoRequest.SerializeToString,
-            response_deserializer=pb.InfoResponse.FromString)
+            _SERVICE + "Info",
+            request_serializer=pb.InfoRequest.SerializeToString,
+            response_deserializer=pb.InfoResponse.FromString,
+        )
         self.health = channel.unary_unary(
-            _SERVICE + "Health", request_serializer=pb.HealthRequest.SerializeToString,
-            response_deserializer=httpbody_pb2.HttpBody.FromString)
+            _SERVICE + "Health",
+            request_serializer=pb.HealthRequest.SerializeToString,
+            response_deserializer=httpbody_pb2.HttpBody.FromString,
+        )
         self.list_models = channel.unary_unary(
-            _SERVICE + "ListModels", request_serializer=pb.ListModelsRequest.SerializeToString,
-            response_deserializer=pb.ListModelsResponse.FromString)
+            _SERVICE + "ListModels",
+            request_serializer=pb.ListModelsRequest.SerializeToString,
+            response_deserializer=pb.ListModelsResponse.FromString,
+        )
         self.get_model = channel.unary_unary(
-            _SERVICE + "GetModel", request_serializer=pb.GetModelRequest.SerializeToString,
-            response_deserializer=pb.ModelCard.FromString)
+            _SERVICE + "GetModel",
+            request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.ModelCard.FromString,
+        )
         self.chat = channel.unary_unary(
-            _SERVICE + "ChatCompletion", request_serializer=pb.ChatCompletionRequest.SerializeToString,
-            response_deserializer=pb.ChatCompletionResponse.FromString)
+            _SERVICE + "ChatCompletion",
+            request_serializer=pb.ChatCompletionRequest.SerializeToString,
+            response_deserializer=pb.ChatCompletionResponse.FromString,
+        )
         self.chat_stream = channel.unary_stream(
-            _SERVICE + "ChatCompletionStream", request_serializer=pb.ChatCompletionRequest.SerializeToString,
-            response_deserializer=pb.ChatCompletionChunk.FromString)
+            _SERVICE + "ChatCompletionStream",
+            request_serializer=pb.ChatCompletionRequest.SerializeToString,
+            response_deserializer=pb.ChatCompletionChunk.FromString,
+        )
         self.complete = channel.unary_unary(
-            _SERVICE + "Completion", request_serializer=pb.CompletionRequest.SerializeToString,
-            response_deserializer=pb.CompletionResponse.FromString)
+            _SERVICE + "Completion",
+            request_serializer=pb.CompletionRequest.SerializeToString,
+            response_deserializer=pb.CompletionResponse.FromString,
+        )
         self.complete_stream = channel.unary_stream(
-            _SERVICE + "CompletionStream", request_serializer=pb.CompletionRequest.SerializeToString,
-            response_deserializer=pb.CompletionResponse.FromString)
+            _SERVICE + "CompletionStream",
+            request_serializer=pb.CompletionRequest.SerializeToString,
+            response_deserializer=pb.CompletionResponse.FromString,
+        )
 
 
 class _StreamEnd:
@@ -195,14 +217,31 @@ class AsyncClient(OpenAIMethods):
             ValidationError, OverloadedError, GenerationError, DeadlineExceededError,
             UnavailableError, ...: see `textgen_client.errors`.
         """
-        request = _convert.build_request(prompt, {
-            "do_sample": do_sample, "max_new_tokens": max_new_tokens, "best_of": best_of,
-            "repetition_penalty": repetition_penalty, "frequency_penalty": frequency_penalty,
-            "return_full_text": return_full_text, "seed": seed, "stop_sequences": stop_sequences,
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "truncate": truncate,
-            "typical_p": typical_p, "watermark": watermark, "details": details,
-            "decoder_input_details": decoder_input_details, "top_n_tokens": top_n_tokens,
-            "grammar": grammar, "adapter_id": adapter_id, "forced_bos_token": forced_bos_token})
+        request = _convert.build_request(
+            prompt,
+            {
+                "do_sample": do_sample,
+                "max_new_tokens": max_new_tokens,
+                "best_of": best_of,
+                "repetition_penalty": repetition_penalty,
+                "frequency_penalty": frequency_penalty,
+                "return_full_text": return_full_text,
+                "seed": seed,
+                "stop_sequences": stop_sequences,
+                "temperature": temperature,
+                "top_k": top_k,
+                "top_p": top_p,
+                "truncate": truncate,
+                "typical_p": typical_p,
+                "watermark": watermark,
+                "details": details,
+                "decoder_input_details": decoder_input_details,
+                "top_n_tokens": top_n_tokens,
+                "grammar": grammar,
+                "adapter_id": adapter_id,
+                "forced_bos_token": forced_bos_token,
+            },
+        )
         reply = await self._unary("generate", request, timeout, metadata, self._retry)
         return _convert.response(reply)
 
@@ -243,19 +282,35 @@ class AsyncClient(OpenAIMethods):
             the errors of `generate`; `IncompleteGenerationError` if the stream ended without
             its final response.
         """
-        request = _convert.build_request(prompt, {
-            "do_sample": do_sample, "max_new_tokens": max_new_tokens,
-            "repetition_penalty": repetition_penalty, "frequency_penalty": frequency_penalty,
-            "return_full_text": return_full_text, "seed": seed, "stop_sequences": stop_sequences,
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "truncate": truncate,
-            "typical_p": typical_p, "watermark": watermark, "details": details,
-            "top_n_tokens": top_n_tokens, "grammar": grammar, "adapter_id": adapter_id,
-            "forced_bos_token": forced_bos_token})
+        request = _convert.build_request(
+            prompt,
+            {
+                "do_sample": do_sample,
+                "max_new_tokens": max_new_tokens,
+                "repetition_penalty": repetition_penalty,
+                "frequency_penalty": frequency_penalty,
+                "return_full_text": return_full_text,
+                "seed": seed,
+                "stop_sequences": stop_sequences,
+                "temperature": temperature,
+                "top_k": top_k,
+                "top_p": top_p,
+                "truncate": truncate,
+                "typical_p": typical_p,
+                "watermark": watermark,
+                "details": details,
+                "top_n_tokens": top_n_tokens,
+                "grammar": grammar,
+                "adapter_id": adapter_id,
+                "forced_bos_token": forced_bos_token,
+            },
+        )
         async for response in self._stream("generate_stream", request, timeout, metadata, _StreamEnd()):
             yield response
 
-    async def tokenize(self, prompt: str, *, timeout: float | None = None,
-                       metadata: Metadata | None = None) -> list[SimpleToken]:
+    async def tokenize(
+        self, prompt: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> list[SimpleToken]:
         """The tokens of `prompt` as the model sees it (special tokens included), with offsets."""
         request = _convert.build_request(prompt, {})
         reply = await self._unary("tokenize", request, timeout, metadata, self._retry)
@@ -316,19 +371,18 @@ class AsyncClient(OpenAIMethods):
             return None
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
-            raise DeadlineExceededError("Deadline Exceeded", "deadline_exceeded",
-                                        grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise DeadlineExceededError("Deadline Exceeded", "deadline_exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
         return remaining
 
-    async def _unary(self, name: str, request: Any, timeout: float | None, metadata: Metadata | None,
-                     policy: RetryPolicy) -> Any:
+    async def _unary(
+        self, name: str, request: Any, timeout: float | None, metadata: Metadata | None, policy: RetryPolicy
+    ) -> Any:
         deadline = self._deadline(timeout)
         retry = 0
         while True:
             method = getattr(self._bind(), name)
             try:
-                return await method(request, timeout=self._remaining(deadline),
-                                    metadata=self._call_metadata(metadata))
+                return await method(request, timeout=self._remaining(deadline), metadata=self._call_metadata(metadata))
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
             if not is_retryable(error, received_any=False):
@@ -336,14 +390,16 @@ class AsyncClient(OpenAIMethods):
             await self._backoff(error, retry, deadline, policy)
             retry += 1
 
-    async def _stream(self, name: str, request: Any, timeout: float | None, metadata: Metadata | None,
-                      end: _StreamEnd) -> AsyncIterator[Any]:
+    async def _stream(
+        self, name: str, request: Any, timeout: float | None, metadata: Metadata | None, end: _StreamEnd
+    ) -> AsyncIterator[Any]:
         """The converted messages of a streaming call; retried only before its first message."""
         deadline = self._deadline(timeout)
         retry = 0
         while True:
-            call = getattr(self._bind(), name)(request, timeout=self._remaining(deadline),
-                                               metadata=self._call_metadata(metadata))
+            call = getattr(self._bind(), name)(
+                request, timeout=self._remaining(deadline), metadata=self._call_metadata(metadata)
+            )
             received_any = False
             try:
                 async for message in call:
@@ -363,8 +419,9 @@ class AsyncClient(OpenAIMethods):
             await self._backoff(error, retry, deadline)
             retry += 1
 
-    async def _backoff(self, error: TextGenerationError, retry: int, deadline: float | None,
-                       policy: RetryPolicy | None = None) -> None:
+    async def _backoff(
+        self, error: TextGenerationError, retry: int, deadline: float | None, policy: RetryPolicy | None = None
+    ) -> None:
         """Wait before retry number `retry`, or raise `error` when out of retries or time."""
         policy = policy or self._retry
         delay = policy.backoff(retry)

@@ -51,8 +51,9 @@ def parse_target(target: str) -> Target:
     return Target(target, tls=False, balanced=balanced)
 
 
-def channel_options(target: Target, load_balancing: str | None,
-                    extra: tuple[tuple[str, object], ...] = ()) -> list[tuple[str, object]]:
+def channel_options(
+    target: Target, load_balancing: str | None, extra: tuple[tuple[str, object], ...] = ()
+) -> list[tuple[str, object]]:
     """gRPC channel options: reconnect pacing, the load-balancing policy, then the caller's."""
     options: list[tuple[str, object]] = list(RECONNECT_OPTIONS)
     policy = load_balancing or ("round_robin" if target.balanced else None)
@@ -62,8 +63,9 @@ def channel_options(target: Target, load_balancing: str | None,
     return options
 
 
-def create_channel(target: Target, tls: bool, credentials: grpc.ChannelCredentials | None,
-                   options: list[tuple[str, object]]) -> grpc.aio.Channel:
+def create_channel(
+    target: Target, tls: bool, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, object]]
+) -> grpc.aio.Channel:
     """A grpc.aio channel; TLS when asked, when the target is https, or when credentials are given."""
     if credentials is None and (tls or target.tls):
         credentials = grpc.ssl_channel_credentials()

@@ -37,8 +37,7 @@ class _LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="textgen-client", daemon=True)
         self._thread.start()
 
-    def submit(self, coro: Coroutine[Any, Any, R]
-               ) -> tuple[concurrent.futures.Future[R], list[asyncio.Task[R]]]:
+    def submit(self, coro: Coroutine[Any, Any, R]) -> tuple[concurrent.futures.Future[R], list[asyncio.Task[R]]]:
         """Start `coro` on the loop in a copy of the caller's context; (its future, [its task])."""
         future: concurrent.futures.Future[R] = concurrent.futures.Future()
         started: list[asyncio.Task[R]] = []
@@ -61,8 +60,11 @@ class _LoopThread:
         """Run `coro` on the loop and wait; an interrupt of the wait (Ctrl-C) cancels it."""
         if self.on_loop_thread() or self.loop.is_closed():
             coro.close()
-            raise RuntimeError("the client is closed" if self.loop.is_closed() else
-                               "a Client method was called from its own event loop; use AsyncClient there")
+            raise RuntimeError(
+                "the client is closed"
+                if self.loop.is_closed()
+                else "a Client method was called from its own event loop; use AsyncClient there"
+            )
         future, started = self.submit(coro)
         try:
             return future.result()
@@ -147,8 +149,9 @@ async def _next(responses: AsyncIterator[T]) -> T:
     return await responses.__anext__()
 
 
-def _blocking(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]
-              ) -> Callable[Concatenate[Client, P], R]:
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[Client, P], R]:
     def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._runner.run(method(self._core, *args, **kwargs))
 
@@ -156,8 +159,9 @@ def _blocking(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, 
     return call
 
 
-def _blocking_stream(method: Callable[Concatenate[AsyncClient, P], AsyncIterator[T]]
-                     ) -> Callable[Concatenate[Client, P], Stream[T]]:
+def _blocking_stream(
+    method: Callable[Concatenate[AsyncClient, P], AsyncIterator[T]],
+) -> Callable[Concatenate[Client, P], Stream[T]]:
     def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Stream[T]:
         return Stream(self._runner, method(self._core, *args, **kwargs))
 
@@ -203,8 +207,16 @@ class Client:
         """Set up a client; nothing connects until the first call. The arguments are
         `AsyncClient`'s (see there)."""
         self._core = AsyncClient(
-            target, api_key=api_key, tls=tls, credentials=credentials, timeout=timeout, retry=retry,
-            metadata=metadata, load_balancing=load_balancing, channel_options=channel_options)
+            target,
+            api_key=api_key,
+            tls=tls,
+            credentials=credentials,
+            timeout=timeout,
+            retry=retry,
+            metadata=metadata,
+            load_balancing=load_balancing,
+            channel_options=channel_options,
+        )
         self._runner = _LoopThread()
         self._finalizer = weakref.finalize(self, _close, self._core, self._runner)
 

@@ -40,8 +40,9 @@ def build_request(prompt: str, parameters: dict[str, Any]) -> pb.GenerateRequest
     here, before anything is sent.
     """
     if not isinstance(prompt, str):
-        raise ValidationError(f"Input validation error: `inputs` must be a str, not {type(prompt).__name__}",
-                              "validation")
+        raise ValidationError(
+            f"Input validation error: `inputs` must be a str, not {type(prompt).__name__}", "validation"
+        )
     message = pb.GenerateParameters()
     for name, value in parameters.items():
         if value is None:
@@ -49,8 +50,7 @@ def build_request(prompt: str, parameters: dict[str, Any]) -> pb.GenerateRequest
         try:
             _set_parameter(message, name, value)
         except (TypeError, ValueError) as error:
-            raise ValidationError(f"Input validation error: `{name}`={value!r}: {error}",
-                                  "validation") from None
+            raise ValidationError(f"Input validation error: `{name}`={value!r}: {error}", "validation") from None
     return pb.GenerateRequest(inputs=prompt, parameters=message)
 
 
@@ -98,10 +98,14 @@ def _top_tokens(messages: Any) -> list[list[Token]] | None:
 
 def _best_of(message: pb.BestOfSequence) -> BestOfSequence:
     return BestOfSequence(
-        generated_text=message.generated_text, finish_reason=_finish_reason(message.finish_reason),
-        generated_tokens=message.generated_tokens, seed=_optional(message, "seed"),
-        prefill=_prefill(message.prefill), tokens=_tokens(message.tokens),
-        top_tokens=_top_tokens(message.top_tokens))
+        generated_text=message.generated_text,
+        finish_reason=_finish_reason(message.finish_reason),
+        generated_tokens=message.generated_tokens,
+        seed=_optional(message, "seed"),
+        prefill=_prefill(message.prefill),
+        tokens=_tokens(message.tokens),
+        top_tokens=_top_tokens(message.top_tokens),
+    )
 
 
 def response(message: pb.GenerateResponse) -> Response:
@@ -110,10 +114,14 @@ def response(message: pb.GenerateResponse) -> Response:
     if message.HasField("details"):
         d = message.details
         details = Details(
-            finish_reason=_finish_reason(d.finish_reason), generated_tokens=d.generated_tokens,
-            seed=_optional(d, "seed"), prefill=_prefill(d.prefill), tokens=_tokens(d.tokens),
+            finish_reason=_finish_reason(d.finish_reason),
+            generated_tokens=d.generated_tokens,
+            seed=_optional(d, "seed"),
+            prefill=_prefill(d.prefill),
+            tokens=_tokens(d.tokens),
             top_tokens=_top_tokens(d.top_tokens),
-            best_of_sequences=[_best_of(b) for b in d.best_of_sequences] or None)
+            best_of_sequences=[_best_of(b) for b in d.best_of_sequences] or None,
+        )
     return Response(generated_text=message.generated_text, details=details)
 
 
@@ -122,13 +130,19 @@ def stream_response(message: pb.StreamResponse) -> StreamResponse:
     details = None
     if message.HasField("details"):
         d = message.details
-        details = StreamDetails(finish_reason=_finish_reason(d.finish_reason),
-                                generated_tokens=d.generated_tokens, seed=_optional(d, "seed"),
-                                input_length=d.input_length)
+        details = StreamDetails(
+            finish_reason=_finish_reason(d.finish_reason),
+            generated_tokens=d.generated_tokens,
+            seed=_optional(d, "seed"),
+            input_length=d.input_length,
+        )
     return StreamResponse(
-        index=message.index, token=token(message.token),
+        index=message.index,
+        token=token(message.token),
         top_tokens=_tokens(message.top_tokens) if len(message.top_tokens) else None,
-        generated_text=_optional(message, "generated_text"), details=details)
+        generated_text=_optional(message, "generated_text"),
+        details=details,
+    )
 
 
 def simple_tokens(message: pb.TokenizeResponse) -> list[SimpleToken]:
@@ -151,7 +165,12 @@ def info(message: pb.InfoResponse) -> InfoResponse:
     stats = None
     if message.HasField("stats"):
         s = message.stats
-        stats = EngineStats(num_waiting=s.num_waiting, num_running=s.num_running,
-                            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-                            num_preemptions=s.num_preemptions, num_steps=s.num_steps)
+        stats = EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            num_preemptions=s.num_preemptions,
+            num_steps=s.num_steps,
+        )
     return InfoResponse(**fields, stats=stats)

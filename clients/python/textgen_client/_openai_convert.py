@@ -74,17 +74,31 @@ def _optional(message: Any, name: str) -> Any:
 
 
 def _tool_calls(calls: Any) -> list[ToolCall]:
-    return [ToolCall(id=_optional(c, "id"), type=_optional(c, "type"), index=_optional(c, "index"),
-                     function=FunctionCall(_optional(c.function, "name"), _optional(c.function, "arguments")))
-            for c in calls]
+    return [
+        ToolCall(
+            id=_optional(c, "id"),
+            type=_optional(c, "type"),
+            index=_optional(c, "index"),
+            function=FunctionCall(_optional(c.function, "name"), _optional(c.function, "arguments")),
+        )
+        for c in calls
+    ]
 
 
 def _logprobs(choice: Any) -> ChoiceLogprobs | None:
     if not choice.HasField("logprobs"):
         return None
-    return ChoiceLogprobs([TokenLogprob(t.token, t.logprob, list(t.bytes),
-                                        [TopLogprob(a.token, a.logprob, list(a.bytes)) for a in t.top_logprobs])
-                           for t in choice.logprobs.content])
+    return ChoiceLogprobs(
+        [
+            TokenLogprob(
+                t.token,
+                t.logprob,
+                list(t.bytes),
+                [TopLogprob(a.token, a.logprob, list(a.bytes)) for a in t.top_logprobs],
+            )
+            for t in choice.logprobs.content
+        ]
+    )
 
 
 def _completion_logprobs(choice: pb.CompletionChoice) -> CompletionLogprobs | None:
@@ -92,35 +106,73 @@ def _completion_logprobs(choice: pb.CompletionChoice) -> CompletionLogprobs | No
         return None
     logprobs = choice.logprobs
     # A Struct's keys come in no particular order: most likely first, as OpenAI lists them.
-    top = [dict(sorted(json_format.MessageToDict(s).items(), key=lambda item: -item[1]))
-           for s in logprobs.top_logprobs]
+    top = [dict(sorted(json_format.MessageToDict(s).items(), key=lambda item: -item[1])) for s in logprobs.top_logprobs]
     return CompletionLogprobs(list(logprobs.tokens), list(logprobs.token_logprobs), top, list(logprobs.text_offset))
 
 
 def chat_completion(message: pb.ChatCompletionResponse) -> ChatCompletion:
-    choices = [ChatChoice(index=c.index, finish_reason=c.finish_reason, logprobs=_logprobs(c),
-                          message=ChatMessage(role=c.message.role, content=_optional(c.message, "content"),
-                                              tool_calls=_tool_calls(c.message.tool_calls)))
-               for c in message.choices]
-    return ChatCompletion(id=message.id, created=message.created, model=message.model,
-                          system_fingerprint=message.system_fingerprint, choices=choices, usage=_usage(message))
+    choices = [
+        ChatChoice(
+            index=c.index,
+            finish_reason=c.finish_reason,
+            logprobs=_logprobs(c),
+            message=ChatMessage(
+                role=c.message.role,
+                content=_optional(c.message, "content"),
+                tool_calls=_tool_calls(c.message.tool_calls),
+            ),
+        )
+        for c in message.choices
+    ]
+    return ChatCompletion(
+        id=message.id,
+        created=message.created,
+        model=message.model,
+        system_fingerprint=message.system_fingerprint,
+        choices=choices,
+        usage=_usage(message),
+    )
 
 
 def chat_chunk(message: pb.ChatCompletionChunk) -> ChatCompletionChunk:
-    choices = [ChatChunkChoice(index=c.index, logprobs=_logprobs(c), finish_reason=_optional(c, "finish_reason"),
-                               delta=ChatDelta(role=_optional(c.delta, "role"), content=_optional(c.delta, "content"),
-                                               tool_calls=_tool_calls(c.delta.tool_calls)))
-               for c in message.choices]
-    return ChatCompletionChunk(id=message.id, created=message.created, model=message.model,
-                               system_fingerprint=message.system_fingerprint, choices=choices, usage=_usage(message))
+    choices = [
+        ChatChunkChoice(
+            index=c.index,
+            logprobs=_logprobs(c),
+            finish_reason=_optional(c, "finish_reason"),
+            delta=ChatDelta(
+                role=_optional(c.delta, "role"),
+                content=_optional(c.delta, "content"),
+                tool_calls=_tool_calls(c.delta.tool_calls),
+            ),
+        )
+        for c in message.choices
+    ]
+    return ChatCompletionChunk(
+        id=message.id,
+        created=message.created,
+        model=message.model,
+        system_fingerprint=message.system_fingerprint,
+        choices=choices,
+        usage=_usage(message),
+    )
 
 
 def completion(message: pb.CompletionResponse) -> Completion:
-    choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=_optional(c, "finish_reason"),
-                                logprobs=_completion_logprobs(c))
-               for c in message.choices]
-    return Completion(id=message.id, created=message.created, model=message.model,
-                      system_fingerprint=message.system_fingerprint, choices=choices, usage=_usage(message))
+    choices = [
+        CompletionChoice(
+            index=c.index, text=c.text, finish_reason=_optional(c, "finish_reason"), logprobs=_completion_logprobs(c)
+        )
+        for c in message.choices
+    ]
+    return Completion(
+        id=message.id,
+        created=message.created,
+        model=message.model,
+        system_fingerprint=message.system_fingerprint,
+        choices=choices,
+        usage=_usage(message),
+    )
 
 
 def model_card(message: pb.ModelCard) -> ModelCard:

@@ -61,16 +61,31 @@ class _ChoicesEnd:
 class OpenAIMethods:
     """The OpenAI-style methods of `AsyncClient` (a mixin: it uses the client's call plumbing)."""
 
-    async def chat(self, messages: Sequence[Message], *, model: str | None = None,
-                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                   n: int | None = None, stop: str | list[str] | None = None, seed: int | None = None,
-                   frequency_penalty: float | None = None, presence_penalty: float | None = None,
-                   logit_bias: dict[int | str, float] | None = None, logprobs: bool | None = None,
-                   top_logprobs: int | None = None, response_format: dict[str, Any] | None = None,
-                   tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                   parallel_tool_calls: bool | None = None, tool_prompt: str | None = None,
-                   extra: dict[str, Any] | None = None, timeout: float | None = None,
-                   metadata: Metadata | None = None) -> ChatCompletion:
+    async def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        logit_bias: dict[int | str, float] | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        response_format: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_prompt: str | None = None,
+        extra: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> ChatCompletion:
         """A chat completion of `messages`: OpenAI's message dicts (`{"role": "user", "content": "Hi"}`,
         content a string or text parts; assistant `tool_calls`; `tool` messages with `tool_call_id`),
         or the `ChatMessage` of an earlier reply.
@@ -93,17 +108,32 @@ class OpenAIMethods:
         reply = await self._unary("chat", request, timeout, metadata, self._retry)  # type: ignore[attr-defined]
         return _openai_convert.chat_completion(reply)
 
-    async def chat_stream(self, messages: Sequence[Message], *, model: str | None = None,
-                          max_tokens: int | None = None, temperature: float | None = None,
-                          top_p: float | None = None, n: int | None = None, stop: str | list[str] | None = None,
-                          seed: int | None = None, frequency_penalty: float | None = None,
-                          presence_penalty: float | None = None, logit_bias: dict[int | str, float] | None = None,
-                          logprobs: bool | None = None, top_logprobs: int | None = None,
-                          response_format: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-                          tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                          tool_prompt: str | None = None, include_usage: bool = False,
-                          extra: dict[str, Any] | None = None, timeout: float | None = None,
-                          metadata: Metadata | None = None) -> AsyncIterator[ChatCompletionChunk]:
+    async def chat_stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        logit_bias: dict[int | str, float] | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        response_format: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_prompt: str | None = None,
+        include_usage: bool = False,
+        extra: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> AsyncIterator[ChatCompletionChunk]:
         """`chat`, streamed: chunks whose `choices[i].delta` carry the role first, then text (or
         tool-call pieces: the call's id and name, then pieces of its arguments, by `index`), and
         the last chunk of a choice its `finish_reason`. With `include_usage=True` a last chunk
@@ -120,13 +150,27 @@ class OpenAIMethods:
         async for chunk in self._stream("chat_stream", request, timeout, metadata, end):  # type: ignore[attr-defined]
             yield chunk
 
-    async def complete(self, prompt: str | list[str], *, model: str | None = None, max_tokens: int | None = None,
-                       temperature: float | None = None, top_p: float | None = None, n: int | None = None,
-                       stop: str | list[str] | None = None, seed: int | None = None, echo: bool | None = None,
-                       logprobs: int | None = None, frequency_penalty: float | None = None,
-                       presence_penalty: float | None = None, logit_bias: dict[int | str, float] | None = None,
-                       response_format: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                       timeout: float | None = None, metadata: Metadata | None = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str | list[str],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        echo: bool | None = None,
+        logprobs: int | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        logit_bias: dict[int | str, float] | None = None,
+        response_format: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> Completion:
         """A text completion (OpenAI's legacy `/v1/completions`): `prompt` a string or a list of
         strings, `n` choices per prompt (choices `i * n ... i * n + n - 1` are prompt i's).
         `max_tokens` defaults to 16, as OpenAI's; `echo=True` puts the prompt before each text;
@@ -140,15 +184,28 @@ class OpenAIMethods:
         reply = await self._unary("complete", request, timeout, metadata, self._retry)  # type: ignore[attr-defined]
         return _openai_convert.completion(reply)
 
-    async def complete_stream(self, prompt: str | list[str], *, model: str | None = None,
-                              max_tokens: int | None = None, temperature: float | None = None,
-                              top_p: float | None = None, n: int | None = None, stop: str | list[str] | None = None,
-                              seed: int | None = None, echo: bool | None = None, logprobs: int | None = None,
-                              frequency_penalty: float | None = None, presence_penalty: float | None = None,
-                              logit_bias: dict[int | str, float] | None = None,
-                              response_format: dict[str, Any] | None = None, include_usage: bool = False,
-                              extra: dict[str, Any] | None = None, timeout: float | None = None,
-                              metadata: Metadata | None = None) -> AsyncIterator[Completion]:
+    async def complete_stream(
+        self,
+        prompt: str | list[str],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        echo: bool | None = None,
+        logprobs: int | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        logit_bias: dict[int | str, float] | None = None,
+        response_format: dict[str, Any] | None = None,
+        include_usage: bool = False,
+        extra: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> AsyncIterator[Completion]:
         """`complete`, streamed: each event holds new text of some choices (those of several
         prompts interleave), a choice's last one its `finish_reason`; with `include_usage=True` a
         last event without choices carries `usage`. Parameters are `complete`'s. Leaving the loop
@@ -163,8 +220,9 @@ class OpenAIMethods:
         async for event in self._stream("complete_stream", request, timeout, metadata, end):  # type: ignore[attr-defined]
             yield event
 
-    async def model(self, model_id: str | None = None, *, timeout: float | None = None,
-                    metadata: Metadata | None = None) -> ModelCard:
+    async def model(
+        self, model_id: str | None = None, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> ModelCard:
         """The served model's card (OpenAI's `/v1/models/{model_id}`); `model_id=None` asks for the
         one model the server serves.
 

@@ -137,8 +137,7 @@ def _error_info_reason(serialized_status: bytes) -> str | None:
     return None
 
 
-def from_status(code: grpc.StatusCode, message: str | None,
-                trailing_metadata: object = None) -> TextGenerationError:
+def from_status(code: grpc.StatusCode, message: str | None, trailing_metadata: object = None) -> TextGenerationError:
     """The typed error of a failed call: chosen by the server's kind, else by the status code."""
     kind = error_kind(trailing_metadata)
     cls = _BY_KIND.get(kind or "") or _BY_CODE.get(code, UnknownError)

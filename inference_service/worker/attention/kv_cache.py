@@ -20,15 +20,18 @@ class PagedKVCache:
     would poison the output even with a zero weight.
     """
 
-    def __init__(self, layer_shapes: list[LayerShape], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, layer_shapes: list[LayerShape], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         num_slots = num_blocks * block_size
-        self.keys = [torch.zeros(num_slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
-                     for s in layer_shapes]  # each [num_slots, KVH, D]
-        self.values = [torch.zeros(num_slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
-                       for s in layer_shapes]
+        self.keys = [
+            torch.zeros(num_slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layer_shapes
+        ]  # each [num_slots, KVH, D]
+        self.values = [
+            torch.zeros(num_slots, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for s in layer_shapes
+        ]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]

@@ -73,10 +73,18 @@ def step_context(meta: StepMetadata) -> Iterator[StepMetadata]:
         _STEP.reset(token)
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None,
-                    **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """q [1, H, T, D], k/v [1, KVH, T, D] → ([1, T, H, Dv], None)."""
     meta = kwargs.get("paged_meta") or _STEP.get()
     if meta is None:
@@ -100,12 +108,20 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
     if meta.decode_token_index is not None:
         q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
-        out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache,
-                                                     scaling, window, softcap)
+        out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache, scaling, window, softcap)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
-        out[rows] = _attend_prefill(chunk, query[:, :, rows], key[:, :, rows], value[:, :, rows],
-                                    key_cache, value_cache, scaling, window, softcap)
+        out[rows] = _attend_prefill(
+            chunk,
+            query[:, :, rows],
+            key[:, :, rows],
+            value[:, :, rows],
+            key_cache,
+            value_cache,
+            scaling,
+            window,
+            softcap,
+        )
     return out.unsqueeze(0), None
 
 
@@ -136,14 +152,29 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
     _CHECKED_MODULES.add(module)
 
 
-def attend_decode(meta: StepMetadata, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+def attend_decode(
+    meta: StepMetadata,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
-        return kernel(q_by_seq, key_cache, value_cache, _needed(meta.decode_block_table, "decode block table"),
-                      _needed(meta.decode_context_lens, "decode context lengths"),
-                      _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap)
+        return kernel(
+            q_by_seq,
+            key_cache,
+            value_cache,
+            _needed(meta.decode_block_table, "decode block table"),
+            _needed(meta.decode_context_lens, "decode context lengths"),
+            _needed(meta.kv_cache, "KV cache").block_size,
+            scaling,
+            window,
+            softcap,
+        )
     block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = _needed(meta.kv_cache, "KV cache").block_size
@@ -174,9 +205,17 @@ def _decode_mask(context_lens: torch.Tensor, length: int, window: int | None) ->
     return mask[:, None, None, :]
 
 
-def _attend_prefill(chunk: PrefillChunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float,
-                    window: int | None, softcap: float | None) -> torch.Tensor:
+def _attend_prefill(
+    chunk: PrefillChunk,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     """q [1, H, n, D] → [n, H, Dv]: a chunk of new tokens over the cached prefix and themselves."""
     if chunk.num_computed == 0:
         keys, values = k_new, v_new  # [1, KVH, n, D]: fresh prompt, no need to read the cache back
@@ -184,8 +223,9 @@ def _attend_prefill(chunk: PrefillChunk, q: torch.Tensor, k_new: torch.Tensor, v
         keys = key_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
         values = value_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
     if chunk.num_computed == 0 and window is None and softcap is None:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling,
-                                             enable_gqa=keys.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
+        )
     else:
         mask = _prefill_mask(chunk.num_new, chunk.num_computed, window, q.device)  # [n, ctx]
         out = _attend(q, keys, values, mask, scaling, softcap)
@@ -201,12 +241,14 @@ def _prefill_mask(num_new: int, num_computed: int, window: int | None, device: t
     return mask
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scaling: float, softcap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
     """Masked attention; SDPA unless a softcap needs the scores in between."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
-                                              enable_gqa=keys.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
+        )
     groups = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(groups, dim=1)
     values = values.repeat_interleave(groups, dim=1)

@@ -35,8 +35,13 @@ from inference_service.worker.kernels.packed import PackedWeight
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "small_batch_linear.cpp", CSRC / "quant_linear.cpp",
-           CSRC / "panel_linear.cpp", CSRC / "decode_glue.cpp")
+SOURCES = (
+    CSRC / "paged_decode.cpp",
+    CSRC / "small_batch_linear.cpp",
+    CSRC / "quant_linear.cpp",
+    CSRC / "panel_linear.cpp",
+    CSRC / "decode_glue.cpp",
+)
 HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h")  # included by the sources: part of the cache key
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
@@ -79,19 +84,36 @@ class PagedDecodeKernel:
 
     def supports(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether the kernel computes this call (q [S, H, D]); otherwise the torch path does."""
-        return (q.dtype == key_cache.dtype == value_cache.dtype == torch.float32 and q.device.type == "cpu"
-                and key_cache.is_contiguous() and value_cache.is_contiguous()
-                and self._supports_shapes(q.shape[-2], key_cache.shape[1], key_cache.shape[2], value_cache.shape[2]))
+        return (
+            q.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+            and q.device.type == "cpu"
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+            and self._supports_shapes(q.shape[-2], key_cache.shape[1], key_cache.shape[2], value_cache.shape[2])
+        )
 
     @staticmethod
     @functools.cache
     def _supports_shapes(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int) -> bool:
-        return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUPS
-                and head_dim % 8 == 0 and head_dim_v % 8 == 0)
+        return (
+            num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUPS
+            and head_dim % 8 == 0
+            and head_dim_v % 8 == 0
+        )
 
-    def __call__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
-                 window: int | None, softcap: float | None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
         q = q.contiguous()
         if block_table.dtype != torch.int64 or not block_table.is_contiguous():
             block_table = block_table.to(torch.int64).contiguous()
@@ -99,10 +121,24 @@ class PagedDecodeKernel:
             context_lens = context_lens.to(torch.int64).contiguous()
         num_seqs, num_heads, head_dim = q.shape
         out = q.new_empty(num_seqs, num_heads, value_cache.shape[2])
-        status = self._fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
-                          context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, key_cache.shape[1],
-                          head_dim, value_cache.shape[2], block_size, block_table.shape[1], scale,
-                          window or 0, softcap or 0.0)
+        status = self._fn(
+            q.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_table.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            key_cache.shape[1],
+            head_dim,
+            value_cache.shape[2],
+            block_size,
+            block_table.shape[1],
+            scale,
+            window or 0,
+            softcap or 0.0,
+        )
         if status != 0:
             raise RuntimeError(f"paged decode kernel refused {num_heads} heads over {key_cache.shape[1]} KV heads")
         return out
@@ -116,8 +152,13 @@ class SmallBatchLinear:
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
-        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-                and weight.is_contiguous() and weight.shape[1] % 8 == 0)
+        return (
+            weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.is_contiguous()
+            and weight.shape[1] % 8 == 0
+        )
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out_features, in_features = weight.shape
@@ -127,8 +168,7 @@ class SmallBatchLinear:
         if rows == 0:  # a step that keeps no logits still runs the head on zero rows
             return out
         bias_ptr = bias.data_ptr() if bias is not None else None
-        status = self._fn(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows, out_features,
-                          in_features)
+        status = self._fn(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows, out_features, in_features)
         if status != 0:
             raise RuntimeError(f"linear kernel refused {rows} rows of {in_features} features")
         return out
@@ -151,8 +191,18 @@ class PanelLinear:
         """weight fp32 [N, K] contiguous; bias fp32 [N] contiguous or None."""
         x, out, rows = self._operands(x, weight.shape[0], weight.shape[1])
         if rows:
-            self._check(self._fn(x.data_ptr(), weight.data_ptr(), _pointer(bias), out.data_ptr(), rows,
-                                 weight.shape[0], weight.shape[1]), weight.shape[1])
+            self._check(
+                self._fn(
+                    x.data_ptr(),
+                    weight.data_ptr(),
+                    _pointer(bias),
+                    out.data_ptr(),
+                    rows,
+                    weight.shape[0],
+                    weight.shape[1],
+                ),
+                weight.shape[1],
+            )
         return out
 
     def quant(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -160,21 +210,54 @@ class PanelLinear:
         k, n = packed.in_features, packed.out_features
         x, out, rows = self._operands(x, n, k)
         if rows:
-            self._check(self._quant(x.data_ptr(), packed.codes.data_ptr(), packed.scales.data_ptr(),
-                                    packed.offsets.data_ptr(), _pointer(bias), out.data_ptr(), rows, n, k,
-                                    packed.bits, packed.group_size), k)
+            self._check(
+                self._quant(
+                    x.data_ptr(),
+                    packed.codes.data_ptr(),
+                    packed.scales.data_ptr(),
+                    packed.offsets.data_ptr(),
+                    _pointer(bias),
+                    out.data_ptr(),
+                    rows,
+                    n,
+                    k,
+                    packed.bits,
+                    packed.group_size,
+                ),
+                k,
+            )
         return out
 
-    def codes(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-              bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    def codes(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int,
+    ) -> torch.Tensor:
         """x · W ᵀ (+ bias) for 8-bit codes in the panel layout (kernels/panels.py), any number of rows:
         codes [N/32, K, 32], scales and offsets [N/32, G, 32], all contiguous."""
         panel_count, k, width = codes.shape
         n = panel_count * width
         x, out, rows = self._operands(x, n, k)
         if rows:
-            self._check(self._codes(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                    _pointer(bias), out.data_ptr(), rows, n, k, group_size), k)
+            self._check(
+                self._codes(
+                    x.data_ptr(),
+                    codes.data_ptr(),
+                    scales.data_ptr(),
+                    offsets.data_ptr(),
+                    _pointer(bias),
+                    out.data_ptr(),
+                    rows,
+                    n,
+                    k,
+                    group_size,
+                ),
+                k,
+            )
         return out
 
     def panels(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -212,16 +295,25 @@ class QuantLinearKernel:
 
     def supports(self, packed: PackedWeight) -> bool:
         """Whether the kernel reads this weight (group sizes a multiple of 8, or one group over K)."""
-        return (packed.codes.device.type == "cpu" and all(t.is_contiguous() for t in
-                                                             (packed.codes, packed.scales, packed.offsets))
-                and bool(self._supported(packed.bits, packed.group_size, packed.in_features)))
+        return (
+            packed.codes.device.type == "cpu"
+            and all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets))
+            and bool(self._supported(packed.bits, packed.group_size, packed.in_features))
+        )
 
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
         """fp32 [N, K], as packed.dequantize() computes it, in one pass (any group size)."""
         out = torch.empty(packed.out_features, packed.in_features)
-        status = self._dequantize(packed.codes.data_ptr(), packed.scales.data_ptr(), packed.offsets.data_ptr(),
-                                  out.data_ptr(), packed.out_features, packed.in_features, packed.bits,
-                                  packed.group_size)
+        status = self._dequantize(
+            packed.codes.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.offsets.data_ptr(),
+            out.data_ptr(),
+            packed.out_features,
+            packed.in_features,
+            packed.bits,
+            packed.group_size,
+        )
         if status != 0:
             raise RuntimeError(f"dequantize kernel refused {packed.bits}-bit codes")
         return out
@@ -234,12 +326,24 @@ class QuantLinearKernel:
         out = x.new_empty(*x.shape[:-1], n)
         if rows == 0:
             return out
-        status = self._fn(x.data_ptr(), packed.codes.data_ptr(), packed.scales.data_ptr(),
-                          packed.offsets.data_ptr(), bias.data_ptr() if bias is not None else None,
-                          out.data_ptr(), rows, n, k, packed.bits, packed.group_size)
+        status = self._fn(
+            x.data_ptr(),
+            packed.codes.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.offsets.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            rows,
+            n,
+            k,
+            packed.bits,
+            packed.group_size,
+        )
         if status != 0:
-            raise RuntimeError(f"quantized linear kernel refused {packed.bits}-bit codes in groups of "
-                               f"{packed.group_size} over {k} features")
+            raise RuntimeError(
+                f"quantized linear kernel refused {packed.bits}-bit codes in groups of "
+                f"{packed.group_size} over {k} features"
+            )
         return out
 
 
@@ -251,23 +355,53 @@ class DecodeGlue:
         self._rope = _bind(library, "rope_kv_write_f32", [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4)
         self._silu_mul = _bind(library, "silu_mul_f32", [_POINTER] * 2 + [_I64] * 2)
 
-    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """hidden [S, D] += delta (in place), then weight * rmsnorm(hidden) → new [S, D]."""
         out = torch.empty_like(hidden)
-        self._norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                   out.data_ptr(), hidden.shape[0], hidden.shape[1], eps)
+        self._norm(
+            hidden.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            hidden.shape[0],
+            hidden.shape[1],
+            eps,
+        )
         return out
 
-    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
-                      k_norm: torch.Tensor | None, eps: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slots: torch.Tensor, heads: int, kv_heads: int) -> None:
+    def rope_kv_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+    ) -> None:
         """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the cache."""
         cos, sin = cos.contiguous(), sin.contiguous()
-        status = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                            None if q_norm is None else q_norm.data_ptr(),
-                            None if k_norm is None else k_norm.data_ptr(), eps, key_cache.data_ptr(),
-                            value_cache.data_ptr(), slots.data_ptr(), qkv.shape[0], heads, kv_heads, qkv.shape[-1])
+        status = self._rope(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            eps,
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.data_ptr(),
+            qkv.shape[0],
+            heads,
+            kv_heads,
+            qkv.shape[-1],
+        )
         if status != 0:
             raise RuntimeError(f"rotary kernel refused head size {qkv.shape[-1]}")
 
@@ -359,8 +493,9 @@ def _build(sources: tuple[Path, ...]) -> Path:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [path.read_text() for path in (*sources, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, compiler, version, *COMPILE_FLAGS, *LINK_FLAGS, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([*texts, compiler, version, *COMPILE_FLAGS, *LINK_FLAGS, platform.machine(), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
     target = Path(default_cache_dir()) / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
@@ -368,8 +503,10 @@ def _build(sources: tuple[Path, ...]) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         objects = [Path(scratch) / f"{source.stem}.o" for source in sources]
         library = Path(scratch) / "kernels.so"
-        commands = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
-                    for source, obj in zip(sources, objects, strict=True)]
+        commands = [
+            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(sources, objects, strict=True)
+        ]
         commands.append([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library)])
         for command in commands:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -106,5 +106,11 @@ def quantize_rtn(weight: Tensor, bits: int, group_size: int, symmetric: bool = F
         offsets = low
     codes = torch.round((grouped - offsets[..., None]) / scales[..., None]).clamp(0, top)
     codes = codes.view(n, groups * group_size)[:, :k].to(torch.uint8)
-    return PackedWeight(bits=bits, codes=pack_codes(codes, bits), scales=scales.contiguous(),
-                        offsets=offsets.contiguous(), group_size=group_size, in_features=k)
+    return PackedWeight(
+        bits=bits,
+        codes=pack_codes(codes, bits),
+        scales=scales.contiguous(),
+        offsets=offsets.contiguous(),
+        group_size=group_size,
+        in_features=k,
+    )

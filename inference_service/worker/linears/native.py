@@ -39,8 +39,11 @@ def install(model: torch.nn.Module, kernel: SmallBatchLinear, panel: PanelLinear
     switched = 0
     for module in model.modules():
         bias = module.bias if type(module) is torch.nn.Linear else None
-        if (type(module) is torch.nn.Linear and kernel.supports_weight(module.weight)
-                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+        if (
+            type(module) is torch.nn.Linear
+            and kernel.supports_weight(module.weight)
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        ):
             module.__class__ = NativeLinear
             switched_module = cast(NativeLinear, module)  # the same object, now of the class just set
             switched_module.native_kernel, switched_module.panel_kernel = kernel, panel

@@ -61,8 +61,13 @@ class PanelledLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and self.weight_panels.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
+        if (
+            self.kernel is not None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and self.weight_panels.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())
+        ):
             return self.kernel.panels(x, self.weight_panels, self.bias)
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -70,8 +75,11 @@ class PanelledLinear(torch.nn.Module):
 def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     """Replace the model's eligible linears by PanelledLinear; returns how many were replaced."""
     uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and _eligible(module) and uses[id(module.weight)] == 1]
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear and _eligible(module) and uses[id(module.weight)] == 1
+    ]
     for name, module in targets:
         replace_module(model, name, PanelledLinear.from_weight(module.weight, module.bias, kernel))
     return len(targets)
@@ -79,6 +87,12 @@ def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
 
 def _eligible(module: torch.nn.Linear) -> bool:
     weight, bias = module.weight, module.bias
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] > 0 and weight.shape[0] % panels.PANEL == 0 and weight.shape[1] > 0
-            and (bias is None or bias.dtype == torch.float32))
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[0] > 0
+        and weight.shape[0] % panels.PANEL == 0
+        and weight.shape[1] > 0
+        and (bias is None or bias.dtype == torch.float32)
+    )

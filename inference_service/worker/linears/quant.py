@@ -42,16 +42,22 @@ class QuantLinear(torch.nn.Module):
     bias: torch.Tensor | None
     input_perm: torch.Tensor | None
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None,
-                 input_perm: torch.Tensor | None = None, panelled: bool | None = None):
+    def __init__(
+        self,
+        packed: PackedWeight,
+        bias: torch.Tensor | None = None,
+        input_perm: torch.Tensor | None = None,
+        panelled: bool | None = None,
+    ):
         super().__init__()
         self.bits, self.group_size = packed.bits, packed.group_size
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.panelled = panels.takes(packed) if panelled is None else panelled
         if self.panelled and not panels.takes(packed):
             raise ValueError(f"{packed.bits}-bit codes of {packed.out_features} rows do not fill panels")
-        codes, scales, offsets = (panels.to_panels(packed) if self.panelled
-                                  else (packed.codes, packed.scales, packed.offsets))
+        codes, scales, offsets = (
+            panels.to_panels(packed) if self.panelled else (packed.codes, packed.scales, packed.offsets)
+        )
         self.register_buffer("codes", codes.contiguous())  # uint8 [N, K] or [N, ceil(K / 2)]; panelled [N/P, K, P]
         self.register_buffer("scales", scales.contiguous())  # fp32 [N, G]; panelled [N/P, G, P]
         self.register_buffer("offsets", offsets.contiguous())  # fp32 [N, G]; panelled [N/P, G, P]
@@ -59,12 +65,12 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("input_perm", input_perm)  # int64 [K]: GPTQ's act-order
         self._view: PackedWeight | None = None
         # resolved on first use, again after the buffers move
-        self._kernel: tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None] | object = \
-            _UNRESOLVED
+        self._kernel: tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None] | object = _UNRESOLVED
 
     @classmethod
-    def from_packed(cls, packed: PackedWeight, bias: torch.Tensor | None = None,
-                    input_perm: torch.Tensor | None = None) -> QuantLinear:
+    def from_packed(
+        cls, packed: PackedWeight, bias: torch.Tensor | None = None, input_perm: torch.Tensor | None = None
+    ) -> QuantLinear:
         return cls(packed, bias, input_perm)
 
     @property
@@ -79,10 +85,15 @@ class QuantLinear(torch.nn.Module):
         if self.panelled:
             return panels.from_panels(self.codes, self.scales, self.offsets, self.group_size, self.in_features)
         view = self._view
-        if view is None or view.codes is not self.codes or view.scales is not self.scales \
-                or view.offsets is not self.offsets:
-            view = self._view = PackedWeight(self.bits, self.codes, self.scales, self.offsets, self.group_size,
-                                             self.in_features)
+        if (
+            view is None
+            or view.codes is not self.codes
+            or view.scales is not self.scales
+            or view.offsets is not self.offsets
+        ):
+            view = self._view = PackedWeight(
+                self.bits, self.codes, self.scales, self.offsets, self.group_size, self.in_features
+            )
             self._kernel = _UNRESOLVED
         return view
 
@@ -103,16 +114,22 @@ class QuantLinear(torch.nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}, "
-                f"input_perm={self.input_perm is not None}, panelled={self.panelled}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}, "
+            f"input_perm={self.input_perm is not None}, panelled={self.panelled}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x[..., self.input_perm]
         kernel, fits, panel = self._native_kernels()
-        if (panel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not (x.requires_grad and torch.is_grad_enabled())):
+        if (
+            panel is not None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())
+        ):
             if self.panelled:
                 return panel.codes(x, self.codes, self.scales, self.offsets, self.bias, self.group_size)
             if fits and kernel is not None and x.numel() <= bindings.MAX_QUANT_ROWS[self.bits] * self.in_features:
@@ -136,8 +153,9 @@ class QuantLinear(torch.nn.Module):
         return cast(tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None], self._kernel)
 
 
-def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None,
-                       kernel: bindings.QuantLinearKernel | None = None) -> torch.Tensor:
+def dequantized_linear(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: bindings.QuantLinearKernel | None = None
+) -> torch.Tensor:
     """Dequantize slices of output rows to x's dtype and multiply by torch's GEMM; x [..., K] → [..., N].
 
     With `kernel`, the slices are dequantized natively (one pass); else by PackedWeight.dequantize.
@@ -147,8 +165,13 @@ def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor
     out = x.new_empty(*x.shape[:-1], n) if step < n else None
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        part = packed if out is None else PackedWeight(packed.bits, packed.codes[n0:n1], packed.scales[n0:n1],
-                                                       packed.offsets[n0:n1], packed.group_size, k)
+        part = (
+            packed
+            if out is None
+            else PackedWeight(
+                packed.bits, packed.codes[n0:n1], packed.scales[n0:n1], packed.offsets[n0:n1], packed.group_size, k
+            )
+        )
         weight = (kernel.dequantize(part) if kernel is not None else part.dequantize()).to(x.dtype)  # [n1-n0, K]
         part_bias = None if bias is None else bias[n0:n1].to(x.dtype)
         if out is None:

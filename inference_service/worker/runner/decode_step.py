@@ -57,8 +57,9 @@ class DecodeStep:
         """How decode steps run, for the startup log."""
         return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
 
-    def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                keep_rows: list[int]) -> torch.Tensor:
+    def forward(
+        self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int]
+    ) -> torch.Tensor:
         """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""
         ops = self.ops
         hidden = self.embed(input_ids[0])  # [S, D]
@@ -73,8 +74,9 @@ class DecodeStep:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
             key_cache, value_cache = meta.kv_cache.layer(layer.index)
             q = ops.rope_kv_write(qkv, cos, sin, layer, key_cache, value_cache, meta.slot_mapping)
-            attended = attend_decode(meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling,
-                                     layer.window, None)  # [S, H, Dv]
+            attended = attend_decode(
+                meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None
+            )  # [S, H, Dv]
             hidden, normed = ops.add_norm(hidden, layer.o_proj(attended.reshape(rows, -1)), layer.post_norm)
             delta = layer.down(ops.silu_mul(layer.gate_up(normed)))
         hidden = hidden + delta
@@ -130,10 +132,17 @@ class _TorchOps:
         return hidden, norm(hidden)
 
     @staticmethod
-    def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer,
-                      key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def rope_kv_write(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: _Layer,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
         heads, kv_heads = layer.num_heads, layer.num_kv_heads
-        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         if layer.q_norm is not None:
             if layer.k_norm is None:
                 raise ValueError("a layer with a Q norm but no K norm")
@@ -157,18 +166,36 @@ class _NativeOps:
     def __init__(self, glue: DecodeGlue):
         self.glue = glue
 
-    def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
-                 norm: _Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, norm: _Norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return hidden, self.glue.add_rms_norm(hidden, delta, norm.weight, norm.eps)
 
-    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: _Layer,
-                      key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def rope_kv_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: _Layer,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
-        self.glue.rope_kv_write(qkv, cos, sin, q_norm.weight if q_norm is not None else None,
-                                k_norm.weight if k_norm is not None else None,
-                                q_norm.eps if q_norm else 0.0, key_cache, value_cache, slots,
-                                layer.num_heads, layer.num_kv_heads)
-        return qkv[:, :layer.num_heads]
+        self.glue.rope_kv_write(
+            qkv,
+            cos,
+            sin,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm else 0.0,
+            key_cache,
+            value_cache,
+            slots,
+            layer.num_heads,
+            layer.num_kv_heads,
+        )
+        return qkv[:, : layer.num_heads]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.glue.silu_mul(gate_up)
@@ -206,8 +233,12 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 
 def _same_packing(modules: list[QuantLinear]) -> bool:
     first = modules[0]
-    return all(m.input_perm is None and (m.bits, m.group_size, m.in_features, m.panelled) ==
-               (first.bits, first.group_size, first.in_features, first.panelled) for m in modules)
+    return all(
+        m.input_perm is None
+        and (m.bits, m.group_size, m.in_features, m.panelled)
+        == (first.bits, first.group_size, first.in_features, first.panelled)
+        for m in modules
+    )
 
 
 class _HasOutputRows(Protocol):
@@ -217,14 +248,15 @@ class _HasOutputRows(Protocol):
 _M = TypeVar("_M", bound=_HasOutputRows)
 
 
-def _row_slices(modules: Sequence[_M], fused: torch.Tensor,
-                rows_per_entry: int = 1) -> Iterator[tuple[_M, torch.Tensor]]:
+def _row_slices(
+    modules: Sequence[_M], fused: torch.Tensor, rows_per_entry: int = 1
+) -> Iterator[tuple[_M, torch.Tensor]]:
     """(module, its share of `fused`), for tensors concatenated in the modules' order along a first
     dimension whose entries hold `rows_per_entry` output rows each."""
     start = 0
     for module in modules:
         length = module.out_features // rows_per_entry
-        yield module, fused[start:start + length]
+        yield module, fused[start : start + length]
         start += length
 
 
@@ -262,14 +294,23 @@ def _fuse_quant_linears(modules: list[QuantLinear]) -> QuantLinear:
     parts = {name: torch.cat([getattr(p, name) for p in packed]) for name in ("codes", "scales", "offsets")}
     # fuse_projections fuses only modules that all have a bias or all have none
     bias = torch.cat([cast(torch.Tensor, m.bias) for m in modules]) if first.bias is not None else None
-    fused = QuantLinear(PackedWeight(first.bits, parts["codes"], parts["scales"], parts["offsets"],
-                                     first.group_size, first.in_features), bias, panelled=first.panelled)
+    fused = QuantLinear(
+        PackedWeight(
+            first.bits, parts["codes"], parts["scales"], parts["offsets"], first.group_size, first.in_features
+        ),
+        bias,
+        panelled=first.panelled,
+    )
     _repoint_at_shares(modules, fused, tuple(parts), first.rows_per_entry)
     return fused
 
 
-def _repoint_at_shares(modules: Sequence[PanelledLinear | QuantLinear], fused: PanelledLinear | QuantLinear,
-                       names: tuple[str, ...], rows_per_entry: int) -> None:
+def _repoint_at_shares(
+    modules: Sequence[PanelledLinear | QuantLinear],
+    fused: PanelledLinear | QuantLinear,
+    names: tuple[str, ...],
+    rows_per_entry: int,
+) -> None:
     """Re-point each module at its share of the fused module's buffers `names` and bias."""
     shares: dict[PanelledLinear | QuantLinear, dict[str, torch.Tensor]] = {m: {} for m in modules}
     for name in names:

@@ -19,8 +19,14 @@ from inference_service.worker.step_rows import RowsToKeep
 class ModelRunner:
     """Owns the model and the KV cache tensors (and the decode kernel that reads the cache, if any)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache | None, device: torch.device,
-                 decode_kernel: PagedDecodeKernel | None = None, decode_step: DecodeStep | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache | None,
+        device: torch.device,
+        decode_kernel: PagedDecodeKernel | None = None,
+        decode_step: DecodeStep | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -43,16 +49,16 @@ class ModelRunner:
         steps = self.decode_step or "transformers' layers"
         return f"decode attention: {attention}, decode steps: {steps}"
 
-    def forward(self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                keep_rows: list[int]) -> torch.Tensor:
+    def forward(
+        self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int]
+    ) -> torch.Tensor:
         """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V])."""
         if meta.decode_only and self.decode_step is not None:
             with torch.inference_mode():
                 return self.decode_step.forward(meta, input_ids, position_ids, keep_rows)
         keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(meta):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             logits_to_keep=keep)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
@@ -114,8 +120,9 @@ def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch
 def probe_layer_shapes(model: torch.nn.Module, device: torch.device) -> list[LayerShape]:
     """Run one token through the model to learn each layer's KV heads and head size."""
     shapes: dict[int, tuple[int, int, torch.dtype]] = {}  # filled by the attention function
-    meta = StepMetadata(kv_cache=None, num_tokens=1, slot_mapping=torch.zeros(1, dtype=torch.long),
-                        recorded_shapes=shapes)
+    meta = StepMetadata(
+        kv_cache=None, num_tokens=1, slot_mapping=torch.zeros(1, dtype=torch.long), recorded_shapes=shapes
+    )
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with torch.inference_mode(), step_context(meta):
         model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)

@@ -20,8 +20,11 @@ def stackable(cache: Cache) -> bool:
     """Whether `cache` is made of plain dynamic layers, all filled (the ones `stack` handles)."""
     if isinstance(cache, EncoderDecoderCache):
         return stackable(cache.self_attention_cache) and stackable(cache.cross_attention_cache)
-    return (isinstance(cache, DynamicCache) and len(cache.layers) > 0
-            and all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers))
+    return (
+        isinstance(cache, DynamicCache)
+        and len(cache.layers) > 0
+        and all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+    )
 
 
 def stack(caches: list[DynamicCache], pad_to: int | None = None) -> DynamicCache:
@@ -39,16 +42,24 @@ def select(cache: Cache, rows: torch.Tensor) -> Cache:
     """The stacked cache's `rows` (indices [R]) as a new stacked cache (one copy)."""
     if isinstance(cache, EncoderDecoderCache):
         return EncoderDecoderCache(select(cache.self_attention_cache, rows), select(cache.cross_attention_cache, rows))
-    return _cache([_layer(keys.index_select(0, rows), values.index_select(0, rows))
-                   for keys, values in map(_filled, cache.layers)])
+    return _cache(
+        [
+            _layer(keys.index_select(0, rows), values.index_select(0, rows))
+            for keys, values in map(_filled, cache.layers)
+        ]
+    )
 
 
 def row(cache: DynamicCache, index: int, length: int | None = None) -> DynamicCache:
     """Row `index` of a stacked cache as a batch-1 cache of views; `length` keeps only its first
     tokens (dropping the padding `stack` added)."""
     end = length if length is not None else None
-    return _cache([_layer(keys[index:index + 1, :, :end], values[index:index + 1, :, :end])
-                   for keys, values in map(_filled, cache.layers)])
+    return _cache(
+        [
+            _layer(keys[index : index + 1, :, :end], values[index : index + 1, :, :end])
+            for keys, values in map(_filled, cache.layers)
+        ]
+    )
 
 
 def _filled(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,8 +34,12 @@ class Batch:
     def subset(self, ids: tuple[str, ...], device: torch.device) -> Batch:
         """A batch of some of these requests (`ids`, in this batch's order): their rows, copied once."""
         rows = torch.tensor([self.ids.index(i) for i in ids], dtype=torch.long, device=device)
-        inputs = {name: tuple(t.index_select(0, rows) for t in value) if isinstance(value, tuple)
-                  else value.index_select(0, rows) for name, value in self.inputs.items()}
+        inputs = {
+            name: tuple(t.index_select(0, rows) for t in value)
+            if isinstance(value, tuple)
+            else value.index_select(0, rows)
+            for name, value in self.inputs.items()
+        }
         return Batch(ids, cache_rows.select(self.cache, rows), inputs)
 
 
@@ -104,9 +108,12 @@ class EncoderDecoderForward:
         mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], dtype=torch.long, device=self.device)
         ids_tensor = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, S]
         encoder_output = self.encoder(input_ids=ids_tensor, attention_mask=mask).last_hidden_state  # [B, S, H]
-        batch = Batch(ids, EncoderDecoderCache(DynamicCache(), DynamicCache()),
-                      {"encoder_outputs": (encoder_output,), "attention_mask": mask})
-        sequences = [Sequence(None, encoder_output[i:i + 1, :n], batch, i) for i, n in enumerate(lengths)]
+        batch = Batch(
+            ids,
+            EncoderDecoderCache(DynamicCache(), DynamicCache()),
+            {"encoder_outputs": (encoder_output,), "attention_mask": mask},
+        )
+        sequences = [Sequence(None, encoder_output[i : i + 1, :n], batch, i) for i, n in enumerate(lengths)]
         return batch, sequences
 
     def batch(self, ids: tuple[str, ...], sequences: list[Sequence]) -> Batch:
@@ -117,17 +124,21 @@ class EncoderDecoderForward:
         longest = max(lengths)
         cache = EncoderDecoderCache(
             cache_rows.stack([c.self_attention_cache for c in caches]),
-            cache_rows.stack([c.cross_attention_cache for c in caches], pad_to=longest))
-        padded = [torch.nn.functional.pad(output, (0, 0, 0, longest - n))
-                  for output, n in zip(outputs, lengths, strict=True)]
+            cache_rows.stack([c.cross_attention_cache for c in caches], pad_to=longest),
+        )
+        padded = [
+            torch.nn.functional.pad(output, (0, 0, 0, longest - n)) for output, n in zip(outputs, lengths, strict=True)
+        ]
         mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], dtype=torch.long, device=self.device)
         return Batch(ids, cache, {"encoder_outputs": (torch.cat(padded),), "attention_mask": mask})
 
     def take(self, batch: Batch, index: int, sequence: Sequence) -> Cache:
         length = cast(torch.Tensor, sequence.encoder_output).shape[1]
         cache = cast(EncoderDecoderCache, batch.cache)  # stacked by `batch` or `start_batch`
-        return EncoderDecoderCache(cache_rows.row(cache.self_attention_cache, index),
-                                   cache_rows.row(cache.cross_attention_cache, index, length))
+        return EncoderDecoderCache(
+            cache_rows.row(cache.self_attention_cache, index),
+            cache_rows.row(cache.cross_attention_cache, index, length),
+        )
 
     def inputs(self, sequence: Sequence) -> dict:
         return {"encoder_outputs": (sequence.encoder_output,)}

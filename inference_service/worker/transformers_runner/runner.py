@@ -70,8 +70,9 @@ class TransformersRunner:
         logits = torch.cat(kept) if kept else torch.empty(0, device=self.device)  # [K, V]
         return rows.step_logits(scheduled, logits)
 
-    def _plan(self, scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest],
-                                                                list[tuple[bool, list[ScheduledRequest]]]]:
+    def _plan(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], list[tuple[bool, list[ScheduledRequest]]]]:
         """Items that run alone, and groups (starting?, items) that can run as one batch: one-token
         rows continuing caches of equal length, and requests starting with decoder inputs of equal
         length (an encoder-decoder's start token)."""
@@ -152,8 +153,10 @@ class TransformersRunner:
         if excess > 0:
             cache.crop(-excess)  # negative: the form every cache layer type accepts
         if cache.get_seq_length() != item.num_computed_tokens:
-            raise RuntimeError(f"request {item.request_id}: cache holds {cache.get_seq_length()} tokens, "
-                               f"the step continues from {item.num_computed_tokens}")
+            raise RuntimeError(
+                f"request {item.request_id}: cache holds {cache.get_seq_length()} tokens, "
+                f"the step continues from {item.num_computed_tokens}"
+            )
         return cache
 
     def release(self, request_id: str) -> None:

@@ -29,12 +29,18 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def quantize_at_load(model: torch.nn.Module, scheme: str) -> int:
     """Replace the model's linears in place for `scheme`; returns how many were quantized."""
-    make = {"eetq": _eetq, "fp8": _fp8, "bitsandbytes": _bnb_int8,
-            "bitsandbytes-nf4": lambda linear: _bnb_4bit(linear, "nf4"),
-            "bitsandbytes-fp4": lambda linear: _bnb_4bit(linear, "fp4")}[scheme]
+    make = {
+        "eetq": _eetq,
+        "fp8": _fp8,
+        "bitsandbytes": _bnb_int8,
+        "bitsandbytes-nf4": lambda linear: _bnb_4bit(linear, "nf4"),
+        "bitsandbytes-fp4": lambda linear: _bnb_4bit(linear, "fp4"),
+    }[scheme]
     if scheme == "fp8":
-        logger.warning("--quantize fp8: this device has no fp8 matmul; weights are rounded to e4m3 with "
-                       "per-channel scales and run dequantized")
+        logger.warning(
+            "--quantize fp8: this device has no fp8 matmul; weights are rounded to e4m3 with "
+            "per-channel scales and run dequantized"
+        )
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in names:
         replace_module(model, name, make(model.get_submodule(name)))
@@ -47,8 +53,9 @@ def float_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
 
 def _eetq(linear: torch.nn.Linear) -> torch.nn.Module:
     weight = linear.weight.detach().float()  # [N, K]
-    return QuantLinear.from_packed(quantize_rtn(weight, bits=8, group_size=weight.shape[1], symmetric=True),
-                                   float_bias(linear))
+    return QuantLinear.from_packed(
+        quantize_rtn(weight, bits=8, group_size=weight.shape[1], symmetric=True), float_bias(linear)
+    )
 
 
 def _fp8(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -64,15 +71,17 @@ def _bitsandbytes():
     try:
         import bitsandbytes
     except ImportError:
-        raise ModelLoadError("--quantize bitsandbytes* needs the bitsandbytes package: "
-                             "pip install 'inference-service[quantize]'") from None
+        raise ModelLoadError(
+            "--quantize bitsandbytes* needs the bitsandbytes package: pip install 'inference-service[quantize]'"
+        ) from None
     return bitsandbytes
 
 
 def _bnb_int8(linear: torch.nn.Linear) -> torch.nn.Module:
     bnb = _bitsandbytes()
-    module = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                 has_fp16_weights=False, threshold=6.0)
+    module = bnb.nn.Linear8bitLt(
+        linear.in_features, linear.out_features, bias=linear.bias is not None, has_fp16_weights=False, threshold=6.0
+    )
     module.weight = bnb.nn.Int8Params(linear.weight.detach().float(), requires_grad=False, has_fp16_weights=False)
     if linear.bias is not None:
         module.bias = torch.nn.Parameter(cast(torch.Tensor, float_bias(linear)), requires_grad=False)  # has a bias
@@ -81,8 +90,13 @@ def _bnb_int8(linear: torch.nn.Linear) -> torch.nn.Module:
 
 def _bnb_4bit(linear: torch.nn.Linear, quant_type: str) -> torch.nn.Module:
     bnb = _bitsandbytes()
-    module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                               quant_type=quant_type, compute_dtype=linear.weight.dtype)
+    module = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        quant_type=quant_type,
+        compute_dtype=linear.weight.dtype,
+    )
     module.weight = bnb.nn.Params4bit(linear.weight.detach().float(), requires_grad=False, quant_type=quant_type)
     if linear.bias is not None:
         module.bias = torch.nn.Parameter(cast(torch.Tensor, float_bias(linear)), requires_grad=False)  # has a bias

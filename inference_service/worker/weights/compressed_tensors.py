@@ -72,11 +72,13 @@ def validate_compressed_tensors_config(quantization_config: Mapping[str, Any], *
         raise ModelLoadError(f"compressed-tensors {_UNSUPPORTED_FORMATS[fmt]} are not supported")
 
 
-def scheme_for_module(quantization_config: Mapping[str, Any], module_name: str,
-                      class_names: tuple[str, ...] = ("Linear",)) -> dict[str, Any] | None:
+def scheme_for_module(
+    quantization_config: Mapping[str, Any], module_name: str, class_names: tuple[str, ...] = ("Linear",)
+) -> dict[str, Any] | None:
     """The config group scheme that quantizes `module_name` (matched as compressed-tensors matches:
     a target is a class name, an exact module name, or `re:<regex>` matched from the start), with its
     effective `format` filled in; None when the module is ignored or no group targets it."""
+
     def matches(target: str) -> bool:
         if target.startswith("re:"):
             return re.match(target[3:], module_name) is not None
@@ -90,8 +92,13 @@ def scheme_for_module(quantization_config: Mapping[str, Any], module_name: str,
     return None
 
 
-def packed_from_compressed_tensors(tensors: Mapping[str, Tensor], scheme: Mapping[str, Any] | Any, *,
-                                   format: str | None = None, weights_only: bool = False) -> PackedWeight:
+def packed_from_compressed_tensors(
+    tensors: Mapping[str, Tensor],
+    scheme: Mapping[str, Any] | Any,
+    *,
+    format: str | None = None,
+    weights_only: bool = False,
+) -> PackedWeight:
     """One module's tensors (local names: `weight_packed`, `weight_scale`, ...) → PackedWeight.
 
     `scheme` is the module's config group (a dict as in `config_groups`, or compressed-tensors'
@@ -105,17 +112,20 @@ def packed_from_compressed_tensors(tensors: Mapping[str, Tensor], scheme: Mappin
     if fmt in _UNSUPPORTED_FORMATS:
         raise ModelLoadError(f"compressed-tensors {_UNSUPPORTED_FORMATS[fmt]} are not supported")
     if fmt not in READ_FORMATS:
-        raise ModelLoadError(f"compressed-tensors format {fmt!r} is not supported "
-                             f"(supported: {', '.join(READ_FORMATS)})")
+        raise ModelLoadError(
+            f"compressed-tensors format {fmt!r} is not supported (supported: {', '.join(READ_FORMATS)})"
+        )
     args = scheme.get("weights")
     if not args:
         raise ModelLoadError("the compressed-tensors scheme does not quantize weights")
     for side in ("input_activations", "output_activations"):
         act = scheme.get(side)
         if act and not weights_only:
-            raise ModelLoadError(f"compressed-tensors activation quantization ({side}: {act.get('type', 'int')} "
-                                 f"{act.get('num_bits')}-bit, {act.get('strategy')}"
-                                 f"{', dynamic' if act.get('dynamic') else ''}) is not supported")
+            raise ModelLoadError(
+                f"compressed-tensors activation quantization ({side}: {act.get('type', 'int')} "
+                f"{act.get('num_bits')}-bit, {act.get('strategy')}"
+                f"{', dynamic' if act.get('dynamic') else ''}) is not supported"
+            )
     bits, strategy, group_size = _weight_args(args)
 
     scale = _need(tensors, "weight_scale")
@@ -149,8 +159,14 @@ def packed_from_compressed_tensors(tensors: Mapping[str, Tensor], scheme: Mappin
         zeros = unpack_words(zero_point.T, bits, n).T.float()  # packed along N, stored as zp + 2**(bits-1)
     else:  # unpacked signed zero points
         zeros = _per_group("weight_zero_point", zero_point, n, groups).float() + centre
-    return PackedWeight(bits=bits, codes=codes, scales=scales.contiguous(), offsets=(-(zeros * scales)).contiguous(),
-                        group_size=group_size, in_features=k)
+    return PackedWeight(
+        bits=bits,
+        codes=codes,
+        scales=scales.contiguous(),
+        offsets=(-(zeros * scales)).contiguous(),
+        group_size=group_size,
+        in_features=k,
+    )
 
 
 def _weight_args(args: Mapping[str, Any]) -> tuple[int, str, int]:
@@ -168,8 +184,9 @@ def _weight_args(args: Mapping[str, Any]) -> tuple[int, str, int]:
     if strategy is None:  # as compressed-tensors infers it
         strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
     if strategy not in _STRATEGIES:
-        raise ModelLoadError(f"compressed-tensors {strategy!r} weight strategy is not supported "
-                             f"(supported: {', '.join(_STRATEGIES)})")
+        raise ModelLoadError(
+            f"compressed-tensors {strategy!r} weight strategy is not supported (supported: {', '.join(_STRATEGIES)})"
+        )
     if strategy == "group" and (group_size is None or group_size <= 0):
         raise ModelLoadError(f"compressed-tensors group strategy needs a positive group_size, not {group_size}")
     if args.get("actorder") in ("group", "dynamic"):

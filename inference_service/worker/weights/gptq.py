@@ -48,9 +48,17 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_VERSIONS = ("gemm", "gemv")
 
 
-def packed_from_gptq(qweight: Tensor, qzeros: Tensor | None, scales: Tensor, g_idx: Tensor | None, *, bits: int,
-                     group_size: int, sym: bool = True,
-                     checkpoint_format: str | None = "gptq") -> tuple[PackedWeight, Tensor | None]:
+def packed_from_gptq(
+    qweight: Tensor,
+    qzeros: Tensor | None,
+    scales: Tensor,
+    g_idx: Tensor | None,
+    *,
+    bits: int,
+    group_size: int,
+    sym: bool = True,
+    checkpoint_format: str | None = "gptq",
+) -> tuple[PackedWeight, Tensor | None]:
     """One GPTQ linear → `(PackedWeight, perm)`.
 
     `perm` is None unless the checkpoint was quantized with act-order (desc_act) and its g_idx is
@@ -62,8 +70,9 @@ def packed_from_gptq(qweight: Tensor, qzeros: Tensor | None, scales: Tensor, g_i
     _check_bits(bits, "GPTQ")
     fmt = (checkpoint_format or "gptq").lower()
     if fmt not in GPTQ_FORMATS:
-        raise ModelLoadError(f"GPTQ checkpoint_format {checkpoint_format!r} is not supported "
-                             f"(supported: {', '.join(GPTQ_FORMATS)})")
+        raise ModelLoadError(
+            f"GPTQ checkpoint_format {checkpoint_format!r} is not supported (supported: {', '.join(GPTQ_FORMATS)})"
+        )
     _check_int32("GPTQ", qweight=qweight, qzeros=qzeros)
     per_word = 32 // bits
     n = scales.shape[-1]
@@ -90,21 +99,24 @@ def packed_from_gptq(qweight: Tensor, qzeros: Tensor | None, scales: Tensor, g_i
     if g_idx is not None and not torch.equal(g_idx.long(), natural):
         perm = torch.argsort(g_idx.long(), stable=True)
         if not torch.equal(g_idx.long()[perm], natural):
-            raise ModelLoadError(f"GPTQ g_idx does not give each group exactly {group_size} inputs: "
-                                 "not an act-order permutation of the groups")
+            raise ModelLoadError(
+                f"GPTQ g_idx does not give each group exactly {group_size} inputs: "
+                "not an act-order permutation of the groups"
+            )
 
     words = qweight.T.contiguous()  # [N, ceil(K·bits/32)]: each row's codes along K, as ours
     # Natural order: the words' bytes are the canonical codes; act-order: unpack, permute K, repack.
-    codes = (canonical_codes(words, bits, k) if perm is None
-             else pack_codes(unpack_words(words, bits, k)[:, perm], bits))
+    codes = canonical_codes(words, bits, k) if perm is None else pack_codes(unpack_words(words, bits, k)[:, perm], bits)
     scales = scales.T.float().contiguous()  # [N, G]
     offsets = -(zeros.float() * scales)
-    return PackedWeight(bits=bits, codes=codes, scales=scales, offsets=offsets.contiguous(),
-                        group_size=group_size, in_features=k), perm
+    return PackedWeight(
+        bits=bits, codes=codes, scales=scales, offsets=offsets.contiguous(), group_size=group_size, in_features=k
+    ), perm
 
 
-def packed_from_awq(qweight: Tensor, qzeros: Tensor | None, scales: Tensor, *, bits: int = 4, group_size: int,
-                    version: str = "gemm") -> PackedWeight:
+def packed_from_awq(
+    qweight: Tensor, qzeros: Tensor | None, scales: Tensor, *, bits: int = 4, group_size: int, version: str = "gemm"
+) -> PackedWeight:
     """One AWQ linear (GEMM layout, or GEMV) → PackedWeight; `w = s·(q − z)`.
 
     AWQ stores qzeros even when `zero_point` is false; a missing qzeros means zero = 8.
@@ -113,8 +125,9 @@ def packed_from_awq(qweight: Tensor, qzeros: Tensor | None, scales: Tensor, *, b
         raise ModelLoadError(f"AWQ {bits}-bit weights are not supported (AWQ checkpoints are 4-bit)")
     version = (version or "gemm").lower()
     if version not in AWQ_VERSIONS:
-        raise ModelLoadError(f"AWQ version {version!r} (its on-disk layout) is not supported "
-                             f"(supported: {', '.join(AWQ_VERSIONS)})")
+        raise ModelLoadError(
+            f"AWQ version {version!r} (its on-disk layout) is not supported (supported: {', '.join(AWQ_VERSIONS)})"
+        )
     _check_int32("AWQ", qweight=qweight, qzeros=qzeros)
     if version == "gemm":
         k, n = qweight.shape[0], qweight.shape[1] * 8
@@ -146,8 +159,9 @@ def packed_from_awq(qweight: Tensor, qzeros: Tensor | None, scales: Tensor, *, b
             zeros = unpack_words(qzeros, 4, groups)  # [N, G]
         scales = scales[:, :groups].float().contiguous()
     offsets = -(zeros.float() * scales)
-    return PackedWeight(bits=4, codes=codes, scales=scales, offsets=offsets.contiguous(),
-                        group_size=group_size, in_features=k)
+    return PackedWeight(
+        bits=4, codes=codes, scales=scales, offsets=offsets.contiguous(), group_size=group_size, in_features=k
+    )
 
 
 # -- helpers ------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def add_words(words: Tensor, addend: int) -> Tensor:
 def check_shape(what: str, tensor: Tensor, shape: tuple[int | None, ...]) -> None:
     """A `ModelLoadError` unless `tensor` has `shape` (None: a dimension checked elsewhere)."""
     ok = tensor.dim() == len(shape) and all(
-        want is None or got == want for got, want in zip(tensor.shape, shape, strict=True))
+        want is None or got == want for got, want in zip(tensor.shape, shape, strict=True)
+    )
     if not ok:
         wanted = ", ".join("*" if want is None else str(want) for want in shape)
         raise ModelLoadError(f"{what} has shape {tuple(tensor.shape)}, expected [{wanted}]")

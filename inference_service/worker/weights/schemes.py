@@ -33,24 +33,34 @@ def checkpoint_scheme(quantization_config: dict[str, Any] | None) -> str | None:
         return "bitsandbytes"
     if method == "fp8":
         return "fp8"
-    raise ModelLoadError(f"the checkpoint is quantized with {method or 'an unnamed method'!r}, which this server "
-                         f"can't read; supported checkpoint formats: {', '.join(CHECKPOINT_FORMATS)}")
+    raise ModelLoadError(
+        f"the checkpoint is quantized with {method or 'an unnamed method'!r}, which this server "
+        f"can't read; supported checkpoint formats: {', '.join(CHECKPOINT_FORMATS)}"
+    )
 
 
 def resolve_scheme(flag: str | None, stored: str | None, *, is_gguf: bool) -> str | None:
     """The scheme to serve with, or None for full precision; a contradiction is a `ModelLoadError`."""
     if flag == GGUF and not is_gguf:
-        raise ModelLoadError("--quantize gguf keeps a GGUF file's quantized tensors: the model id must be a "
-                             ".gguf file (or the demo model)")
+        raise ModelLoadError(
+            "--quantize gguf keeps a GGUF file's quantized tensors: the model id must be a "
+            ".gguf file (or the demo model)"
+        )
     if stored in CHECKPOINT_FORMATS:
         if flag not in (None, stored):
-            raise ModelLoadError(f"the checkpoint is already quantized with {stored}; --quantize {flag} "
-                                 f"contradicts it (drop the flag, or pass --quantize {stored})")
+            raise ModelLoadError(
+                f"the checkpoint is already quantized with {stored}; --quantize {flag} "
+                f"contradicts it (drop the flag, or pass --quantize {stored})"
+            )
         return stored
     if stored is not None:  # bitsandbytes or fp8 serialized: TGI re-quantizes from full precision only
-        raise ModelLoadError(f"the checkpoint holds {stored} weights, which are only made while loading; "
-                             "serve the full-precision checkpoint with --quantize " + stored)
+        raise ModelLoadError(
+            f"the checkpoint holds {stored} weights, which are only made while loading; "
+            "serve the full-precision checkpoint with --quantize " + stored
+        )
     if flag in CHECKPOINT_FORMATS:
-        raise ModelLoadError(f"--quantize {flag} reads a checkpoint stored in that format, and this one is not "
-                             f"quantized; to quantize while loading use one of {', '.join(AT_LOAD)}")
+        raise ModelLoadError(
+            f"--quantize {flag} reads a checkpoint stored in that format, and this one is not "
+            f"quantized; to quantize while loading use one of {', '.join(AT_LOAD)}"
+        )
     return flag

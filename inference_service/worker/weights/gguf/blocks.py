@@ -63,21 +63,31 @@ def packed_from_gguf(raw: np.ndarray, quant_type: GGMLQuantizationType | int, sh
     """
     quant_type = GGMLQuantizationType(quant_type)
     if quant_type not in _DECODERS:
-        raise ValueError(f"GGUF type {quant_type.name} is not supported for packed weights "
-                         f"(supported: {', '.join(t.name for t in _DECODERS)})")
+        raise ValueError(
+            f"GGUF type {quant_type.name} is not supported for packed weights "
+            f"(supported: {', '.join(t.name for t in _DECODERS)})"
+        )
     n, k = (int(size) for size in shape)
     block_size, type_size = GGML_QUANT_SIZES[quant_type]
     if k % block_size:
         raise ValueError(f"{quant_type.name} rows hold whole blocks of {block_size}, not {k} elements")
     raw = np.asarray(raw)
     if raw.dtype != np.uint8 or raw.size != n * (k // block_size) * type_size:
-        raise ValueError(f"a {quant_type.name} [{n}, {k}] tensor is {n * (k // block_size) * type_size} "
-                         f"uint8 bytes, got {raw.size} {raw.dtype}")
+        raise ValueError(
+            f"a {quant_type.name} [{n}, {k}] tensor is {n * (k // block_size) * type_size} "
+            f"uint8 bytes, got {raw.size} {raw.dtype}"
+        )
     blocks = np.ascontiguousarray(raw).reshape(-1, type_size)  # [B, type_size]; a view of a memmap
     codes, scales, offsets = _DECODERS[quant_type](blocks)
     bits, group_size = _LAYOUT[quant_type]
-    return PackedWeight(bits=bits, codes=_torch(codes.reshape(n, -1)), scales=_torch(scales.reshape(n, -1)),
-                        offsets=_torch(offsets.reshape(n, -1)), group_size=group_size, in_features=k)
+    return PackedWeight(
+        bits=bits,
+        codes=_torch(codes.reshape(n, -1)),
+        scales=_torch(scales.reshape(n, -1)),
+        offsets=_torch(offsets.reshape(n, -1)),
+        group_size=group_size,
+        in_features=k,
+    )
 
 
 def _torch(array: np.ndarray) -> torch.Tensor:
@@ -87,7 +97,7 @@ def _torch(array: np.ndarray) -> torch.Tensor:
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The fp16 field at byte `start` of every block, as fp32 `[B, 1]` (exact)."""
-    return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
+    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
 
 
 def _repack_nibbles(qs: np.ndarray, run: int) -> np.ndarray:
@@ -117,7 +127,7 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; bytes 8-11 hold the low 4 bits of
     scales/mins 4-7, whose top 2 bits sit in the top bits of bytes 0-3 / 4-7.
     """
-    d, m, low = (packed[:, 4 * i:4 * i + 4] for i in range(3))  # each [B, 4]
+    d, m, low = (packed[:, 4 * i : 4 * i + 4] for i in range(3))  # each [B, 4]
     scales = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mins = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
     return scales, mins

@@ -193,7 +193,7 @@ def _has_own_output_matrix(tensors: dict) -> bool:
     if output.tensor_type != embeddings.tensor_type or a.shape != b.shape:
         return True
     rows = max(1, (1 << 24) // max(1, a[0].size))  # compared in slices: the matrices may be GBs
-    return not all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
+    return not all(np.array_equal(a[i : i + rows], b[i : i + rows]) for i in range(0, len(a), rows))
 
 
 def _t5_as_llama_cpp_runs_it(config, tensors: dict, own_output: bool):

@@ -40,8 +40,9 @@ class _Processed(NamedTuple):
     rows: np.ndarray | None  # int64 [N]: HF row i is GGUF row rows[i]; None: not a row permutation
 
 
-def gguf_linear_weights(gguf_path: str | os.PathLike, model: torch.nn.Module,
-                        reader: GGUFReader | None = None) -> dict[str, PackedWeight]:
+def gguf_linear_weights(
+    gguf_path: str | os.PathLike, model: torch.nn.Module, reader: GGUFReader | None = None
+) -> dict[str, PackedWeight]:
     """`{qualified nn.Linear name: PackedWeight}` for every linear whose GGUF tensor can stay packed.
 
     `model` is only inspected (module tree, state-dict names, tied parameters): a model on the meta
@@ -151,10 +152,12 @@ def _process_probe(processor, name: str, shape: tuple[int, int], name_map: dict[
     row_probe = np.broadcast_to(-(np.arange(n, dtype=dtype) + 0.5)[:, None], shape)  # [N, K], read-only
     col_probe = np.broadcast_to(-(np.arange(k, dtype=dtype) + 0.5)[None, :], shape)  # [N, K]
     try:
-        by_rows = processor.process(weights=row_probe, name=name, tensor_key_mapping=name_map,
-                                    parsed_parameters={"tensors": {}})
-        by_cols = processor.process(weights=col_probe, name=name, tensor_key_mapping=name_map,
-                                    parsed_parameters={"tensors": {}})
+        by_rows = processor.process(
+            weights=row_probe, name=name, tensor_key_mapping=name_map, parsed_parameters={"tensors": {}}
+        )
+        by_cols = processor.process(
+            weights=col_probe, name=name, tensor_key_mapping=name_map, parsed_parameters={"tensors": {}}
+        )
     except Exception:  # e.g. it writes in place or needs real values: not a pure reordering
         logger.debug("GGUF tensor processor failed on an index probe of %s", name, exc_info=True)
         return _Processed(name, None)
@@ -172,9 +175,11 @@ def _rows_of(rows_out: np.ndarray, cols_out: np.ndarray, shape: tuple[int, int])
         return None
     source = -rows_out[:, 0].astype(np.float64) - 0.5  # [N]: which input row each output row holds
     columns = -(np.arange(k, dtype=np.float64) + 0.5)
-    if not (np.array_equal(rows_out, np.broadcast_to(rows_out[:, :1], shape))
-            and np.array_equal(cols_out, np.broadcast_to(columns, shape))
-            and np.array_equal(np.sort(source), np.arange(n, dtype=np.float64))):
+    if not (
+        np.array_equal(rows_out, np.broadcast_to(rows_out[:, :1], shape))
+        and np.array_equal(cols_out, np.broadcast_to(columns, shape))
+        and np.array_equal(np.sort(source), np.arange(n, dtype=np.float64))
+    ):
         return None
     return source.astype(np.int64)
 
@@ -202,24 +207,41 @@ def _permute_rows(packed: PackedWeight, rows: np.ndarray) -> PackedWeight:
     """`packed` with HF row i taken from GGUF row rows[i] (each row's groups move with it)."""
     if np.array_equal(rows, np.arange(len(rows))):
         return packed
+
     def take(tensor: torch.Tensor) -> torch.Tensor:  # numpy: torch's uint8 row gather is ~500x slower
         return torch.from_numpy(tensor.numpy()[rows])
 
-    return PackedWeight(bits=packed.bits, codes=take(packed.codes), scales=take(packed.scales),
-                        offsets=take(packed.offsets), group_size=packed.group_size, in_features=packed.in_features)
+    return PackedWeight(
+        bits=packed.bits,
+        codes=take(packed.codes),
+        scales=take(packed.scales),
+        offsets=take(packed.offsets),
+        group_size=packed.group_size,
+        in_features=packed.in_features,
+    )
 
 
-def _log_summary(gguf_path, reader, packed: dict[str, PackedWeight], left_dense: dict[str, list[str]],
-                 linears: _Linears) -> None:
+def _log_summary(
+    gguf_path, reader, packed: dict[str, PackedWeight], left_dense: dict[str, list[str]], linears: _Linears
+) -> None:
     """One line for what stays packed, one per reason something quantized stays dense."""
-    types = Counter(tensor.tensor_type.name for tensor in reader.tensors
-                    if is_quantized_type(tensor.tensor_type) and len(tensor.shape) == 2)
-    logger.info("GGUF %s: %d of %d linears kept packed (quantized tensors in the file: %s)",
-                os.path.basename(os.fspath(gguf_path)), len(packed), len(linears.modules),
-                ", ".join(f"{count} {name}" for name, count in sorted(types.items())))
+    types = Counter(
+        tensor.tensor_type.name
+        for tensor in reader.tensors
+        if is_quantized_type(tensor.tensor_type) and len(tensor.shape) == 2
+    )
+    logger.info(
+        "GGUF %s: %d of %d linears kept packed (quantized tensors in the file: %s)",
+        os.path.basename(os.fspath(gguf_path)),
+        len(packed),
+        len(linears.modules),
+        ", ".join(f"{count} {name}" for name, count in sorted(types.items())),
+    )
     if linears.tied:
-        logger.info("GGUF: %s tied to the embedding, which stays dense",
-                    ", ".join(sorted(name.removesuffix(".weight") for name in linears.tied)))
+        logger.info(
+            "GGUF: %s tied to the embedding, which stays dense",
+            ", ".join(sorted(name.removesuffix(".weight") for name in linears.tied)),
+        )
     for reason, names in left_dense.items():
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         logger.info("GGUF: left dense because %s: %s", reason, shown)
