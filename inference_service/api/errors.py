@@ -9,7 +9,6 @@ traceback and answered UNKNOWN, so it is never mistaken for a generation failure
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +19,6 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from inference_service.errors import InferenceError
-from textgen.v1 import generate_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -98,27 +96,5 @@ def unary_errors(handler: UnaryHandler) -> UnaryHandler:
             return await handler(self, request, context)
         except Exception as error:
             await abort(context, error, handler.__name__)
-
-    return wrapper
-
-
-def stream_errors(handler: StreamHandler) -> StreamHandler:
-    """Wrap a streaming servicer method: a raised error becomes its status, or, when the caller asked
-    for in-band errors, a last `StreamResponse` with `error`/`error_type` and an OK status."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            # aclosing: a cancelled call closes the handler now, which aborts its engine request.
-            async with contextlib.aclosing(handler(self, request, context)) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as error:
-            if not wants_inband_errors(context):
-                await abort(context, error, handler.__name__)
-                return
-            code, message, error_type = describe(error)
-            log_failure(error, code, handler.__name__)
-            yield generate_pb2.StreamResponse(error=message, error_type=error_type)
 
     return wrapper

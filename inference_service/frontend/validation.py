@@ -101,7 +101,7 @@ class Validator:
         do_sample = wants_sampling(params)
         _check(best_of == 1 or do_sample, "you must use sampling when `best_of` is > 1")
         _check_sampling_ranges(params)
-        return self.prepare(request, do_sample=do_sample, best_of=best_of, stream=stream)
+        return self.prepare(request, do_sample=do_sample, best_of=best_of)  # stream rules checked above
 
     def prepare(
         self, request: GenerateRequest, *, do_sample: bool, best_of: int = 1, stream: bool = False
