@@ -58,7 +58,7 @@ async def test_demo_model_greedy_matches_transformers_with_staggered_arrivals(de
     finally:
         await engine.shutdown(timeout_s=1)
     reference = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
-    for request, result in results:
+    for prompt, (request, result) in zip(PROMPTS, results, strict=True):
         with torch.inference_mode():
             out = reference.generate(
                 torch.tensor([request.prompt_token_ids]),
@@ -66,6 +66,6 @@ async def test_demo_model_greedy_matches_transformers_with_staggered_arrivals(de
                 max_new_tokens=request.stopping.max_new_tokens,
             )
         expected = out[0, len(request.prompt_token_ids) :].tolist()
-        assert [t.id for t in result.tokens] == expected, request.inputs
-    paris = next(r for q, r in results if q.inputs == PROMPTS[0])
+        assert [t.id for t in result.tokens] == expected, prompt
+    paris = results[0][1]  # PROMPTS[0]: gather keeps the order
     assert paris.generated_text.lstrip().startswith("Paris")

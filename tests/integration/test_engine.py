@@ -86,7 +86,7 @@ async def _staggered_greedy(engine: AsyncEngine, reference, lengths: list[int], 
     results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
     for (request, result), max_new in zip(results, lengths, strict=True):
         expected = _reference_greedy(reference, request.prompt_token_ids, max_new)
-        assert [t.id for t in result.tokens] == expected, request.inputs
+        assert [t.id for t in result.tokens] == expected, request.prompt_token_ids
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 

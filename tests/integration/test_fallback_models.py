@@ -77,7 +77,9 @@ async def test_greedy_equals_transformers_with_staggered_arrivals(family_dir):
                     eos_token_id=reference.config.eos_token_id,
                     pad_token_id=reference.config.eos_token_id,
                 )
-            assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids) :].tolist(), request.inputs
+            assert [t.id for t in result.tokens] == out[0, len(request.prompt_token_ids) :].tolist(), (
+                request.prompt_token_ids
+            )
             # Each logprob is log_softmax of transformers' logits after the tokens before it.
             ids = request.prompt_token_ids + [t.id for t in result.tokens]
             with torch.inference_mode():

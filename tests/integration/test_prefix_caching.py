@@ -131,7 +131,7 @@ async def test_caching_on_gives_the_tokens_of_caching_off(
     assert outputs_on == outputs_off
     for request, tokens in zip(requests, outputs_on, strict=True):
         assert tokens == _reference_greedy(reference, request.prompt_token_ids, request.stopping.max_new_tokens), (
-            request.inputs
+            request.prompt_token_ids
         )
     assert prefill_on.keys() == prefill_off.keys() == {5}
     assert prefill_on[5][0] is None and prefill_on[5][1:] == pytest.approx(prefill_off[5][1:], abs=1e-5)

@@ -75,7 +75,7 @@ def check_against_transformers(reference, request, result, **generate_options):
             **generate_options,
         )
     tokens = [t.id for t in result.tokens]
-    assert tokens == out.sequences[0, 1:].tolist(), request.inputs
+    assert tokens == out.sequences[0, 1:].tolist(), request.prompt_token_ids
     expected = [
         torch.log_softmax(logits[0].float(), dim=-1)[t].item() for logits, t in zip(out.logits, tokens, strict=True)
     ]
