@@ -6,6 +6,17 @@ import random
 
 import pytest
 
+
+def pytest_collection_modifyitems(config, items):
+    """Soak tests run only when asked for by marker (`pytest -m soak`): they take minutes each."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("soak") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 _TEXT = (
     "the quick brown fox jumps over a lazy dog and then runs home again while birds sing "
     "café naïve résumé Grüße Ελληνικά Привет мир ¿Qué? 日本語 東京 こんにちは 世界 中文 "
