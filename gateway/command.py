@@ -17,6 +17,7 @@ def run(args: argparse.Namespace) -> int:
     engine_config, server_config = flags.configs_from_args(args)
     options = options_from_args(args, dict(os.environ))
     flags.configure_logging(server_config)
+    flags.warn_of_command_line_secrets(args)
     from inference_service.api.server import StartupError  # torch loads with it
 
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from inference_service.api.config import ServerConfig
 from inference_service.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY_FILE = Path(tempfile.mkdtemp(prefix="api-key-")) / "key"
+KEY_FILE.write_text("s3cret-from-a-file\n")
 
 # A valid value per flag, and the config field it must land in.
 SAMPLES = {
@@ -55,6 +58,7 @@ SAMPLES = {
     "--otlp-service-name": ("svc", "svc"),
     "--prometheus-port": ("9100", 9100),
     "--api-key": ("s3cret", "s3cret"),
+    "--api-key-file": (str(KEY_FILE), "s3cret-from-a-file"),  # the line end is not the key's
     "--tls-cert": ("c.pem", "c.pem"),
     "--tls-key": ("k.pem", "k.pem"),
     "--tls-client-ca": ("ca.pem", "ca.pem"),
@@ -106,6 +110,15 @@ def test_environment_variable_sets_its_field(flag):
 def test_the_api_key_stays_out_of_reprs():
     _engine, server = parse([], {"API_KEY": "s3cret"})
     assert server.api_key == "s3cret" and "s3cret" not in repr(server)
+
+
+def test_the_api_key_from_a_file_and_not_from_two_places(tmp_path):
+    with pytest.raises(flags.CliError, match="--api-key and --api-key-file are the same setting"):
+        parse(["--api-key", "a", "--api-key-file", str(KEY_FILE)])
+    with pytest.raises(flags.CliError, match="a readable file"):
+        parse(["--api-key-file", str(tmp_path / "missing")])
+    with pytest.raises(flags.CliError, match="API_KEY_FILE=.*a readable file"):
+        parse([], {"API_KEY_FILE": str(tmp_path / "missing")})
 
 
 def test_env_names_are_tgi_style():
