@@ -5,8 +5,8 @@ One function renders both the config `inference-service launch` runs and the sta
 descriptor set and the Lua filter are inlined.
 
 Filter chain (requests go down, responses come back up):
-  cors -> lua (TGI shapes, gateway/tgi.lua) -> grpc_json_transcoder (REST <-> gRPC, payload
-  limit: 413) -> router
+  cors -> buffer (whole REST bodies first, gateway/limits.py) -> lua (TGI shapes, gateway/tgi.lua)
+  -> grpc_json_transcoder (REST <-> gRPC, payload limit: 413) -> router
 
 With `otlp_endpoint`, Envoy traces too (its OpenTelemetry tracer, OTLP/gRPC to the same collector
 as the server): one span per REST request, named "<METHOD> <path>", continuing the caller's W3C
@@ -24,7 +24,13 @@ from typing import Any
 from gateway import yaml_text
 from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
 from gateway.envoy_fields import discovery_type, socket_address, type_url
-from gateway.limits import UPSTREAM_HTTP2_OPTIONS, connection_manager_limits, overload_manager
+from gateway.limits import (
+    UPSTREAM_HTTP2_OPTIONS,
+    buffer_filter,
+    connection_manager_limits,
+    overload_manager,
+    unbuffered,
+)
 from gateway.tls import TlsFiles, listener_tls, upstream_tls
 from gateway.upstream import ROUTINGS, engine_cluster, hash_policy, health_retry_policy, retry_policy
 from inference_service.api.header_limits import GATEWAY_MAX_HEADERS_COUNT, GATEWAY_MAX_REQUEST_HEADERS_KB
@@ -158,7 +164,8 @@ def _routes(
         }
     )
     # gRPC callers reach the replicas through the same port (the transcoder passes gRPC through).
-    rendered.append({"name": "grpc", "match": {"prefix": "/", "grpc": {}}, "route": _upstream(routing)})
+    grpc = {"name": "grpc", "match": {"prefix": "/", "grpc": {}}, "route": _upstream(routing)}
+    rendered.append({**grpc, "typed_per_filter_config": unbuffered()})
     # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
     for route in {route.path: route for route in routes}.values():
         rendered.append(
@@ -262,6 +269,7 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> list[dict[str, Any]]:
     return [
         {"name": CORS_FILTER, "typed_config": {"@type": type_url("envoy.extensions.filters.http.cors.v3.Cors")}},
+        buffer_filter(payload_limit),  # gateway/limits.py
         {
             "name": LUA_FILTER,
             "typed_config": {

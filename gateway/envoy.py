@@ -152,11 +152,11 @@ class Envoy:
         logger.debug("envoy %d ready: REST port %d, admin %s", self.pid, self.port, self.admin_url)
 
     def _set_open_files(self, pid: int) -> None:
-        """Envoy's `ulimit -n` (soft) to `open_files`, the limit its connection cap was made for. Set
-        right after the start: before Envoy is ready it holds a handful of descriptors at most."""
-        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        """Envoy's `ulimit -n` to `open_files`, the limit its connection cap was made for, soft and
+        hard (Envoy raises its soft limit to the hard one itself). Set right after the start: before
+        Envoy is ready it holds a handful of descriptors at most."""
         try:
-            resource.prlimit(pid, resource.RLIMIT_NOFILE, (self.open_files, hard))
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
         except (OSError, ValueError) as error:
             logger.warning("could not set Envoy's open-file limit to %d: %s", self.open_files, error)
 

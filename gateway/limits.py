@@ -15,6 +15,10 @@ Per connection and request (the listener's connection manager):
   queues the others itself);
 - request headers up to `GATEWAY_MAX_REQUEST_HEADERS_KB` and `GATEWAY_MAX_HEADERS_COUNT` entries
   (431 beyond), inside what the engine accepts (`inference_service.api.header_limits`);
+- a REST request reaches the engine whole: Envoy buffers its body first (`buffer_filter`), so a
+  caller that sends a body slowly holds a connection of Envoy's, never a call of the engine's (2000
+  such callers had the engine cancel other people's calls). gRPC callers stream to the engine as
+  they send, as they would without Envoy;
 - a malformed request or answer on one HTTP/2 stream resets that stream alone, never the
   connection and the other requests on it: toward callers and toward the engine, where every
   replica's requests share one connection per Envoy worker.
@@ -39,6 +43,9 @@ from inference_service.api.header_limits import GATEWAY_MAX_HEADERS_COUNT, GATEW
 # Descriptors Envoy needs besides its callers' connections: listeners, the engine and collector
 # connections, health checks, the admin, config and log files, per-worker event loops.
 MIN_RESERVED_FILES = 256
+BUFFER_FILTER = "envoy.filters.http.buffer"
+# The buffer's own limit is above the payload limit, whose 413 the transcoder answers (in JSON).
+BUFFER_SLACK_BYTES = 64 * 1024
 CONNECTION_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
 
 
@@ -69,6 +76,24 @@ def connection_manager_limits(
             "max_concurrent_streams": max_concurrent_streams,
             "override_stream_error_on_invalid_http_message": True,
         },
+    }
+
+
+def buffer_filter(payload_limit: int) -> dict[str, Any]:
+    """Whole request bodies before anything goes upstream."""
+    return {
+        "name": BUFFER_FILTER,
+        "typed_config": {
+            "@type": type_url("envoy.extensions.filters.http.buffer.v3.Buffer"),
+            "max_request_bytes": payload_limit + BUFFER_SLACK_BYTES,
+        },
+    }
+
+
+def unbuffered() -> dict[str, Any]:
+    """A route's setting that turns the buffer off (gRPC passed through)."""
+    return {
+        BUFFER_FILTER: {"@type": type_url("envoy.extensions.filters.http.buffer.v3.BufferPerRoute"), "disabled": True}
     }
 
 

@@ -25,7 +25,7 @@ def _routes(config: GatewayConfig) -> list[dict]:
     listener = render(config)["static_resources"]["listeners"][0]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
-    # Preflights end at the Lua filter; health retries on every replica (tests/unit/test_gateway_limits.py).
+    # Preflights end at the Lua filter; health retries on every replica (tests/unit/test_gateway_limits_config.py).
     return [r for r in routes if "route" in r and r["name"] not in ("preflight", "Health")]
 
 

@@ -103,3 +103,14 @@ def test_health_is_tried_on_every_replica_and_generations_are_not_replayed():
 def test_bad_limits_are_refused(values):
     with pytest.raises(ValueError):
         GatewayConfig(**values)
+
+
+def test_rest_bodies_are_whole_before_they_go_upstream_and_grpc_streams_through():
+    manager = _manager(GatewayConfig(payload_limit=1000))
+    names = [f["name"] for f in manager["http_filters"]]
+    assert names.index("envoy.filters.http.buffer") < names.index("envoy.filters.http.grpc_json_transcoder")
+    (buffer,) = [f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.buffer"]
+    assert buffer["typed_config"]["max_request_bytes"] > 1000  # the transcoder answers the payload limit's 413
+    routes = _routes(GatewayConfig())
+    assert routes["grpc"]["typed_per_filter_config"]["envoy.filters.http.buffer"]["disabled"] is True
+    assert "typed_per_filter_config" not in routes["Generate"]
