@@ -22,7 +22,6 @@ CASES = [
     ("mpt", {"max_seq_len": 2048}, 2048),  # MPT-7B's
     ("mpt", {"max_seq_len": 8192}, 4096),  # MPT-7B-8k's: more than TGI's default
     ("t5", {"n_positions": 512}, 512),  # as t5-small's config.json states it
-    ("t5", {}, 4096),
 ]
 
 
