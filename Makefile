@@ -32,7 +32,8 @@ TYPECHECKED := $(wildcard inference_service/engine inference_service/sample infe
 
 .PHONY: run test setup browser fuzz protos generated protos-check demo-model lint typecheck clean
 
-run: setup generated demo-model
+# `launch` fetches the model it serves (the demo by default) itself, before it opens a port.
+run: setup generated
 	$(VENV)/bin/inference-service launch $(ARGS)
 
 test: setup browser
