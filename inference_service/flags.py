@@ -279,7 +279,7 @@ SERVER_FLAGS = (
         "--tls-cert",
         "server.tls_cert",
         "TLS on the gRPC port (launch: on Envoy's port too, and from Envoy to the engine): the server's "
-        "certificate chain, PEM.",
+        "certificate chain, PEM. For a test CA with server and client certificates: python -m gateway.certs --out DIR.",
         default_text="none: plaintext",
     ),
     Flag("--tls-key", "server.tls_key", "The private key of --tls-cert, PEM.", default_text="none"),
