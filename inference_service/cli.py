@@ -48,10 +48,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     engine_config, server_config = configs_from_args(args)
     configure_logging(server_config)
     # Imported here so that `--help` and flag errors don't wait for torch.
-    from inference_service.api.server import StartupError, serve
     from inference_service.models.loader import resolve_model
 
     resolve_model(engine_config.model)  # before the port opens: a wrong model id starts nothing
+    from inference_service.api.server import StartupError, serve
+
     try:
         return asyncio.run(serve(server_config, engine_config))
     except StartupError as error:
