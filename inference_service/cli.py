@@ -50,6 +50,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     configure_logging(server_config)
     warn_of_command_line_secrets(args)
     # Imported here so that `--help` and flag errors don't wait for torch.
+    from inference_service.models.loader import resolve_model
+
+    resolve_model(engine_config.model)  # before the port opens: a wrong model id starts nothing
     from inference_service.api.server import StartupError, serve
 
     try:

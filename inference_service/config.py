@@ -43,6 +43,8 @@ class ModelConfig:
     huggingface_hub_cache: str | None = None
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
     quantize: str | None = None  # a scheme of worker/weights/schemes.py; None: as the checkpoint is stored
+    # The name the API gives the model (/info, /v1/models, responses); None: loader.served_name's default.
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -54,6 +56,10 @@ class ModelConfig:
             f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}",
         )
         _require(self.num_threads is None or self.num_threads > 0, "--num-threads must be > 0")
+        _require(
+            self.served_model_name is None or self.served_model_name.strip() != "",
+            "--served-model-name must not be empty",
+        )
         _require(
             self.quantize is None or self.quantize in QUANTIZE_SCHEMES,
             f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, not {self.quantize!r}",
@@ -112,7 +118,7 @@ class LimitsConfig:
     """Per-request limits, with TGI's launcher defaults."""
 
     max_input_tokens: int | None = None  # None = max_total_tokens - 1
-    max_total_tokens: int | None = None  # None = min(model context, KV capacity)
+    max_total_tokens: int | None = None  # None = TGI's default (models/context.py) within the KV capacity
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_best_of: int = 2

@@ -151,6 +151,12 @@ MODEL_FLAGS = (
         "file's quantized tensors.",
         default_text="as the checkpoint is stored",
     ),
+    Flag(
+        "--served-model-name",
+        "model.served_model_name",
+        "The model's name in the API: /info's model_id, /v1/models, the `model` of OpenAI responses.",
+        default_text="--model-id; a .gguf file's name without its folder",
+    ),
 )
 
 ENGINE_FLAGS = (
@@ -183,7 +189,8 @@ ENGINE_FLAGS = (
         "limits.max_total_tokens",
         "Longest prompt + generation in tokens.",
         int,
-        default_text="the model's context, capped by the KV cache",
+        default_text="as TGI: the model's context length (max_position_embeddings, max_seq_len, n_positions, ...) "
+        "up to 4096, else 4096; at most what the KV cache holds",
     ),
     Flag(
         "--watermark-gamma",
@@ -277,8 +284,11 @@ SERVER_FLAGS = (
     Flag(
         "--api-key",
         "server.api_key",
-        "Key the generation calls (Generate, GenerateStream, Tokenize; REST /, /generate, /generate_stream, "
-        "/tokenize) must carry as 'authorization: Bearer <key>'; health, info and metrics stay open.",
+        "Key that generation and tokenization need, sent as 'Authorization: Bearer <key>': TGI's REST /, "
+        "/invocations, /generate, /generate_stream, /tokenize and OpenAI's /v1/chat/completions, /v1/completions "
+        "(gRPC Generate, GenerateStream, CompatGenerate, Tokenize, ChatCompletion, ChatCompletionStream, "
+        "Completion, CompletionStream). Open without it, as in TGI: /health, /info, /metrics, /v1/models, /docs, "
+        "/openapi.json (gRPC Health, Info, Metrics, ListModels, GetModel, the health service, reflection).",
         default_text="none: nothing is checked",
     ),
     Flag(
@@ -295,7 +305,7 @@ SERVER_FLAGS = (
         "--tls-cert",
         "server.tls_cert",
         "TLS on the gRPC port (launch: on Envoy's port too, and from Envoy to the engine): the server's "
-        "certificate chain, PEM.",
+        "certificate chain, PEM. For a test CA with server and client certificates: python -m gateway.certs --out DIR.",
         default_text="none: plaintext",
     ),
     Flag("--tls-key", "server.tls_key", "The private key of --tls-cert, PEM.", default_text="none"),

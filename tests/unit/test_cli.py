@@ -29,6 +29,7 @@ SAMPLES = {
     "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"),
     "--chat-template": ("chat.jinja", "chat.jinja"),
     "--quantize": ("eetq", "eetq"),
+    "--served-model-name": ("acme/chat", "acme/chat"),
     "--max-concurrent-requests": ("7", 7),
     "--max-best-of": ("3", 3),
     "--max-stop-sequences": ("6", 6),
@@ -221,6 +222,18 @@ def test_help_explains_every_flag(capsys, monkeypatch):
     out = capsys.readouterr().out
     for flag in flags.SERVE_FLAGS:
         assert flag.name in out and f"[env: {flag.env}]" in out
+
+
+def test_api_key_help_names_every_guarded_call_and_route():
+    from inference_service.api.auth import GUARDED_METHODS
+
+    [flag] = [flag for flag in flags.SERVE_FLAGS if flag.name == "--api-key"]
+    guarded, open_part = flag.help.split("Open without it")
+    names = re.findall(r"\b[A-Z][A-Za-z]+\b", guarded)
+    assert {method.rsplit("/", 1)[-1] for method in GUARDED_METHODS} <= set(names)
+    routes = ("/generate", "/generate_stream", "/tokenize", "/invocations", "/v1/chat/completions", "/v1/completions")
+    for path in routes:
+        assert path in guarded and path not in open_part
 
 
 def test_readme_flag_table_matches_the_code():
