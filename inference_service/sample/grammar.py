@@ -78,10 +78,12 @@ class GrammarTooComplex(ValidationError):
         super().__init__(f"grammar is too complex: {reason}")
 
 
-def _short(message: str | None) -> str:
-    """A grammar engine message on one line, without the parser dump and cut to `MAX_ERROR_CHARS`
-    (it may echo the whole grammar)."""
+def _short(message: str | None, echoed: str = "") -> str:
+    """A grammar engine message on one line, without the parser dump, `echoed` (the grammar, which
+    messages quote) shortened, and cut to `MAX_ERROR_CHARS`."""
     text = (message or "").split("<state>")[0].replace("<non-verbose/>", "")
+    if len(echoed) > 40:
+        text = text.replace(echoed, echoed[:40] + "…")
     text = " ".join(text.split()) or "unknown error"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
@@ -369,10 +371,10 @@ class GrammarCompiler:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
         except ValueError as error:
-            raise ValidationError(f"grammar is not valid: {_short(str(error))}") from None
+            raise ValidationError(f"grammar is not valid: {_short(str(error), spec.value)}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
-            raise ValidationError(f"grammar is not valid: {_short(matcher.get_error())}")
+            raise ValidationError(f"grammar is not valid: {_short(matcher.get_error(), spec.value)}")
         self._check_deadline(deadline)
         bitmask = torch.empty(1, (self.vocab_size + 31) // 32, dtype=torch.int32)  # [1, W]
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
