@@ -126,6 +126,9 @@ class LimitsConfig:
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     disable_grammar_support: bool = False  # True: every request with a grammar is refused
+    # A grammar's budget at validation (compile + first mask): over it, the request is refused (422).
+    grammar_compile_timeout_ms: int = 2000
+    grammar_max_states: int = 50_000  # lexer DFA states of one grammar (1-2 kB each)
 
     def __post_init__(self) -> None:
         _require(self.max_input_tokens is None or self.max_input_tokens > 0, "--max-input-tokens must be > 0")
@@ -137,6 +140,8 @@ class LimitsConfig:
         _require(self.max_best_of >= 1, "--max-best-of must be >= 1")
         _require(self.max_concurrent_requests >= 1, "--max-concurrent-requests must be >= 1")
         _require(0.0 < self.watermark_gamma < 1.0, "--watermark-gamma must be in (0, 1)")
+        _require(self.grammar_compile_timeout_ms > 0, "--grammar-compile-timeout-ms must be > 0")
+        _require(self.grammar_max_states > 0, "--grammar-max-states must be > 0")
 
 
 @dataclass(frozen=True)

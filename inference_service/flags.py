@@ -206,6 +206,20 @@ ENGINE_FLAGS = (
         parse_bool,
     ),
     Flag(
+        "--grammar-compile-timeout-ms",
+        "limits.grammar_compile_timeout_ms",
+        "Longest a request's grammar may take to compile (its first token mask included); a grammar "
+        "over it is refused at validation (422).",
+        int,
+    ),
+    Flag(
+        "--grammar-max-states",
+        "limits.grammar_max_states",
+        "Most lexer states one grammar may build (1-2 kB each); a grammar over it is refused at "
+        "validation, or ends its request with an error if it gets there while generating.",
+        int,
+    ),
+    Flag(
         "--max-batch-prefill-tokens",
         "scheduler.max_batch_prefill_tokens",
         "Token budget of one engine step (prefill chunks + decodes).",

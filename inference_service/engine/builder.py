@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from inference_service.config import CacheConfig, EngineConfig, parse_memory
+from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
 from inference_service.errors import ModelLoadError
@@ -23,7 +23,7 @@ from inference_service.models import context, demo, loader
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
-from inference_service.sample.grammar import GrammarCompiler
+from inference_service.sample.grammar import GrammarBudget, GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker.attention import paged as attention
@@ -98,7 +98,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         )
     info = make_info(config, loaded, num_blocks)
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
-    grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
+    grammar_compiler = (
+        None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info, config.limits)
+    )
     speculator = None
     if info.speculate:
         speculator = Speculator(NgramProposer(), info.speculate, info.max_total_tokens)
@@ -134,11 +136,14 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo) -> GrammarCompiler | None:
+def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:
     """The grammar compiler over the model's tokenizer; None (grammars refused) where the grammar engine
     can't read the tokenizer (it needs a fast one): the server still serves everything else."""
+    budget = GrammarBudget(
+        compile_timeout_s=limits.grammar_compile_timeout_ms / 1000, max_lexer_states=limits.grammar_max_states
+    )
     try:
-        return GrammarCompiler(loaded.tokenizer, info.vocab_size, info.eos_token_ids)
+        return GrammarCompiler(loaded.tokenizer, info.vocab_size, info.eos_token_ids, budget=budget)
     except Exception as error:  # noqa: BLE001 — a missing feature, not a failed load
         logger.warning("grammar support is off: the grammar engine can't use this tokenizer (%s)", error)
         return None

@@ -40,6 +40,8 @@ SAMPLES = {
     "--watermark-gamma": ("0.25", 0.25),
     "--watermark-delta": ("1.5", 1.5),
     "--disable-grammar-support": (None, True),
+    "--grammar-compile-timeout-ms": ("500", 500),
+    "--grammar-max-states": ("1000", 1000),
     "--max-batch-prefill-tokens": ("512", 512),
     "--max-batch-size": ("8", 8),
     "--waiting-served-ratio": ("1.2", 1.2),
