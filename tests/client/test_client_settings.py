@@ -71,11 +71,12 @@ def test_bad_policies(bad):
         RetryPolicy(**bad)
 
 
-def test_only_unavailable_before_any_token_is_retried():
-    unavailable = UnavailableError("down", "unavailable")
+def test_only_unavailable_that_no_server_took_before_any_token_is_retried():
+    unavailable = UnavailableError("down", "unavailable", retryable=True)
     assert is_retryable(unavailable, received_any=False)
     assert not is_retryable(unavailable, received_any=True)
-    assert not is_retryable(OverloadedError("busy", "overloaded"), received_any=False)
+    assert not is_retryable(UnavailableError("connection lost", "unavailable"), received_any=False)
+    assert not is_retryable(OverloadedError("busy", "overloaded", retryable=True), received_any=False)
 
 
 def test_trace_context_of_the_current_span():
