@@ -29,7 +29,8 @@ def server_options(min_ping_interval_s: float = MIN_PING_INTERVAL_S) -> list[tup
     """The gRPC server's ping policy: pings at least `min_ping_interval_s` apart are welcome, on a
     connection with calls or without (Envoy keeps idle connections pooled and pings them too)."""
     return [
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", round(min_ping_interval_s * 1000)),
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: the pings a server receives
+        ("grpc.http2.min_ping_interval_without_data_ms", round(min_ping_interval_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
     ]

@@ -43,9 +43,9 @@ def test_envoy_pings_the_engine_no_more_often_than_it_permits(config):
 
 def test_the_engine_permits_those_pings_busy_or_idle():
     options = dict(pings.server_options(ServerConfig().min_ping_interval_s))
-    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] == pings.MIN_PING_INTERVAL_S * 1000
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] == pings.MIN_PING_INTERVAL_S * 1000
     assert options["grpc.keepalive_permit_without_calls"] == 1  # Envoy pings its idle pooled connections too
-    assert dict(pings.server_options(0.05))["grpc.http2.min_recv_ping_interval_without_data_ms"] == 50
+    assert dict(pings.server_options(0.05))["grpc.http2.min_ping_interval_without_data_ms"] == 50
 
 
 def test_the_typed_client_pings_as_the_server_permits():

@@ -66,14 +66,14 @@ def parse_target(target: str) -> Target:
 def channel_options(
     target: Target, load_balancing: str | None, extra: tuple[tuple[str, object], ...] = ()
 ) -> list[tuple[str, object]]:
-    """gRPC channel options: reconnect pacing, keepalive pings, the load-balancing policy, then the
-    caller's (which win over ours)."""
-    options: list[tuple[str, object]] = [*RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS]
+    """gRPC channel options: reconnect pacing, keepalive pings, the load-balancing policy, and the
+    caller's, which replace ours of the same name (gRPC itself would keep the first of two)."""
+    options: dict[str, object] = {**dict(RECONNECT_OPTIONS), **dict(KEEPALIVE_OPTIONS)}
     policy = load_balancing or ("round_robin" if target.balanced else None)
     if policy:
-        options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{policy: {}}]})))
-    options.extend(extra)
-    return options
+        options["grpc.service_config"] = json.dumps({"loadBalancingConfig": [{policy: {}}]})
+    options.update(extra)
+    return list(options.items())
 
 
 def create_channel(
