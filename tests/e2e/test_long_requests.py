@@ -21,12 +21,15 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rest_helpers import sse_events
 
+from gateway.replicas import free_port
+from inference_service.api.errors import RETRYABLE_KEY
 from inference_service.engine.async_engine import STEP_DELAY_ENV
 from tests.certs import make_certs
 from tests.conftest import GrpcServerThread
@@ -180,6 +183,18 @@ def test_the_typed_client_retries_a_refusal_before_admission(loading):
     assert moved(before, scrape(loading.server), "tgi_request_count") == 3
 
 
+def test_envoys_503_is_retryable_only_when_no_engine_was_reached(start_gateway):
+    nowhere = start_gateway(SimpleNamespace(port=free_port("127.0.0.1")))  # nothing listens there
+    request = urllib.request.Request(nowhere.url + "/generate", data=json.dumps(BODY).encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    assert refused.value.code == 503 and refused.value.headers[RETRYABLE_KEY] == "1"
+    with Client(nowhere.url, retry=RetryPolicy(max_retries=0)) as client, pytest.raises(UnavailableError) as caught:
+        client.generate("a")
+    assert caught.value.retryable  # so the typed client would try again
+
+
 def test_a_request_cut_after_admission_is_not_replayed(strict):
     """The bug this file guards against: an engine that refuses Envoy's pings closes the connection
     under a running request. The caller sees the failure; the request is not run again."""
@@ -197,6 +212,7 @@ def test_a_request_cut_after_admission_is_not_replayed(strict):
 # -- soak: five minutes with the shipped settings ---------------------------------------------------
 SOAK_STEP_DELAY_MS = 800  # 400 steps: over 5 minutes
 SOAK_TOKENS = 400
+START_S = 600  # three launches at once on a busy machine
 
 
 def _soak_calls(url: str, context: ssl.SSLContext | None, engine_port: int | None) -> dict:
@@ -256,9 +272,9 @@ def test_five_minute_requests_finish_once_with_default_settings(launched, tmp_pa
         "two replicas": launched("--num-replicas", "2"),
         "TLS": launched("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)),
     }
-    one = runs["one engine"].wait_for(r"ready: TGI REST API on (\S+), gRPC API on port (\d+)")
-    replicas = runs["two replicas"].wait_for(r"ready: TGI REST API on (\S+) \(gRPC too\)")
-    secure = runs["TLS"].wait_for(r"ready: TGI REST API on (https://[^\s,]+)")
+    one = runs["one engine"].wait_for(r"ready: TGI REST API on (\S+), gRPC API on port (\d+)", timeout_s=START_S)
+    replicas = runs["two replicas"].wait_for(r"ready: TGI REST API on (\S+) \(gRPC too\)", timeout_s=START_S)
+    secure = runs["TLS"].wait_for(r"ready: TGI REST API on (https://[^\s,]+)", timeout_s=START_S)
     calls = {
         **{f"one engine: {n}": c for n, c in _soak_calls(one.group(1), None, int(one.group(2))).items()},
         **{f"two replicas: {n}": c for n, c in _soak_calls(replicas.group(1), None, None).items()},
