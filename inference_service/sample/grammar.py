@@ -28,7 +28,7 @@ import llguidance.torch
 import torch
 from torch import Tensor
 
-from inference_service.errors import GenerationError, ValidationError
+from inference_service.errors import GenerationError, ValidationError, quoted, shortened
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stub only
@@ -38,6 +38,8 @@ KINDS = ("json", "regex", "lark")
 # The separators are the usual `json.dumps` ones, the spacing models most often write.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
+# The grammar engine's messages may quote the grammar (a regex, a schema): its first characters suffice.
+GRAMMAR_ERROR_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class GrammarSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValidationError(
-                f"grammar is not valid: unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}"
+                f"grammar is not valid: unknown grammar kind {quoted(self.kind)}; expected one of {', '.join(KINDS)}"
             )
         if not isinstance(self.value, str):
             raise ValidationError(f"grammar is not valid: a {self.kind} grammar's value must be a string")
@@ -81,7 +83,7 @@ def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
             raise ValidationError("grammar is not valid: a regex grammar's value must be a string")
         return GrammarSpec("regex", value)
     raise ValidationError(
-        f"grammar is not valid: unknown grammar type {kind!r}; expected json, json_object, json_schema or regex"
+        f"grammar is not valid: unknown grammar type {quoted(kind)}; expected json, json_object, json_schema or regex"
     )
 
 
@@ -99,7 +101,7 @@ def _schema_text(value: Any) -> str:
         try:
             value = json.loads(value)
         except ValueError as error:
-            raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None
+            raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None  # no echo
     if not isinstance(value, (dict, bool)):
         raise ValidationError("grammar is not valid: a JSON schema must be an object")
     return json.dumps(value, separators=(",", ":"))
@@ -133,6 +135,7 @@ class GrammarState:
         self._take_prefetched()  # the matcher is never read and advanced at once
         if not self.matcher.consume_token(token_id):
             reason = (self.matcher.get_error() or "rejected").splitlines()[0]  # the rest is a parser dump
+            reason = shortened(reason, GRAMMAR_ERROR_CHARS)
             raise GenerationError(f"token {token_id} does not match the request's grammar: {reason}")
 
     @property
@@ -266,8 +269,8 @@ class GrammarCompiler:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
         except ValueError as error:
-            raise ValidationError(f"grammar is not valid: {error}") from None
+            raise ValidationError(f"grammar is not valid: {shortened(str(error), GRAMMAR_ERROR_CHARS)}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValidationError(f"grammar is not valid: {matcher.get_error()}")
+            raise ValidationError(f"grammar is not valid: {shortened(matcher.get_error(), GRAMMAR_ERROR_CHARS)}")
         return CompiledGrammar(spec, matcher)
