@@ -22,6 +22,14 @@ def shortened(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 
+def condensed(text: str, limit: int, line_chars: int = ECHO_CHARS) -> str:
+    """A library's multi-line message (a parser's, quoting the input line by line) for a caller: each
+    line cut to `line_chars`, blank ones dropped, the whole cut to `limit`. What the parser says
+    after the quote ("error: unclosed group") survives a long input."""
+    lines = [shortened(line.rstrip(), line_chars) for line in text.splitlines() if line.strip()]
+    return shortened("\n".join(lines), limit)
+
+
 class InferenceError(Exception):
     """Base of the errors a request can end with; `error_type` is machine-readable."""
 

@@ -260,7 +260,10 @@ class LLMEngine:
         stats.accepted_draft_tokens = list(accepted.values())
         self.num_draft_tokens += stats.num_draft_tokens
         self.num_accepted_tokens += sum(accepted.values())
-        self.sampler.prefetch_grammars([self.live[r].sampling for r in ids if r in self.live])
+        try:
+            self.sampler.prefetch_grammars([self.live[r].sampling for r in ids if r in self.live])
+        except Exception:  # noqa: BLE001 — only a head start: the next step fills the masks itself
+            logger.exception("prefetching grammar masks failed")
         return outputs
 
     def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ import llguidance.torch
 import torch
 from torch import Tensor
 
-from inference_service.errors import GenerationError, ValidationError, quoted, shortened
+from inference_service.errors import GenerationError, ValidationError, condensed, quoted
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stub only
@@ -38,8 +38,8 @@ KINDS = ("json", "regex", "lark")
 # The separators are the usual `json.dumps` ones, the spacing models most often write.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
-# The grammar engine's messages may quote the grammar (a regex, a schema): its first characters suffice.
-GRAMMAR_ERROR_CHARS = 300
+# The grammar engine's messages may quote the grammar (a regex, a schema), line by line.
+GRAMMAR_ERROR_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class GrammarState:
         self._take_prefetched()  # the matcher is never read and advanced at once
         if not self.matcher.consume_token(token_id):
             reason = (self.matcher.get_error() or "rejected").splitlines()[0]  # the rest is a parser dump
-            reason = shortened(reason, GRAMMAR_ERROR_CHARS)
+            reason = condensed(reason, GRAMMAR_ERROR_CHARS)
             raise GenerationError(f"token {token_id} does not match the request's grammar: {reason}")
 
     @property
@@ -144,13 +144,16 @@ class GrammarState:
         return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def _take_prefetched(self) -> Tensor | None:
-        """The prefetched mask row `[W]` of the current position (waiting for it), or None."""
+        """The prefetched mask row `[W]` of the current position (waiting for it), or None.
+
+        None too when the background fill failed: it filled a group of rows at once, so one bad
+        row fails them all; each row is then filled again on its own, where only the bad one fails.
+        """
         if self._prefetched is None:
             return None
         done, bitmask, row = self._prefetched
         self._prefetched = None
-        done.result()
-        return bitmask[row]
+        return bitmask[row] if done.exception() is None else None
 
 
 _executor: llguidance.LLExecutor | None = None
@@ -269,8 +272,8 @@ class GrammarCompiler:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
         except ValueError as error:
-            raise ValidationError(f"grammar is not valid: {shortened(str(error), GRAMMAR_ERROR_CHARS)}") from None
+            raise ValidationError(f"grammar is not valid: {condensed(str(error), GRAMMAR_ERROR_CHARS)}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValidationError(f"grammar is not valid: {shortened(matcher.get_error(), GRAMMAR_ERROR_CHARS)}")
+            raise ValidationError(f"grammar is not valid: {condensed(matcher.get_error(), GRAMMAR_ERROR_CHARS)}")
         return CompiledGrammar(spec, matcher)
