@@ -22,7 +22,7 @@ from importlib import resources
 from typing import Any
 
 from gateway import yaml_text
-from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
+from gateway.contract import SERVICE, RestRoute, envoy_descriptor, rest_routes
 from gateway.envoy_fields import discovery_type, socket_address, type_url
 from gateway.limits import (
     UPSTREAM_HTTP2_OPTIONS,
@@ -225,8 +225,14 @@ OPENAI_PATHS = (
     r"^(/v1/.*|/"
     + SERVICE.replace(".", r"\.")
     + "/("
-    + "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("openai")))
-    + "))$"
+    # Only routes with a body can fail to parse; stream RPCs folded: RE2 refuses a program past
+    # Envoy's size limit.
+    + "|".join(
+        sorted(
+            {r.rpc.removesuffix("Stream") for r in rest_routes() if r.kind.startswith("openai") and r.method == "POST"}
+        )
+    )
+    + ")(Stream)?)$"
 )
 
 

@@ -25,7 +25,9 @@ HTTP_BODY = ".google.api.HttpBody"
 #   json    proto3 JSON -> TGI's JSON;  stream  SSE events, errors in-band;
 #   health  errors become TGI's 503 "unhealthy";  raw  passed through (Prometheus text);
 #   openai  proto3 JSON -> OpenAI's JSON, errors in OpenAI's shape;
-#   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape.
+#   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape;
+#   openai_response  a Responses object (output items' unused fields dropped), errors in OpenAI's shape;
+#   openai_response_stream  Responses' typed SSE events (`event: <type>`), no `[DONE]`.
 KINDS = {
     "Generate": "json",
     "CompatGenerate": "json",
@@ -42,8 +44,12 @@ KINDS = {
     "ChatCompletionStream": "openai_stream",
     "Completion": "openai",
     "CompletionStream": "openai_stream",
+    "CreateResponse": "openai_response",
+    "CreateResponseStream": "openai_response_stream",
+    "GetResponse": "openai_response",
+    "DeleteResponse": "openai",
 }
-STREAM_KINDS = ("stream", "openai_stream")
+STREAM_KINDS = ("stream", "openai_stream", "openai_response_stream")
 # Top-level fields TGI prints as null when they have no value (proto3 leaves them out).
 NULLS = {"Info": ("model_sha", "model_pipeline_tag", "sha", "docker_label")}
 

@@ -71,6 +71,7 @@ STREAMED_BY_BODY = {
     "/invocations": "GenerateStream",
     "/v1/chat/completions": "ChatCompletionStream",
     "/v1/completions": "CompletionStream",
+    "/v1/responses": "CreateResponseStream",
 }
 OPENAI_ERRORS = {
     "400": "Invalid request",

@@ -24,12 +24,12 @@
 -- match the JSON structure, never the text of a prompt or a token.
 --
 -- Routes tell the filter what they hold through route metadata: `kind` ("json", "stream",
--- "health", "raw", "openai", "openai_stream"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
+-- "health", "raw", "openai", "openai_stream", "openai_response", "openai_response_stream"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
 -- separated).
 
 -- Kept equal to the proto's 64-bit integer and float response fields by a unit test.
 local INT64_FIELDS = {"seed", "num_steps", "weights_memory_bytes"}
-local FLOAT_FIELDS = {"logprob", "waiting_served_ratio", "token_logprobs"}
+local FLOAT_FIELDS = {"logprob", "waiting_served_ratio", "token_logprobs", "temperature", "top_p"}
 -- Repeated fields TGI leaves out when empty (the transcoder prints `[]`).
 local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
 
@@ -182,7 +182,7 @@ end
 -- OpenAI's routes print OpenAI's JSON: proto3 JSON leaves unset fields out, and these rules put
 -- OpenAI's nulls back by the fields around them (the proto orders them so: a choice is index,
 -- finish_reason, logprobs, then message / delta / text), and drop empty `tool_calls`.
-local OPENAI_KINDS = {openai = true, openai_stream = true}
+local OPENAI_KINDS = {openai = true, openai_stream = true, openai_response = true, openai_response_stream = true}
 local OPENAI_NULLS = {
   {'("index":%d+),"logprobs":', '%1,"finish_reason":null,"logprobs":'},
   {'("index":%d+),"delta":', '%1,"finish_reason":null,"logprobs":null,"delta":'},
@@ -222,6 +222,28 @@ local function openai_event(json)
     return "data: " .. openai_error_json(message, code, OPENAI_ERROR_STATUS[code] or 500) .. "\n\n"
   end
   return "data: " .. openai_json(json) .. "\n\n"
+end
+
+-- Responses API: an output item is one message whose `type` says which fields it uses; the empty
+-- lists of the others are dropped (a message keeps its `content`, `[]` while in progress), and a
+-- reasoning item's `reasoning_content` is OpenAI's `content`.
+local RESPONSE_RULES = {
+  {'("type":"function_call","id":"[%w_]*","status":"[%w_]*"),"content":%[%]', '%1'},
+  {'("type":"reasoning","id":"[%w_]*","status":"[%w_]*"),"content":%[%]', '%1'},
+  {',"summary":%[%],"reasoning_content":%[%]', ''},
+  {'"reasoning_content":', '"content":'},
+}
+
+local function response_json(text)
+  for _, rule in ipairs(RESPONSE_RULES) do text = text:gsub(rule[1], rule[2]) end
+  return text
+end
+
+-- Responses' SSE: each event named by its `type` (the first field), heartbeats as comments.
+local function response_event(json)
+  if json:find(KEEPALIVE_EVENT, 1, true) then return KEEPALIVE_COMMENT end
+  local event_type = json:match('^{"type":"([%w_.]+)"') or "message"
+  return "event: " .. event_type .. "\ndata: " .. response_json(json) .. "\n\n"
 end
 
 -- Errors ----------------------------------------------------------------------------------------
@@ -274,19 +296,20 @@ local function wants_stream(text)
   end
 end
 
-local OPENAI_STREAMABLE = {["/v1/chat/completions"] = true, ["/v1/completions"] = true}
+local OPENAI_STREAMABLE = {["/v1/chat/completions"] = true, ["/v1/completions"] = true, ["/v1/responses"] = true}
 
 -- Prefix routing (`launch --routing prefix`; the config sets PREFIX_ROUTING before this source):
 -- the generation routes get a header hashing the first PREFIX_BYTES bytes of the prompt (TGI's
 -- `inputs`, OpenAI's `messages` or `prompt`, as JSON text), which Envoy's ring hash maps to a replica.
 local GENERATION_PATHS = {["/"] = true, ["/generate"] = true, ["/generate_stream"] = true, ["/invocations"] = true,
-                          ["/v1/chat/completions"] = true, ["/v1/completions"] = true}
+                          ["/v1/chat/completions"] = true, ["/v1/completions"] = true, ["/v1/responses"] = true}
 local PREFIX_BYTES = 256
 
 local function prefix_hash(text)
   local _, value_at = text:find('"inputs"%s*:%s*')
   if value_at == nil then _, value_at = text:find('"messages"%s*:%s*') end
   if value_at == nil then _, value_at = text:find('"prompt"%s*:%s*') end
+  if value_at == nil then _, value_at = text:find('"input"%s*:%s*') end
   if value_at == nil then return nil end
   local hash = 0
   for i = value_at + 1, math.min(#text, value_at + PREFIX_BYTES) do
@@ -378,10 +401,15 @@ function envoy_on_response(handle)
   end
   if kind == "stream" then return shape_stream(handle, tgi_sse_event) end
   if kind == "openai_stream" then return shape_stream(handle, openai_event) end
-  if kind ~= "json" and kind ~= "openai" then return end
+  if kind == "openai_response_stream" then return shape_stream(handle, response_event) end
+  if kind ~= "json" and kind ~= "openai" and kind ~= "openai_response" then return end
   local body = handle:body()
   if body == nil then return end
   local text = body:getBytes(0, body:length())
+  if kind == "openai_response" then
+    body:setBytes(response_json(text))
+    return
+  end
   if kind == "openai" then
     body:setBytes(openai_json(text))
     return

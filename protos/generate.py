@@ -23,11 +23,16 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-PROTO_FILES = ["textgen/v1/generate.proto"]
+PROTO_FILES = ["textgen/v1/generate.proto", "textgen/v1/responses.proto"]
 SERVER_OUT = Path("protos")
 CLIENT_OUT = Path("clients/python/textgen_client/_proto")
 DESCRIPTOR_SET = Path("protos/textgen/textgen.pb")
-CLIENT_FILES = ["textgen/v1/generate_pb2.py", "textgen/v1/generate_pb2.pyi"]
+CLIENT_FILES = [
+    "textgen/v1/generate_pb2.py",
+    "textgen/v1/generate_pb2.pyi",
+    "textgen/v1/responses_pb2.py",
+    "textgen/v1/responses_pb2.pyi",
+]
 
 
 def _include_dirs() -> list[str]:

@@ -31,6 +31,10 @@ GUARDED_METHODS = frozenset(
         "ChatCompletionStream",
         "Completion",
         "CompletionStream",
+        "CreateResponse",
+        "CreateResponseStream",
+        "GetResponse",
+        "DeleteResponse",
     )
 )
 

@@ -19,6 +19,7 @@ from inference_service.api import convert, docs
 from inference_service.api.backend import Backend
 from inference_service.api.errors import unary_errors
 from inference_service.api.openai import OpenAIRoutes
+from inference_service.api.responses import ResponsesRoutes
 from inference_service.api.tgi import TgiRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
@@ -58,6 +59,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         self.ChatCompletion, self.ChatCompletionStream = openai.ChatCompletion, openai.ChatCompletionStream
         self.Completion, self.CompletionStream = openai.Completion, openai.CompletionStream
         self.GetModel = openai.GetModel
+        responses = ResponsesRoutes(self._backend)
+        self.CreateResponse, self.CreateResponseStream = responses.CreateResponse, responses.CreateResponseStream
+        self.GetResponse, self.DeleteResponse = responses.GetResponse, responses.DeleteResponse
 
     def attach(self, engine: AsyncEngine, front_end: FrontEnd) -> None:
         self._backend.attach(engine, front_end)

@@ -75,6 +75,10 @@ def test_routes_are_tgis_and_openais():
         ("POST", "/v1/chat/completions/stream"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/completions/stream"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/responses/stream"),
+        ("GET", "/v1/responses/{response_id}"),
+        ("DELETE", "/v1/responses/{response_id}"),
     }
     assert routes["POST", "/"].unwrap == "responses" and routes["POST", "/tokenize"].unwrap == "tokens"
     sagemaker = routes["POST", "/invocations"]
@@ -83,6 +87,7 @@ def test_routes_are_tgis_and_openais():
         "GenerateStream",
         "ChatCompletionStream",
         "CompletionStream",
+        "CreateResponseStream",
     ]
     assert routes["GET", "/v1/models/{id=**}"].path_match() == {"prefix": "/v1/models/"}
     assert routes["GET", "/v1/models"].path_match() == {"path": "/v1/models"}
@@ -106,8 +111,8 @@ def _response_fields(types: set[int]) -> set[str]:
     pending, seen, names = [m.output_type for m in service.method], set(), set()
     while pending:
         name = pending.pop()
-        if name in seen or name not in messages:
-            continue
+        if name in seen or name not in messages or name.startswith(".google.protobuf."):
+            continue  # well-known types print as plain JSON (a Value's number is a number)
         seen.add(name)
         for field in messages[name].field:
             if field.type in types:

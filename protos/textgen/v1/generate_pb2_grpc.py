@@ -5,6 +5,7 @@ import warnings
 
 from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from textgen.v1 import generate_pb2 as textgen_dot_v1_dot_generate__pb2
+from textgen.v1 import responses_pb2 as textgen_dot_v1_dot_responses__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -112,6 +113,26 @@ class TextGenerationStub:
                 '/textgen.v1.TextGeneration/CompletionStream',
                 request_serializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
                 response_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+                _registered_method=True)
+        self.CreateResponse = channel.unary_unary(
+                '/textgen.v1.TextGeneration/CreateResponse',
+                request_serializer=textgen_dot_v1_dot_responses__pb2.CreateResponseRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_responses__pb2.ResponseObject.FromString,
+                _registered_method=True)
+        self.CreateResponseStream = channel.unary_stream(
+                '/textgen.v1.TextGeneration/CreateResponseStream',
+                request_serializer=textgen_dot_v1_dot_responses__pb2.CreateResponseRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_responses__pb2.ResponseStreamEvent.FromString,
+                _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/textgen.v1.TextGeneration/GetResponse',
+                request_serializer=textgen_dot_v1_dot_responses__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_responses__pb2.ResponseObject.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/textgen.v1.TextGeneration/DeleteResponse',
+                request_serializer=textgen_dot_v1_dot_responses__pb2.DeleteResponseRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_responses__pb2.DeleteResponseResponse.FromString,
                 _registered_method=True)
 
 
@@ -235,6 +256,36 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateResponse(self, request, context):
+        """OpenAI's Responses API (messages in responses.proto): `input` rendered by the chat template as
+        a conversation (after a stored `previous_response_id`'s), function tools, `text.format`. REST:
+        `POST /v1/responses`; with `"stream": true` the gateway calls CreateResponseStream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateResponseStream(self, request, context):
+        """The typed events of a response as it is generated, each with its `sequence_number`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponse(self, request, context):
+        """A stored response (this replica's): NOT_FOUND (REST 404) when unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Forget a stored response: NOT_FOUND (REST 404) when unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +363,26 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.CompletionStream,
                     request_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.FromString,
                     response_serializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.SerializeToString,
+            ),
+            'CreateResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateResponse,
+                    request_deserializer=textgen_dot_v1_dot_responses__pb2.CreateResponseRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_responses__pb2.ResponseObject.SerializeToString,
+            ),
+            'CreateResponseStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateResponseStream,
+                    request_deserializer=textgen_dot_v1_dot_responses__pb2.CreateResponseRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_responses__pb2.ResponseStreamEvent.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=textgen_dot_v1_dot_responses__pb2.GetResponseRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_responses__pb2.ResponseObject.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=textgen_dot_v1_dot_responses__pb2.DeleteResponseRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_responses__pb2.DeleteResponseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -722,6 +793,114 @@ class TextGeneration:
             '/textgen.v1.TextGeneration/CompletionStream',
             textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
             textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/CreateResponse',
+            textgen_dot_v1_dot_responses__pb2.CreateResponseRequest.SerializeToString,
+            textgen_dot_v1_dot_responses__pb2.ResponseObject.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponseStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/CreateResponseStream',
+            textgen_dot_v1_dot_responses__pb2.CreateResponseRequest.SerializeToString,
+            textgen_dot_v1_dot_responses__pb2.ResponseStreamEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/GetResponse',
+            textgen_dot_v1_dot_responses__pb2.GetResponseRequest.SerializeToString,
+            textgen_dot_v1_dot_responses__pb2.ResponseObject.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/DeleteResponse',
+            textgen_dot_v1_dot_responses__pb2.DeleteResponseRequest.SerializeToString,
+            textgen_dot_v1_dot_responses__pb2.DeleteResponseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from collections import abc as _abc
 from google.api import httpbody_pb2 as _httpbody_pb2
 from grpc import aio as _aio
 from textgen.v1 import generate_pb2 as _generate_pb2
+from textgen.v1 import responses_pb2 as _responses_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -88,6 +89,17 @@ class TextGenerationStub:
     """
     CompletionStream: _grpc.UnaryStreamMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]
     """Text completion chunks as they are generated; choices of several prompts interleave."""
+    CreateResponse: _grpc.UnaryUnaryMultiCallable[_responses_pb2.CreateResponseRequest, _responses_pb2.ResponseObject]
+    """OpenAI's Responses API (messages in responses.proto): `input` rendered by the chat template as
+    a conversation (after a stored `previous_response_id`'s), function tools, `text.format`. REST:
+    `POST /v1/responses`; with `"stream": true` the gateway calls CreateResponseStream.
+    """
+    CreateResponseStream: _grpc.UnaryStreamMultiCallable[_responses_pb2.CreateResponseRequest, _responses_pb2.ResponseStreamEvent]
+    """The typed events of a response as it is generated, each with its `sequence_number`."""
+    GetResponse: _grpc.UnaryUnaryMultiCallable[_responses_pb2.GetResponseRequest, _responses_pb2.ResponseObject]
+    """A stored response (this replica's): NOT_FOUND (REST 404) when unknown."""
+    DeleteResponse: _grpc.UnaryUnaryMultiCallable[_responses_pb2.DeleteResponseRequest, _responses_pb2.DeleteResponseResponse]
+    """Forget a stored response: NOT_FOUND (REST 404) when unknown."""
 
 @_typing.type_check_only
 class TextGenerationAsyncStub(TextGenerationStub):
@@ -143,6 +155,17 @@ class TextGenerationAsyncStub(TextGenerationStub):
     """
     CompletionStream: _aio.UnaryStreamMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]  # type: ignore[assignment]
     """Text completion chunks as they are generated; choices of several prompts interleave."""
+    CreateResponse: _aio.UnaryUnaryMultiCallable[_responses_pb2.CreateResponseRequest, _responses_pb2.ResponseObject]  # type: ignore[assignment]
+    """OpenAI's Responses API (messages in responses.proto): `input` rendered by the chat template as
+    a conversation (after a stored `previous_response_id`'s), function tools, `text.format`. REST:
+    `POST /v1/responses`; with `"stream": true` the gateway calls CreateResponseStream.
+    """
+    CreateResponseStream: _aio.UnaryStreamMultiCallable[_responses_pb2.CreateResponseRequest, _responses_pb2.ResponseStreamEvent]  # type: ignore[assignment]
+    """The typed events of a response as it is generated, each with its `sequence_number`."""
+    GetResponse: _aio.UnaryUnaryMultiCallable[_responses_pb2.GetResponseRequest, _responses_pb2.ResponseObject]  # type: ignore[assignment]
+    """A stored response (this replica's): NOT_FOUND (REST 404) when unknown."""
+    DeleteResponse: _aio.UnaryUnaryMultiCallable[_responses_pb2.DeleteResponseRequest, _responses_pb2.DeleteResponseResponse]  # type: ignore[assignment]
+    """Forget a stored response: NOT_FOUND (REST 404) when unknown."""
 
 class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
     """Text generation with continuous batching. Errors are gRPC status codes whose details carry a
@@ -285,5 +308,40 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generate_pb2.CompletionResponse], _abc.AsyncIterator[_generate_pb2.CompletionResponse]]:
         """Text completion chunks as they are generated; choices of several prompts interleave."""
+
+    @_abc_1.abstractmethod
+    def CreateResponse(
+        self,
+        request: _responses_pb2.CreateResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_responses_pb2.ResponseObject, _abc.Awaitable[_responses_pb2.ResponseObject]]:
+        """OpenAI's Responses API (messages in responses.proto): `input` rendered by the chat template as
+        a conversation (after a stored `previous_response_id`'s), function tools, `text.format`. REST:
+        `POST /v1/responses`; with `"stream": true` the gateway calls CreateResponseStream.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateResponseStream(
+        self,
+        request: _responses_pb2.CreateResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_responses_pb2.ResponseStreamEvent], _abc.AsyncIterator[_responses_pb2.ResponseStreamEvent]]:
+        """The typed events of a response as it is generated, each with its `sequence_number`."""
+
+    @_abc_1.abstractmethod
+    def GetResponse(
+        self,
+        request: _responses_pb2.GetResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_responses_pb2.ResponseObject, _abc.Awaitable[_responses_pb2.ResponseObject]]:
+        """A stored response (this replica's): NOT_FOUND (REST 404) when unknown."""
+
+    @_abc_1.abstractmethod
+    def DeleteResponse(
+        self,
+        request: _responses_pb2.DeleteResponseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_responses_pb2.DeleteResponseResponse, _abc.Awaitable[_responses_pb2.DeleteResponseResponse]]:
+        """Forget a stored response: NOT_FOUND (REST 404) when unknown."""
 
 def add_TextGenerationServicer_to_server(servicer: TextGenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
