@@ -171,6 +171,7 @@ def chat_request(
         ("top_p", "top_p"),
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("seed", "seed"),
+        ("tool_prompt", "tool_prompt"),
     ):
         if request.HasField(name):
             setattr(chat, chat_name, getattr(request, name))

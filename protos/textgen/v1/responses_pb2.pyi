@@ -158,6 +158,7 @@ class CreateResponseRequest(_message.Message):
     TRUNCATION_FIELD_NUMBER: _builtins.int
     SERVICE_TIER_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    TOOL_PROMPT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Accepted and ignored: the served model answers (responses name it)."""
     instructions: _builtins.str
@@ -179,6 +180,8 @@ class CreateResponseRequest(_message.Message):
     truncation: _builtins.str
     service_tier: _builtins.str
     seed: _builtins.int
+    tool_prompt: _builtins.str
+    """TGI's: the text put before the tool definitions when the template does not render tools."""
     @_builtins.property
     def input(self) -> _struct_pb2.Value:
         """A string (one user message) or a list of items: messages (`{"role", "content"}`, content a
@@ -224,10 +227,11 @@ class CreateResponseRequest(_message.Message):
         truncation: _builtins.str | None = ...,
         service_tier: _builtins.str | None = ...,
         seed: _builtins.int | None = ...,
+        tool_prompt: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "reasoning", b"reasoning", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "reasoning", b"reasoning", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "include", b"include", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "reasoning", b"reasoning", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tools", b"tools", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "include", b"include", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "reasoning", b"reasoning", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "tools", b"tools", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__instructions: _TypeAlias = _typing.Literal["instructions"]  # noqa: Y015
     _WhichOneofArgType__instructions: _TypeAlias = _typing.Literal["_instructions", b"_instructions"]  # noqa: Y015
@@ -247,6 +251,8 @@ class CreateResponseRequest(_message.Message):
     _WhichOneofArgType__stream: _TypeAlias = _typing.Literal["_stream", b"_stream"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__tool_prompt: _TypeAlias = _typing.Literal["tool_prompt"]  # noqa: Y015
+    _WhichOneofArgType__tool_prompt: _TypeAlias = _typing.Literal["_tool_prompt", b"_tool_prompt"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     _WhichOneofReturnType__truncation: _TypeAlias = _typing.Literal["truncation"]  # noqa: Y015
@@ -271,6 +277,8 @@ class CreateResponseRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__stream) -> _WhichOneofReturnType__stream | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_prompt) -> _WhichOneofReturnType__tool_prompt | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
     @_typing.overload
