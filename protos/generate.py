@@ -3,8 +3,9 @@
 Outputs, all committed and checked by `tests/unit/test_protos.py` (`--check` here):
 - `protos/textgen/v1/generate_pb2{,_grpc}.py{,i}`: the server's messages, service stubs and type stubs;
   the proto's folder path is its import path (`textgen.v1`), so no import is rewritten.
-- `clients/python/textgen_client/_proto/textgen/v1/generate_pb2.py{,i}`: the messages for the client,
-  compiled with the same `-I protos` so both register the same descriptor file name.
+- `clients/python/textgen_client/_proto/textgen/v1/{generate,responses}_pb2.py{,i}`: the messages for
+  the client, compiled with the same `-I protos` so both register the same descriptor file name
+  (imports between them point into the client's package).
 - `protos/textgen/textgen.pb`: the descriptor set (imports and comments included) that Envoy's
   gRPC-JSON transcoder reads.
 """
@@ -26,6 +27,7 @@ PROTO_ROOT = ROOT / "protos"
 PROTO_FILES = ["textgen/v1/generate.proto", "textgen/v1/responses.proto"]
 SERVER_OUT = Path("protos")
 CLIENT_OUT = Path("clients/python/textgen_client/_proto")
+CLIENT_IMPORT = ("from textgen.v1 import ", "from textgen_client._proto.textgen.v1 import ")
 DESCRIPTOR_SET = Path("protos/textgen/textgen.pb")
 CLIENT_FILES = [
     "textgen/v1/generate_pb2.py",
@@ -78,7 +80,9 @@ def generate(out_root: Path) -> list[Path]:
         for name in CLIENT_FILES:
             target = out_root / CLIENT_OUT / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(tmp) / name, target)
+            # One of our protos importing another: the client has no `textgen` package of its own.
+            text = (Path(tmp) / name).read_text(encoding="utf-8")
+            target.write_text(text.replace(CLIENT_IMPORT[0], CLIENT_IMPORT[1]), encoding="utf-8")
     descriptor = out_root / DESCRIPTOR_SET
     _protoc([f"--descriptor_set_out={descriptor}", "--include_imports", "--include_source_info"])
     return sorted(p.relative_to(out_root) for p in out_root.rglob("*") if p.is_file())
