@@ -165,6 +165,7 @@ def chat_request(
         chat.tool_choice.CopyFrom(_value(_tool_choice(value_to_python(request.tool_choice))))
     if request.text.HasField("format"):
         chat.response_format.CopyFrom(_response_format(request.text.format))
+    fields: Any = request  # HasField by a name from the table below
     for name, chat_name in (
         ("max_output_tokens", "max_completion_tokens"),
         ("temperature", "temperature"),
@@ -173,7 +174,7 @@ def chat_request(
         ("seed", "seed"),
         ("tool_prompt", "tool_prompt"),
     ):
-        if request.HasField(name):
+        if fields.HasField(name):
             setattr(chat, chat_name, getattr(request, name))
     return chat, turn
 

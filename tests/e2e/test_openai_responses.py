@@ -129,6 +129,19 @@ def test_raw_sse_names_each_event(gateway):
     assert "[DONE]" not in text
 
 
+def test_raw_json_items_carry_only_their_fields(gateway):
+    body = {"model": "m", "input": "weather?", "tools": [WEATHER_TOOL], "tool_choice": "required", **SHORT_TOOL_PROMPT}
+    response = json.loads(gateway.curl("/v1/responses", body={**body, "temperature": 0, "max_output_tokens": 80}))
+    (call,) = response["output"]
+    assert set(call) == {"type", "id", "status", "call_id", "name", "arguments"}
+    assert response["tools"][0]["name"] == "get_weather" and response["tool_choice"] == "required"
+    codex_like = {"input": "hi", "text": {"verbosity": "low"}, "prompt_cache_key": "k", "reasoning": {"effort": "low"}}
+    response = json.loads(gateway.curl("/v1/responses", body={**codex_like, "temperature": 0, "max_output_tokens": 3}))
+    (message,) = response["output"]
+    assert set(message) == {"type", "id", "status", "role", "content"}
+    assert set(message["content"][0]) == {"type", "text", "annotations"} and response["metadata"] == {}
+
+
 def test_two_turns_through_previous_response_id(client):
     first = client.responses.create(
         model="m", input="the quick brown fox", instructions="Be terse.", temperature=0, max_output_tokens=6

@@ -119,18 +119,24 @@ class ResponseTextConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FORMAT_FIELD_NUMBER: _builtins.int
+    VERBOSITY_FIELD_NUMBER: _builtins.int
+    verbosity: _builtins.str
+    """Accepted and ignored ("low", "medium", "high")."""
     @_builtins.property
     def format(self) -> Global___ResponseTextFormat: ...
     def __init__(
         self,
         *,
         format: Global___ResponseTextFormat | None = ...,
+        verbosity: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_verbosity", b"_verbosity", "format", b"format", "verbosity", b"verbosity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_verbosity", b"_verbosity", "format", b"format", "verbosity", b"verbosity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__verbosity: _TypeAlias = _typing.Literal["verbosity"]  # noqa: Y015
+    _WhichOneofArgType__verbosity: _TypeAlias = _typing.Literal["_verbosity", b"_verbosity"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__verbosity) -> _WhichOneofReturnType__verbosity | None: ...
 
 Global___ResponseTextConfig: _TypeAlias = ResponseTextConfig  # noqa: Y015
 
@@ -159,6 +165,9 @@ class CreateResponseRequest(_message.Message):
     SERVICE_TIER_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     TOOL_PROMPT_FIELD_NUMBER: _builtins.int
+    PROMPT_CACHE_KEY_FIELD_NUMBER: _builtins.int
+    SAFETY_IDENTIFIER_FIELD_NUMBER: _builtins.int
+    STREAM_OPTIONS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Accepted and ignored: the served model answers (responses name it)."""
     instructions: _builtins.str
@@ -182,6 +191,9 @@ class CreateResponseRequest(_message.Message):
     seed: _builtins.int
     tool_prompt: _builtins.str
     """TGI's: the text put before the tool definitions when the template does not render tools."""
+    prompt_cache_key: _builtins.str
+    """Accepted and ignored (caching is automatic: the prefix cache)."""
+    safety_identifier: _builtins.str
     @_builtins.property
     def input(self) -> _struct_pb2.Value:
         """A string (one user message) or a list of items: messages (`{"role", "content"}`, content a
@@ -204,6 +216,8 @@ class CreateResponseRequest(_message.Message):
     def reasoning(self) -> _struct_pb2.Struct: ...
     @_builtins.property
     def include(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def stream_options(self) -> _struct_pb2.Struct: ...
     def __init__(
         self,
         *,
@@ -228,10 +242,13 @@ class CreateResponseRequest(_message.Message):
         service_tier: _builtins.str | None = ...,
         seed: _builtins.int | None = ...,
         tool_prompt: _builtins.str | None = ...,
+        prompt_cache_key: _builtins.str | None = ...,
+        safety_identifier: _builtins.str | None = ...,
+        stream_options: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "reasoning", b"reasoning", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_prompt_cache_key", b"_prompt_cache_key", "_safety_identifier", b"_safety_identifier", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "prompt_cache_key", b"prompt_cache_key", "reasoning", b"reasoning", "safety_identifier", b"safety_identifier", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "include", b"include", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "reasoning", b"reasoning", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "tools", b"tools", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_previous_response_id", b"_previous_response_id", "_prompt_cache_key", b"_prompt_cache_key", "_safety_identifier", b"_safety_identifier", "_seed", b"_seed", "_service_tier", b"_service_tier", "_store", b"_store", "_stream", b"_stream", "_temperature", b"_temperature", "_tool_prompt", b"_tool_prompt", "_top_p", b"_top_p", "_truncation", b"_truncation", "_user", b"_user", "include", b"include", "input", b"input", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "previous_response_id", b"previous_response_id", "prompt_cache_key", b"prompt_cache_key", "reasoning", b"reasoning", "safety_identifier", b"safety_identifier", "seed", b"seed", "service_tier", b"service_tier", "store", b"store", "stream", b"stream", "stream_options", b"stream_options", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tool_prompt", b"tool_prompt", "tools", b"tools", "top_p", b"top_p", "truncation", b"truncation", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__instructions: _TypeAlias = _typing.Literal["instructions"]  # noqa: Y015
     _WhichOneofArgType__instructions: _TypeAlias = _typing.Literal["_instructions", b"_instructions"]  # noqa: Y015
@@ -241,6 +258,10 @@ class CreateResponseRequest(_message.Message):
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__previous_response_id: _TypeAlias = _typing.Literal["previous_response_id"]  # noqa: Y015
     _WhichOneofArgType__previous_response_id: _TypeAlias = _typing.Literal["_previous_response_id", b"_previous_response_id"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_cache_key: _TypeAlias = _typing.Literal["prompt_cache_key"]  # noqa: Y015
+    _WhichOneofArgType__prompt_cache_key: _TypeAlias = _typing.Literal["_prompt_cache_key", b"_prompt_cache_key"]  # noqa: Y015
+    _WhichOneofReturnType__safety_identifier: _TypeAlias = _typing.Literal["safety_identifier"]  # noqa: Y015
+    _WhichOneofArgType__safety_identifier: _TypeAlias = _typing.Literal["_safety_identifier", b"_safety_identifier"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__service_tier: _TypeAlias = _typing.Literal["service_tier"]  # noqa: Y015
@@ -267,6 +288,10 @@ class CreateResponseRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__previous_response_id) -> _WhichOneofReturnType__previous_response_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_cache_key) -> _WhichOneofReturnType__prompt_cache_key | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__safety_identifier) -> _WhichOneofReturnType__safety_identifier | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
