@@ -315,3 +315,35 @@ def test_the_same_calls_over_grpc(tiny_chat_grpc_server, client):
     with pytest.raises(grpc.RpcError) as raised:
         stub.CreateResponse(bad, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _request_count(gateway) -> float:
+    lines = gateway.curl("/metrics").splitlines()
+    line = next(text for text in lines if text.startswith("tgi_request_count "))
+    return float(line.split()[1])
+
+
+def test_responses_are_counted_in_the_metrics(client, gateway):
+    before = _request_count(gateway)
+    client.responses.create(model="m", input="hi", temperature=0, max_output_tokens=2)
+    with client.responses.stream(model="m", input="hi", temperature=0, max_output_tokens=2) as stream:
+        list(stream)
+    assert _request_count(gateway) == before + 2
+
+
+def test_api_key_guards_the_responses_routes(start_grpc_server, start_gateway, tiny_chat_engine_config):
+    gateway = start_gateway(start_grpc_server(tiny_chat_engine_config, api_key="sesame"))
+    wrong = openai.OpenAI(base_url=gateway.url + "/v1", api_key="wrong", max_retries=0)
+    calls = [
+        lambda: wrong.responses.create(model="m", input="hi", max_output_tokens=2),
+        lambda: list(wrong.responses.create(model="m", input="hi", max_output_tokens=2, stream=True)),
+        lambda: wrong.responses.retrieve("resp_x"),
+        lambda: wrong.responses.delete("resp_x"),
+    ]
+    for call in calls:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            call()
+        assert refused.value.body["type"] == "authentication_error"
+    ok = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sesame", max_retries=0)
+    response = ok.responses.create(model="m", input="hi", max_output_tokens=2)
+    assert ok.responses.retrieve(response.id).id == response.id
