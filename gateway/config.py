@@ -224,6 +224,17 @@ OPENAI_PATHS = (
 )
 
 
+# ...and on Anthropic's routes in Anthropic's (matched first: their paths are under /v1/ too).
+ANTHROPIC_PATHS = (
+    r"^(/v1/messages(/.*)?|/"
+    + SERVICE.replace(".", r"\.")
+    + "/("
+    + "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("anthropic")))
+    + "))$"
+)
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
+
+
 def _error_text(error: str, payload_limit: int) -> str:
     return error.format(
         limit=payload_limit, headers_kb=GATEWAY_MAX_REQUEST_HEADERS_KB, headers_count=GATEWAY_MAX_HEADERS_COUNT
@@ -248,21 +259,38 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
             }
         }
 
+    def anthropic_body(error: str, status: int) -> dict[str, Any]:
+        kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"json_format": {"type": "error", "error": {"type": kind, "message": error}}}
+
+    def path_filter(regex: str) -> dict[str, Any]:
+        return {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": regex}}}}}
+
     path_regex = {"safe_regex": {"regex": OPENAI_PATHS}}
     openai_path = {"header_filter": {"header": {"name": ":path", "string_match": path_regex}}}
-    mappers = [
-        {
-            "filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
-            "body_format_override": openai_body(_error_text(error, payload_limit), error_type, status),
-        }
-        for status, error_type, error in _LOCAL_REPLY_TYPES
-    ] + [
-        {
-            "filter": status_filter(status),
-            "body_format_override": json_body(_error_text(error, payload_limit), error_type),
-        }
-        for status, error_type, error in _LOCAL_REPLY_TYPES
-    ]
+    mappers = (
+        [
+            {
+                "filter": {"and_filter": {"filters": [status_filter(status), path_filter(ANTHROPIC_PATHS)]}},
+                "body_format_override": anthropic_body(_error_text(error, payload_limit), status),
+            }
+            for status, _, error in _LOCAL_REPLY_TYPES
+        ]
+        + [
+            {
+                "filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
+                "body_format_override": openai_body(_error_text(error, payload_limit), error_type, status),
+            }
+            for status, error_type, error in _LOCAL_REPLY_TYPES
+        ]
+        + [
+            {
+                "filter": status_filter(status),
+                "body_format_override": json_body(_error_text(error, payload_limit), error_type),
+            }
+            for status, error_type, error in _LOCAL_REPLY_TYPES
+        ]
+    )
     return {"mappers": mappers, "body_format": json_body("%LOCAL_REPLY_BODY%", "gateway")}
 
 
