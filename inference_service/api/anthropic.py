@@ -59,13 +59,15 @@ def _raw_text(tokens: Sequence) -> str:
     return "".join(token.text for token in tokens if not token.special)
 
 
-def stop_reason(reason: FinishReason | None, called_tools: bool, raw_text: str, text: str, plan: MessagesPlan):
-    """(stop_reason, stop_sequence): the stop sequence is the one that starts where the returned
-    text (stop stripped) ends in the generated text."""
+def stop_reason(
+    reason: FinishReason | None, called_tools: bool, raw_text: str, text: str, plan: MessagesPlan
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) as Anthropic's: the stop sequence is the one that starts where
+    the returned text (stop stripped) ends in the generated text."""
+    if reason == FinishReason.LENGTH:  # even in a call: its input may be cut short
+        return "max_tokens", None
     if called_tools:
         return "tool_use", None
-    if reason == FinishReason.LENGTH:
-        return "max_tokens", None
     if reason == FinishReason.STOP_SEQUENCE:
         for stop in plan.stop_sequences:
             if raw_text.startswith(stop, len(text)):
