@@ -217,10 +217,15 @@ class AnthropicRoutes:
                 model=engine.info.model_id,
                 usage=apb.AnthropicUsage(input_tokens=choices[0].num_prompt_tokens),
             )
-            yield apb.MessagesStreamEvent(type="message_start", message=start)
-            yield apb.MessagesStreamEvent(type="ping")
-            reader = MessageEvents(plan)
+            reader, started = MessageEvents(plan), False
             async for event in engine_events(engine, choices, context):
+                # message_start once the engine took the request: a refusal (overloaded) is a status.
+                if not started:
+                    started = True
+                    yield apb.MessagesStreamEvent(type="message_start", message=start)
+                    yield apb.MessagesStreamEvent(type="ping")
+                    if event is None:
+                        continue
                 if event is None:
                     yield apb.MessagesStreamEvent(type="ping")
                     continue

@@ -4,6 +4,7 @@ unchanged, and over gRPC; answers are checked against OpenAI's chat route on the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anthropic
@@ -14,6 +15,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from textgen.v1 import anthropic_pb2 as apb
+from textgen.v1 import generate_pb2 as pb
 
 SYSTEM = "You are terse."
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
@@ -311,3 +313,25 @@ def test_no_blocks_leak_after_anthropic_calls(chat_gateway, client):
         stream.until_done()
     stats = chat_gateway.server.server.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_overloaded_is_429_rate_limit_error_streams_included(start_grpc_server, start_gateway, tiny_chat_engine_config):
+    limits = dataclasses.replace(tiny_chat_engine_config.limits, max_concurrent_requests=1)
+    server = start_grpc_server(dataclasses.replace(tiny_chat_engine_config, limits=limits))
+    gateway = start_gateway(server)
+    # The one slot, held by a long TGI stream (the tiny model runs "hello" to its length).
+    held = server.stub.GenerateStream(
+        pb.GenerateRequest(inputs="hello", parameters=pb.GenerateParameters(max_new_tokens=480)), timeout=120
+    )
+    try:
+        next(held)
+        client = anthropic.Anthropic(base_url=gateway.url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.RateLimitError) as refused:
+            client.messages.create(model="m", messages=MESSAGES, max_tokens=2)
+        assert refused.value.body["error"]["type"] == "rate_limit_error"
+        with pytest.raises(anthropic.RateLimitError):
+            list(client.messages.create(model="m", messages=MESSAGES, max_tokens=2, stream=True))
+    finally:
+        held.cancel()
+    server.wait_idle(timeout=15)
+    assert client.messages.create(model="m", messages=MESSAGES, max_tokens=2).usage.output_tokens >= 1
