@@ -90,6 +90,16 @@ def test_system_as_text_blocks_and_count_tokens(client):
     as_blocks = client.messages.create(model="m", system=blocks, messages=MESSAGES, max_tokens=6, extra_body=GREEDY)
     as_string = client.messages.create(model="m", system=SYSTEM, messages=MESSAGES, max_tokens=6, extra_body=GREEDY)
     assert as_blocks.content == as_string.content
+    # `thinking` is accepted and sets the template's switch (this template has none: the same prompt).
+    thinking = client.messages.create(
+        model="m",
+        system=SYSTEM,
+        messages=MESSAGES,
+        max_tokens=6,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body=GREEDY,
+    )
+    assert thinking.content == as_string.content and thinking.usage.input_tokens == as_string.usage.input_tokens
     counted = client.messages.count_tokens(model="m", system=SYSTEM, messages=MESSAGES)
     assert counted.input_tokens == as_string.usage.input_tokens
     with_tools = client.messages.count_tokens(
