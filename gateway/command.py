@@ -11,12 +11,17 @@ from gateway.envoy import GatewayError
 from gateway.launch import launch, options_from_args
 from gateway.replicated import launch_replicas
 from inference_service import flags
+from inference_service.api.stopping import run_until_stopped
 
 
 def run(args: argparse.Namespace) -> int:
     engine_config, server_config = flags.configs_from_args(args)
     options = options_from_args(args, dict(os.environ))
     flags.configure_logging(server_config)
+    return run_until_stopped(lambda: _launch(engine_config, server_config, options), engine_config.model.model_id)
+
+
+def _launch(engine_config, server_config, options) -> int:
     from inference_service.api.server import StartupError  # torch loads with it
 
     try:

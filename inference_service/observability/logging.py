@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from typing import Any
+
+from inference_service import progress
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -63,8 +64,7 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(json_output: bool, log_level: str) -> None:
     """Logs go to stderr, as text or JSON lines (`--json-output`, then without progress bars)."""
-    if json_output:  # read when the hub and transformers are imported, which is later
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    progress.configure(json_output)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json_output else TextFormatter())
     logging.basicConfig(level=log_level.upper(), handlers=[handler], force=True)
