@@ -62,6 +62,10 @@ class Phase:
             self._bar.update(steps)
 
     def track(self, items: Iterable[T]) -> Iterator[T]:
+        """`items`, one step each (the bar's total becomes their number when it has none)."""
+        if self._bar is not None and self._bar.total is None and hasattr(items, "__len__"):
+            self._bar.total = len(items)  # type: ignore[arg-type]
+            self._bar.refresh()
         for item in items:
             yield item
             self.update()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 from inference_service import progress
@@ -60,6 +61,27 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+# Rejections while the server can't take requests (loading, draining), by the reason's text.
+UNAVAILABLE_CHANNEL = "unavailable"
+_last_states: dict[str, str] = {}
+_states_lock = threading.Lock()
+
+
+def level_for_state(channel: str, state: str, level: int) -> int:
+    """`level` when `state` differs from the last one seen on `channel`, else DEBUG: a health poll
+    every second, or Envoy retrying a request, while the model loads says "still loading" once, not
+    once per call; draining later is a new state, said once too."""
+    with _states_lock:
+        changed = _last_states.get(channel) != state
+        _last_states[channel] = state
+    return level if changed else logging.DEBUG
+
+
+def log_state(logger: logging.Logger, channel: str, state: str, level: int, message: str, *args: Any) -> None:
+    """Log a line about a state at `level` once per state (`level_for_state`)."""
+    logger.log(level_for_state(channel, state, level), message, *args)
 
 
 def configure_logging(json_output: bool, log_level: str) -> None:
