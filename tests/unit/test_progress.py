@@ -45,7 +45,8 @@ def test_no_bar_when_the_output_is_not_a_terminal(capsys, json_logs_restored):
     progress.configure(False)
     with progress.phase("loading weights", "loaded weights", total=2) as phase:
         phase.update(2)
-    assert capsys.readouterr().err == ""
+    err = capsys.readouterr().err  # log lines may be there (a handler from another test), a bar not
+    assert "%|" not in err and "0/2" not in err
 
 
 def test_a_bar_on_a_terminal_and_none_with_json_logs(monkeypatch, json_logs_restored):
@@ -63,7 +64,7 @@ def test_a_bar_on_a_terminal_and_none_with_json_logs(monkeypatch, json_logs_rest
     assert not progress.bars_enabled()
     with progress.phase("warming up", "warmed up", total=1) as phase:
         phase.update()
-    assert "warming up" not in stderr.getvalue()
+    assert "warming up:" not in stderr.getvalue()
 
 
 def test_a_repeated_state_is_logged_once_until_it_changes(monkeypatch):
