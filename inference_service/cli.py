@@ -151,5 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelLoadError, CommandFailed) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a one-shot command cut short (serve and launch take signals themselves)
+        print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
