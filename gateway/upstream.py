@@ -26,6 +26,8 @@ from gateway.envoy_fields import discovery_type, socket_address, type_url
 PREFIX_HASH_HEADER = "x-prefix-hash"
 ROUTINGS = ("least-request", "prefix")
 HEALTH_CHECK_INTERVAL = "1s"
+HEALTH_RETRIES = 3  # REST /health tries up to 4 replicas (Envoy's health checks take dead ones out)
+HEALTH_TRY_TIMEOUT = "3s"  # a replica that can't answer its health in this long is not serving
 
 
 def engine_cluster(
@@ -92,3 +94,25 @@ def retry_policy() -> dict[str, Any]:
 def hash_policy(routing: str) -> list[dict[str, Any]]:
     """What the ring hash keys on (prefix routing only; a request without the header goes anywhere)."""
     return [{"header": {"header_name": PREFIX_HASH_HEADER}}] if routing == "prefix" else []
+
+
+def health_retry_policy() -> dict[str, Any]:
+    """`/health` is 200 while any replica serves: a health call replica A fails in any way (down,
+    loading, draining, reset by its death, silent) is tried on B, then C, ... A health call admits
+    nothing, so retrying it after a reset is safe, unlike a generation (`retry_policy`)."""
+    return {
+        "retry_on": "connect-failure,refused-stream,reset,unavailable,cancelled,deadline-exceeded,internal,"
+        "resource-exhausted,5xx",
+        "num_retries": HEALTH_RETRIES,
+        "per_try_timeout": HEALTH_TRY_TIMEOUT,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": type_url("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+    }

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
+from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.api.stopping import LOAD_THREAD, StopSignals
 from inference_service.config import EngineConfig
@@ -75,6 +76,7 @@ class ApiServer:
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[
+                *metadata_options(),  # what Envoy forwards always fits (api/header_limits.py)
                 ("grpc.max_receive_message_length", server_config.payload_limit),
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
             ],
