@@ -29,7 +29,7 @@ from gateway.envoy import Envoy, GatewayError
 from gateway.tls import TlsFiles
 from gateway.upstream import ROUTINGS
 from inference_service import flags
-from inference_service.api.stopping import StopSignals
+from inference_service.api.stopping import StopSignals, abandon_loading
 from inference_service.flags import CliError, NamedFlag
 
 logger = logging.getLogger("gateway.launch")
@@ -203,6 +203,7 @@ async def _serve(server, envoy: Envoy, signals: StopSignals, grpc_port: int) -> 
             raise loading.exception()
         if not loading.done():  # stopped (or Envoy gave up) while the model was loading
             loading.cancel()
+            abandon_loading()
         elif not supervising.done() and not stopping.done():
             ready = asyncio.ensure_future(wait_ready(envoy, READY_TIMEOUT_S))
             await asyncio.wait({ready, stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)

@@ -25,7 +25,7 @@ from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
 from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
-from inference_service.api.stopping import LOAD_THREAD, StopSignals
+from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loading
 from inference_service.config import EngineConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.frontend.front_end import FrontEnd
@@ -206,6 +206,7 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
         raise loading.exception()
     if not loading.done():  # stopped while loading: nothing is in flight
         loading.cancel()
+        abandon_loading()
         await server.stop_now()
         logger.info("stopped (%s) while the model was loading", signals.name)
         return 0

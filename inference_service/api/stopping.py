@@ -72,6 +72,13 @@ class StopSignals:
             self.now.set()
 
 
+def abandon_loading() -> None:
+    """The model stops loading: its thread runs on until the process leaves, but logs nothing more,
+    so the line saying the command stopped is the last one."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: record.threadName != LOAD_THREAD)
+
+
 def run_until_stopped(command: Callable[[], int], model_id: str) -> int:
     """Run a serving command (`serve`, `launch`): a stop signal before its event loop takes the
     signals over ends it with one line and exit 0 (no traceback); then `leave`."""

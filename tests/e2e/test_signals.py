@@ -72,13 +72,22 @@ def test_a_signal_before_serving_stops_at_once(launch):
     stopped_cleanly(run, r"stopped \(SIGINT\) before serving", [], [])
 
 
+# Each phase, and the log line that comes just before it starts.
+PHASES = {
+    "loading weights": r"loading model",
+    "checking the model": r"loaded weights in",
+    "preparing the engine": r"checked the paged attention in",
+    "warming up": r"prepared the engine in",
+}
+
+
 @pytest.mark.parametrize(
     ("phase", "signum"), [("loading weights", signal.SIGINT), ("warming up", signal.SIGTERM)], ids=["int", "term"]
 )
 def test_a_signal_while_loading_stops_cleanly(launch, phase, signum):
     run = launch(env={PHASE_DELAY: f"{phase}={HELD_S}"})
     children, ports = ports_and_envoy(run)
-    run.wait_for(r"loading model")
+    run.wait_for(PHASES[phase])
     time.sleep(0.5)  # inside the held phase (its torch ops), where an exit used to abort the process
     run.process.send_signal(signum)
     stopped_cleanly(run, rf"stopped \({signum.name}\) while the model was loading", children, ports)
@@ -118,16 +127,13 @@ def test_a_second_sigint_cuts_the_drain_short(launch):
 
 
 # -- every phase, both signals (soak) -------------------------------------------------------------
-PHASES = ("loading weights", "checking the model", "preparing the engine", "warming up")
-
-
 @pytest.mark.soak
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
 @pytest.mark.parametrize("phase", PHASES)
 def test_every_phase_stops_cleanly(launch, phase, signum):
     run = launch(env={PHASE_DELAY: f"{phase}={HELD_S}"})
     children, ports = ports_and_envoy(run)
-    run.wait_for(r"loading model")
+    run.wait_for(PHASES[phase])
     time.sleep(1)
     run.process.send_signal(signum)
     stopped_cleanly(run, rf"stopped \({signum.name}\) while the model was loading", children, ports)
@@ -148,7 +154,7 @@ def test_replicas_stop_while_loading_and_leave_nothing(launch):
     run = launch("--num-replicas", "2", env={PHASE_DELAY: f"warming up={HELD_S}"})
     replicas = [int(m.group(1)) for m in [run.wait_for(r"replica \d+ \(pid (\d+)\)", count=i) for i in (1, 2)]]
     envoy = run.wait_for(r"Envoy (\d+): REST on port (\d+)")
-    run.wait_for(r"loading model", count=2)
+    run.wait_for(r"prepared the engine in", count=2)
     time.sleep(1)
     run.process.send_signal(signal.SIGINT)
     code = run.process.wait(60)
