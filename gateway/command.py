@@ -17,7 +17,13 @@ def run(args: argparse.Namespace) -> int:
     engine_config, server_config = flags.configs_from_args(args)
     options = options_from_args(args, dict(os.environ))
     flags.configure_logging(server_config)
-    from inference_service.api.server import StartupError  # torch loads with it
+    flags.warn_of_command_line_secrets(args)
+    from inference_service.models.loader import resolve_model
+
+    # Found (fetched, converted) before any port opens, as TGI's launcher downloads before it starts
+    # the shards and the router: a wrong model id is one line and exit 1, with nothing started.
+    resolve_model(engine_config.model)
+    from inference_service.api.server import StartupError  # the server's imports take a while
 
     try:
         if options.num_replicas > 1:

@@ -5,8 +5,8 @@ One function renders both the config `inference-service launch` runs and the sta
 descriptor set and the Lua filter are inlined.
 
 Filter chain (requests go down, responses come back up):
-  cors -> lua (TGI shapes, gateway/tgi.lua) -> grpc_json_transcoder (REST <-> gRPC, payload
-  limit: 413) -> router
+  cors -> buffer (whole REST bodies first, gateway/limits.py) -> lua (TGI shapes, gateway/tgi.lua)
+  -> grpc_json_transcoder (REST <-> gRPC, payload limit: 413) -> router
 
 With `otlp_endpoint`, Envoy traces too (its OpenTelemetry tracer, OTLP/gRPC to the same collector
 as the server): one span per REST request, named "<METHOD> <path>", continuing the caller's W3C
@@ -24,8 +24,18 @@ from typing import Any
 from gateway import yaml_text
 from gateway.contract import KINDS, SERVICE, RestRoute, envoy_descriptor, rest_routes
 from gateway.envoy_fields import discovery_type, socket_address, type_url
+from gateway.limits import (
+    UPSTREAM_HTTP2_OPTIONS,
+    buffer_filter,
+    connection_manager_limits,
+    overload_manager,
+    unbuffered,
+)
 from gateway.tls import TlsFiles, listener_tls, upstream_tls
-from gateway.upstream import ROUTINGS, engine_cluster, hash_policy, retry_policy
+from gateway.upstream import ROUTINGS, engine_cluster, hash_policy, health_retry_policy, retry_policy
+from inference_service.api import pings
+from inference_service.api.errors import RETRYABLE_KEY
+from inference_service.api.header_limits import GATEWAY_MAX_HEADERS_COUNT, GATEWAY_MAX_REQUEST_HEADERS_KB
 from inference_service.observability.tracing import otlp_target
 
 LUA_FILTER = "envoy.filters.http.lua"
@@ -65,6 +75,15 @@ class GatewayConfig:
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for Envoy's spans; None: no tracing
     otlp_service_name: str = "inference-service-gateway"
     sse_keepalive_s: float = 15.0  # idle seconds before an SSE stream gets a `:` comment (TGI's)
+    # What one caller may hold (gateway/limits.py). `max_connections` is the cap over all callers;
+    # the launcher lowers it to what Envoy's open-file limit allows (`gateway.envoy`).
+    max_connections: int = 50_000
+    request_headers_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0  # to receive a whole request; answers take as long as they take
+    idle_timeout_s: float = 60.0
+    max_concurrent_streams: int = 256  # per HTTP/2 connection
+    # How often Envoy pings the engine; the engine permits it (`inference_service.api.pings`).
+    upstream_ping_interval_s: float = pings.PING_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -79,6 +98,12 @@ class GatewayConfig:
             otlp_target(self.otlp_endpoint)
         if self.sse_keepalive_s <= 0:
             raise ValueError("the SSE keep-alive interval must be > 0")
+        if self.max_connections < 1 or self.max_concurrent_streams < 1:
+            raise ValueError("the connection and stream limits must be >= 1")
+        if min(self.request_headers_timeout_s, self.request_timeout_s, self.idle_timeout_s) <= 0:
+            raise ValueError("the request and idle timeouts must be > 0")
+        if self.upstream_ping_interval_s <= 0:
+            raise ValueError("the upstream ping interval must be > 0")
 
     @property
     def ports(self) -> tuple[int, ...]:
@@ -115,6 +140,8 @@ def _route(route: RestRoute, keepalive_s: float, routing: str) -> dict[str, Any]
         "route": _upstream(routing),
         "metadata": _lua_metadata(route),
     }
+    if route.kind == "health":  # 200 while any replica serves
+        rendered["route"]["retry_policy"] = health_retry_policy()
     if route.streams:
         rendered["request_headers_to_add"] = [
             _header(INBAND_ERRORS_HEADER, "1"),
@@ -143,7 +170,8 @@ def _routes(
         }
     )
     # gRPC callers reach the replicas through the same port (the transcoder passes gRPC through).
-    rendered.append({"name": "grpc", "match": {"prefix": "/", "grpc": {}}, "route": _upstream(routing)})
+    grpc = {"name": "grpc", "match": {"prefix": "/", "grpc": {}}, "route": _upstream(routing)}
+    rendered.append({**grpc, "typed_per_filter_config": unbuffered()})
     # GET / and /ping are TGI's health aliases: the Lua filter rewrites them to /health.
     for route in {route.path: route for route in routes}.values():
         rendered.append(
@@ -179,7 +207,14 @@ _LOCAL_REPLY_TYPES = (
     (400, "validation", "Failed to parse the request body as JSON: %LOCAL_REPLY_BODY%"),
     (404, "not_found", "%LOCAL_REPLY_BODY%"),
     (405, "method_not_allowed", "%LOCAL_REPLY_BODY%"),
+    (408, "request_timeout", "Request Timeout: the request did not arrive in time"),
     (413, "payload_too_large", "Payload Too Large: the request body is larger than {limit} bytes"),
+    (
+        431,
+        "validation",
+        "Request Header Fields Too Large: the request headers are larger than {headers_kb} KiB "
+        "or more than {headers_count} headers",
+    ),
     (503, "unavailable", "The inference server is unreachable: %LOCAL_REPLY_BODY%"),
 )
 
@@ -193,6 +228,12 @@ OPENAI_PATHS = (
     + "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("openai")))
     + "))$"
 )
+
+
+def _error_text(error: str, payload_limit: int) -> str:
+    return error.format(
+        limit=payload_limit, headers_kb=GATEWAY_MAX_REQUEST_HEADERS_KB, headers_count=GATEWAY_MAX_HEADERS_COUNT
+    )
 
 
 def _local_reply_config(payload_limit: int) -> dict[str, Any]:
@@ -215,25 +256,36 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 
     path_regex = {"safe_regex": {"regex": OPENAI_PATHS}}
     openai_path = {"header_filter": {"header": {"name": ":path", "string_match": path_regex}}}
-    mappers = [
-        {
-            "filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
-            "body_format_override": openai_body(error.format(limit=payload_limit), error_type, status),
+    # Envoy's 503 when no engine could be reached (UF) or none is healthy (UH): no engine saw the
+    # request, so it carries the engine's retry marker, for callers' own retries.
+    unsent = {"response_flag_filter": {"flags": ["UF", "UH"]}}
+
+    def mapper(filters: list[dict[str, Any]], body: dict[str, Any], marked: bool = False) -> dict[str, Any]:
+        entry = {
+            "filter": filters[0] if len(filters) == 1 else {"and_filter": {"filters": filters}},
+            "body_format_override": body,
         }
-        for status, error_type, error in _LOCAL_REPLY_TYPES
-    ] + [
-        {
-            "filter": status_filter(status),
-            "body_format_override": json_body(error.format(limit=payload_limit), error_type),
-        }
-        for status, error_type, error in _LOCAL_REPLY_TYPES
-    ]
+        if marked:
+            entry["headers_to_add"] = [_header(RETRYABLE_KEY, "1")]
+        return entry
+
+    mappers = []
+    for on_path, body in (
+        ([openai_path], openai_body),
+        ([], lambda error, error_type, status: json_body(error, error_type)),
+    ):
+        for status, error_type, error in _LOCAL_REPLY_TYPES:
+            text = body(_error_text(error, payload_limit), error_type, status)
+            if status == 503:
+                mappers.append(mapper([status_filter(status), unsent, *on_path], text, marked=True))
+            mappers.append(mapper([status_filter(status), *on_path], text))
     return {"mappers": mappers, "body_format": json_body("%LOCAL_REPLY_BODY%", "gateway")}
 
 
 def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> list[dict[str, Any]]:
     return [
         {"name": CORS_FILTER, "typed_config": {"@type": type_url("envoy.extensions.filters.http.cors.v3.Cors")}},
+        buffer_filter(payload_limit),  # gateway/limits.py
         {
             "name": LUA_FILTER,
             "typed_config": {
@@ -276,6 +328,8 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "stat_prefix": "rest",
         "codec_type": "AUTO",
         "server_name": "inference-service",
+        # Off: a unary request sends nothing until its answer, minutes later; any idle timeout would
+        # cut long generations (routes have no timeouts either, see `_upstream`).
         "stream_idle_timeout": "0s",
         "local_reply_config": _local_reply_config(config.payload_limit),
         "route_config": {
@@ -293,6 +347,14 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         },
         "http_filters": _http_filters(descriptor, config.payload_limit, lua_source),
     }
+    manager.update(
+        connection_manager_limits(
+            config.request_headers_timeout_s,
+            config.request_timeout_s,
+            config.idle_timeout_s,
+            config.max_concurrent_streams,
+        )
+    )
     if config.otlp_endpoint:
         manager["tracing"] = _tracing(config)
     chain: dict[str, Any] = {
@@ -308,16 +370,26 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
     }
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _keepalive(config: GatewayConfig) -> dict[str, Any]:
+    """Envoy's pings to the engine, which the engine permits (`inference_service.api.pings`): without
+    them a dead engine host would hold a silent unary request forever."""
+    return {"interval": _seconds(config.upstream_ping_interval_s), "timeout": _seconds(pings.PING_TIMEOUT_S)}
+
+
 def _cluster(config: GatewayConfig) -> dict[str, Any]:
     limits = {key: UNLIMITED for key in ("max_connections", "max_pending_requests", "max_requests")}
     protocol = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
-            "explicit_http_config": {
-                "http2_protocol_options": {"connection_keepalive": {"interval": "30s", "timeout": "10s"}}
-            },
+            "explicit_http_config": {"http2_protocol_options": {"connection_keepalive": _keepalive(config)}},
         }
     }
+    options = protocol["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+    options["http2_protocol_options"].update(UPSTREAM_HTTP2_OPTIONS)
     cluster = engine_cluster(CLUSTER, config.upstream_host, config.ports, config.routing, protocol, limits)
     if config.upstream_tls is not None:
         cluster["transport_socket"] = upstream_tls(config.upstream_tls)
@@ -380,25 +452,14 @@ def render(config: GatewayConfig) -> dict[str, Any]:
         "listeners": [_listener(config, rest_routes(), envoy_descriptor(), lua_source(config.routing))],
         "clusters": [_cluster(config)] + ([_collector_cluster(config.otlp_endpoint)] if config.otlp_endpoint else []),
     }
-    bootstrap["overload_manager"] = {
-        "resource_monitors": [
-            {
-                "name": "envoy.resource_monitors.global_downstream_max_connections",
-                "typed_config": {
-                    "@type": type_url(
-                        "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
-                    ),
-                    "max_active_downstream_connections": 50_000,
-                },
-            }
-        ]
-    }
+    bootstrap["overload_manager"] = overload_manager(config.max_connections)
     return bootstrap
 
 
 HEADER = (
     "# Envoy config of the inference-service REST gateway (TGI's REST API over textgen.v1 gRPC).\n"
     "# Rendered by gateway/config.py: `python -m gateway --help`; edit the code, not this file.\n"
+    "# Run Envoy with `ulimit -n` above max_active_downstream_connections (gateway/limits.py).\n"
 )
 
 

@@ -3,6 +3,8 @@
 Blocking by design (a thread forwards Envoy's log lines), so tests and the async launcher use the
 same class; the launcher waits on it from a worker thread. Envoy runs in its own process group, so
 a Ctrl-C in a terminal reaches the launcher only, which stops Envoy after the server has drained.
+Envoy gets every descriptor this process may give it (its soft `ulimit -n` raised to the hard
+limit), and a connection cap that leaves some of them for the engine (`gateway.limits`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import collections
 import dataclasses
 import json
 import logging
+import resource
 import shutil
 import ssl
 import subprocess
@@ -21,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from gateway.config import CLUSTER, GatewayConfig, render_yaml
+from gateway.limits import connections_within
 
 logger = logging.getLogger("gateway.envoy")
 
@@ -36,6 +40,7 @@ _PYTHON_LEVELS = {
 }
 LOG_FORMAT = "%l|%v"  # level|message: parsed by `_forward_logs`
 NUM_KEPT_LINES = 20
+MAX_OPEN_FILES = 1 << 20  # where the hard limit is unlimited (Linux's own default ceiling)
 
 
 class GatewayError(Exception):
@@ -60,6 +65,14 @@ def envoy_binary(explicit: str | None = None) -> str:
     return found
 
 
+def open_files_limit(wanted: int | None = None) -> int:
+    """The open-file limit Envoy runs with: `wanted`, else the hard limit (the most this process
+    may give a child), never above the hard limit."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    return min(wanted or ceiling, ceiling)
+
+
 class Envoy:
     """One Envoy process serving `config`; `workdir` holds its config and admin address files."""
 
@@ -71,6 +84,7 @@ class Envoy:
         binary: str | None = None,
         concurrency: int = 1,
         log_level: str = "info",
+        open_files: int | None = None,
     ):
         if config.admin_port is None:
             raise ValueError("the launcher needs Envoy's admin listener (admin_port=0 picks a free port)")
@@ -79,6 +93,11 @@ class Envoy:
         self.binary = envoy_binary(binary)
         self.concurrency = concurrency
         self.log_level = ENVOY_LOG_LEVELS.get(log_level.lower(), "warning")
+        self.open_files = open_files_limit(open_files)
+        # Never more connections than Envoy has descriptors for (gateway/limits.py).
+        self.config = dataclasses.replace(
+            config, max_connections=min(config.max_connections, connections_within(self.open_files))
+        )
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.admin_url: str | None = None
@@ -121,6 +140,7 @@ class Envoy:
         self._process = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0
         )
+        self._set_open_files(self._process.pid)
         threading.Thread(target=self._forward_logs, args=(self._process,), name="envoy-logs", daemon=True).start()
         try:
             self._wait_ready(timeout_s)
@@ -130,6 +150,15 @@ class Envoy:
         # A restart keeps the port the first start was given (port 0 picks one once).
         self.config = dataclasses.replace(self.config, port=self.port)
         logger.debug("envoy %d ready: REST port %d, admin %s", self.pid, self.port, self.admin_url)
+
+    def _set_open_files(self, pid: int) -> None:
+        """Envoy's `ulimit -n` to `open_files`, the limit its connection cap was made for, soft and
+        hard (Envoy raises its soft limit to the hard one itself). Set right after the start: before
+        Envoy is ready it holds a handful of descriptors at most."""
+        try:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
+        except (OSError, ValueError) as error:
+            logger.warning("could not set Envoy's open-file limit to %d: %s", self.open_files, error)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from inference_service.flags import SERVE_FLAGS, args_for
 
+API_KEY_ENV = next(flag.env for flag in SERVE_FLAGS if flag.name == "--api-key")
+
 logger = logging.getLogger("gateway.replicas")
 
 MAX_RESTARTS = 3
@@ -85,8 +87,8 @@ class ReplicaSet:
         # The replica's own gRPC port, thread share and metrics port (the configured one + its index,
         # or any free one with 0), for Prometheus to scrape each replica.
         metrics_port = self._server_config.prometheus_port
-        for name in ("--grpc-port", "--prometheus-port", "--num-threads"):
-            args = _without(args, name)
+        for name in ("--grpc-port", "--prometheus-port", "--num-threads", "--api-key"):
+            args = _without(args, name)  # the key goes in the environment, out of sight of ps
         if self._engine_config.model.device.startswith("cuda"):  # cuda:N → its own GPU, seen as cuda
             args = [*_without(args, "--device"), "--device", "cuda"]
         args += [
@@ -103,10 +105,12 @@ class ReplicaSet:
 
     def environment(self, replica: Replica, environ: dict[str, str] | None = None) -> dict[str, str]:
         """The replica's environment: the launcher's, without the server's flag variables (its
-        command line carries the settings), and on CUDA one GPU of its own: the replica's index
-        among the visible GPUs."""
+        command line carries the settings), the API key (which a command line would show to
+        everyone), and on CUDA one GPU of its own: the replica's index among the visible GPUs."""
         environ = dict(os.environ) if environ is None else environ
         env = {k: v for k, v in environ.items() if k not in {flag.env for flag in SERVE_FLAGS}}
+        if self._server_config.api_key:
+            env[API_KEY_ENV] = self._server_config.api_key
         if self._engine_config.model.device.startswith("cuda"):
             visible = environ.get("CUDA_VISIBLE_DEVICES")
             gpus = visible.split(",") if visible else [str(i) for i in range(len(self.replicas))]

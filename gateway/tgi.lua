@@ -303,9 +303,36 @@ local function set_prefix_hash(handle, path)
   if hash ~= nil then handle:headers():replace("x-prefix-hash", hash) end
 end
 
+-- gRPC's content type on a REST route would pass the transcoder untouched and reach the engine as
+-- a gRPC call to no method (a reset, which read as "unreachable"): 415 at once, saying what to send.
+-- Envoy answers a gRPC request in gRPC's shape, so the request is marked and the answer rewritten.
+local WRONG_CONTENT_TYPE = "Unsupported Media Type: this route takes JSON (Content-Type: application/json); " ..
+                           "application/grpc is for gRPC calls, which go to /textgen.v1.TextGeneration/<method>"
+local LUA_FILTER = "envoy.filters.http.lua"
+
+local function refuse_grpc_content_type(handle)
+  handle:streamInfo():dynamicMetadata():set(LUA_FILTER, "wrong_content_type", true)
+  handle:respond({[":status"] = "415"}, WRONG_CONTENT_TYPE)
+end
+
+local function wrong_content_type_answer(handle, kind)
+  local body = error_json(WRONG_CONTENT_TYPE, "validation")
+  if OPENAI_KINDS[kind] then body = openai_error_json(json_string(WRONG_CONTENT_TYPE), "validation", 415) end
+  handle:body(true):setBytes(body)
+  local headers = handle:headers()
+  strip_grpc_headers(headers)
+  headers:replace(":status", "415")
+  headers:replace("content-type", "application/json")
+end
+
 function envoy_on_request(handle)
   local headers = handle:headers()
   local method, path = headers:get(":method"), (headers:get(":path") or ""):match("^[^?]*")
+  local content_type = headers:get("content-type")
+  if content_type ~= nil and content_type:lower():find("^application/grpc") and handle:metadata():get("kind") then
+    refuse_grpc_content_type(handle)
+    return
+  end
   if method == "OPTIONS" then  -- a preflight the cors filter did not answer: not an allowed origin
     handle:respond({[":status"] = "200"}, "")
     return
@@ -336,6 +363,8 @@ function envoy_on_response(handle)
   local metadata = handle:metadata()
   local kind, field, nulls = metadata:get("kind"), metadata:get("unwrap"), metadata:get("nulls")
   if kind == nil then return end  -- not a transcoded route (404, 405)
+  local marks = handle:streamInfo():dynamicMetadata():get(LUA_FILTER)
+  if marks ~= nil and marks.wrong_content_type then return wrong_content_type_answer(handle, kind) end
   local headers = handle:headers()
   local grpc_status = headers:get("grpc-status")
   if grpc_status ~= nil and grpc_status ~= "0" then return shape_grpc_error(handle, kind, grpc_status) end

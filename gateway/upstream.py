@@ -12,9 +12,11 @@ that is down or draining is taken out, and which requests are retried.
   With most replicas out, Envoy's panic mode tries them all; a replica that can't serve answers
   UNAVAILABLE (loading, draining) and the request is retried on another, so callers see the
   server's own answers (TGI's in-band stream errors included) rather than Envoy's.
-- Retries only where nothing was done: a refused connection or stream, or UNAVAILABLE (a replica
-  loading or draining) or RESOURCE_EXHAUSTED (a full replica) before any response, each time on
-  another replica. Never after a response started: a stream that sent a token is not replayed.
+- Retries only where no engine accepted the request, each time on another replica: a connection
+  that failed or was reset before the request went out, a refused stream, or an engine's own
+  refusal before admission (full, loading, draining), which it marks with `RETRYABLE_KEY`. Never
+  on a status alone: an UNAVAILABLE after admission (a connection closed under a running
+  generation) would replay work that was done, and a request must run once.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.envoy_fields import discovery_type, socket_address, type_url
+from inference_service.api.errors import RETRYABLE_KEY
 
 PREFIX_HASH_HEADER = "x-prefix-hash"
 ROUTINGS = ("least-request", "prefix")
 HEALTH_CHECK_INTERVAL = "1s"
+HEALTH_RETRIES = 3  # REST /health tries up to 4 replicas (Envoy's health checks take dead ones out)
+HEALTH_TRY_TIMEOUT = "3s"  # a replica that can't answer its health in this long is not serving
 
 
 def engine_cluster(
@@ -75,7 +80,8 @@ def engine_cluster(
 
 def retry_policy() -> dict[str, Any]:
     return {
-        "retry_on": "connect-failure,refused-stream,unavailable,resource-exhausted",
+        "retry_on": "connect-failure,reset-before-request,refused-stream,retriable-headers",
+        "retriable_headers": [{"name": RETRYABLE_KEY, "string_match": {"exact": "1"}}],
         "num_retries": 2,
         "retry_host_predicate": [
             {
@@ -92,3 +98,25 @@ def retry_policy() -> dict[str, Any]:
 def hash_policy(routing: str) -> list[dict[str, Any]]:
     """What the ring hash keys on (prefix routing only; a request without the header goes anywhere)."""
     return [{"header": {"header_name": PREFIX_HASH_HEADER}}] if routing == "prefix" else []
+
+
+def health_retry_policy() -> dict[str, Any]:
+    """`/health` is 200 while any replica serves: a health call replica A fails in any way (down,
+    loading, draining, reset by its death, silent) is tried on B, then C, ... A health call admits
+    nothing, so retrying it after a reset is safe, unlike a generation (`retry_policy`)."""
+    return {
+        "retry_on": "connect-failure,refused-stream,reset,unavailable,cancelled,deadline-exceeded,internal,"
+        "resource-exhausted,5xx",
+        "num_retries": HEALTH_RETRIES,
+        "per_try_timeout": HEALTH_TRY_TIMEOUT,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": type_url("envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+    }

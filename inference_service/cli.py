@@ -32,6 +32,7 @@ from inference_service.flags import (
     configure_logging,
     parse_bool,
     resolve_flags,
+    warn_of_command_line_secrets,
 )
 
 PROG = "inference-service"
@@ -47,7 +48,11 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     engine_config, server_config = configs_from_args(args)
     configure_logging(server_config)
+    warn_of_command_line_secrets(args)
     # Imported here so that `--help` and flag errors don't wait for torch.
+    from inference_service.models.loader import resolve_model
+
+    resolve_model(engine_config.model)  # before the port opens: a wrong model id starts nothing
     from inference_service.api.server import StartupError, serve
 
     try:

@@ -43,6 +43,8 @@ class ModelConfig:
     huggingface_hub_cache: str | None = None
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
     quantize: str | None = None  # a scheme of worker/weights/schemes.py; None: as the checkpoint is stored
+    # The name the API gives the model (/info, /v1/models, responses); None: loader.served_name's default.
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -54,6 +56,10 @@ class ModelConfig:
             f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}",
         )
         _require(self.num_threads is None or self.num_threads > 0, "--num-threads must be > 0")
+        _require(
+            self.served_model_name is None or self.served_model_name.strip() != "",
+            "--served-model-name must not be empty",
+        )
         _require(
             self.quantize is None or self.quantize in QUANTIZE_SCHEMES,
             f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, not {self.quantize!r}",
@@ -112,7 +118,7 @@ class LimitsConfig:
     """Per-request limits, with TGI's launcher defaults."""
 
     max_input_tokens: int | None = None  # None = max_total_tokens - 1
-    max_total_tokens: int | None = None  # None = min(model context, KV capacity)
+    max_total_tokens: int | None = None  # None = TGI's default (models/context.py) within the KV capacity
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_best_of: int = 2
@@ -120,6 +126,9 @@ class LimitsConfig:
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     disable_grammar_support: bool = False  # True: every request with a grammar is refused
+    # A grammar's budget at validation (compile + first mask): over it, the request is refused (422).
+    grammar_compile_timeout_ms: int = 2000
+    grammar_max_states: int = 50_000  # lexer DFA states of one grammar (1-2 kB each)
 
     def __post_init__(self) -> None:
         _require(self.max_input_tokens is None or self.max_input_tokens > 0, "--max-input-tokens must be > 0")
@@ -131,6 +140,8 @@ class LimitsConfig:
         _require(self.max_best_of >= 1, "--max-best-of must be >= 1")
         _require(self.max_concurrent_requests >= 1, "--max-concurrent-requests must be >= 1")
         _require(0.0 < self.watermark_gamma < 1.0, "--watermark-gamma must be in (0, 1)")
+        _require(self.grammar_compile_timeout_ms > 0, "--grammar-compile-timeout-ms must be > 0")
+        _require(self.grammar_max_states > 0, "--grammar-max-states must be > 0")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from inference_service.api.config import ServerConfig
@@ -47,7 +49,21 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected true or false, not {text!r}")
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", parse_bool: "true or false"}
+def read_secret_file(path: str) -> str:
+    """A secret kept in a file (`--api-key-file`): its text, without the line end an editor adds."""
+    try:
+        return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError):
+        raise ValueError(f"cannot read {path!r}") from None
+
+
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    parse_bool: "true or false",
+    read_secret_file: "a readable file",
+}
 
 
 class NamedFlag:
@@ -73,7 +89,7 @@ class Flag(NamedFlag):
     help: str
     type: Callable[[str], Any] = str
     short: str | None = None
-    alias_of: str | None = None  # a legacy name of another flag (both given = error)
+    alias_of: str | None = None  # another flag setting the same field: a legacy name, a file (both given = error)
     default_text: str | None = None  # what an unset default (None) means, for --help
 
     @property
@@ -135,6 +151,12 @@ MODEL_FLAGS = (
         "file's quantized tensors.",
         default_text="as the checkpoint is stored",
     ),
+    Flag(
+        "--served-model-name",
+        "model.served_model_name",
+        "The model's name in the API: /info's model_id, /v1/models, the `model` of OpenAI responses.",
+        default_text="--model-id; a .gguf file's name without its folder",
+    ),
 )
 
 ENGINE_FLAGS = (
@@ -167,7 +189,8 @@ ENGINE_FLAGS = (
         "limits.max_total_tokens",
         "Longest prompt + generation in tokens.",
         int,
-        default_text="the model's context, capped by the KV cache",
+        default_text="as TGI: the model's context length (max_position_embeddings, max_seq_len, n_positions, ...) "
+        "up to 4096, else 4096; at most what the KV cache holds",
     ),
     Flag(
         "--watermark-gamma",
@@ -181,6 +204,20 @@ ENGINE_FLAGS = (
         "limits.disable_grammar_support",
         "Refuse requests with a grammar (structured output) with a validation error.",
         parse_bool,
+    ),
+    Flag(
+        "--grammar-compile-timeout-ms",
+        "limits.grammar_compile_timeout_ms",
+        "Longest a request's grammar may take to compile (its first token mask included); a grammar "
+        "over it is refused at validation (422).",
+        int,
+    ),
+    Flag(
+        "--grammar-max-states",
+        "limits.grammar_max_states",
+        "Most lexer states one grammar may build (1-2 kB each); a grammar over it is refused at "
+        "validation, or ends its request with an error if it gets there while generating.",
+        int,
     ),
     Flag(
         "--max-batch-prefill-tokens",
@@ -261,15 +298,28 @@ SERVER_FLAGS = (
     Flag(
         "--api-key",
         "server.api_key",
-        "Key the generation calls (Generate, GenerateStream, Tokenize; REST /, /generate, /generate_stream, "
-        "/tokenize) must carry as 'authorization: Bearer <key>'; health, info and metrics stay open.",
+        "Key that generation and tokenization need, sent as 'Authorization: Bearer <key>': TGI's REST /, "
+        "/invocations, /generate, /generate_stream, /tokenize and OpenAI's /v1/chat/completions, /v1/completions "
+        "(gRPC Generate, GenerateStream, CompatGenerate, Tokenize, ChatCompletion, ChatCompletionStream, "
+        "Completion, CompletionStream). Open without it, as in TGI: /health, /info, /metrics, /v1/models, /docs, "
+        "/openapi.json (gRPC Health, Info, Metrics, ListModels, GetModel, the health service, reflection).",
         default_text="none: nothing is checked",
+    ),
+    Flag(
+        "--api-key-file",
+        "server.api_key",
+        "A file holding the --api-key (or give it as the API_KEY variable): a key on the command line "
+        "is visible to every user of the machine (ps). Either way, replicas get it through their "
+        "environment, never their command line.",
+        read_secret_file,
+        alias_of="--api-key",
+        default_text="none",
     ),
     Flag(
         "--tls-cert",
         "server.tls_cert",
         "TLS on the gRPC port (launch: on Envoy's port too, and from Envoy to the engine): the server's "
-        "certificate chain, PEM.",
+        "certificate chain, PEM. For a test CA with server and client certificates: python -m gateway.certs --out DIR.",
         default_text="none: plaintext",
     ),
     Flag("--tls-key", "server.tls_key", "The private key of --tls-cert, PEM.", default_text="none"),
@@ -363,7 +413,8 @@ def resolve_flags(args: argparse.Namespace, flags: Sequence[Flag], environ: dict
     for flag in flags:
         if flag.alias_of and flag.name in values and flag.alias_of in values:
             raise CliError(
-                f"{flag.alias_of} and {flag.name} are the same setting ({flag.name} is its legacy name): give only one"
+                f"{flag.alias_of} and {flag.name} are the same setting ({flag.name} is its "
+                f"{'file' if flag.type is read_secret_file else 'legacy name'}): give only one"
             )
     return values
 
@@ -390,6 +441,15 @@ def configs_from_args(
         model=configs["model"], cache=configs["cache"], scheduler=configs["scheduler"], limits=configs["limits"]
     )
     return engine, configs["server"]
+
+
+def warn_of_command_line_secrets(args: argparse.Namespace) -> None:
+    """A key given as `--api-key` is in this process's command line, which every user sees (ps)."""
+    if getattr(args, "api_key", None):
+        logging.getLogger("inference_service").warning(
+            "--api-key on the command line is visible to every user of this machine (ps): "
+            "give it with --api-key-file or the API_KEY variable instead"
+        )
 
 
 def configure_logging(server: ServerConfig) -> None:

@@ -204,6 +204,8 @@ class EngineInfo:
     # The model's generation config: the first generated token, and the last one at max_new_tokens.
     forced_bos_token_id: int | None = None
     forced_eos_token_id: int | None = None
+    # When the model was loaded (Unix seconds): the `created` of OpenAI's model card.
+    loaded_at: int = 0
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -151,11 +151,12 @@ def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig, stats: outp
     )
 
 
-def model_card(model_id: str) -> pb.ModelCard:
-    """The served model, owned by itself (TGI's answer)."""
-    return pb.ModelCard(id=model_id, object="model", created=0, owned_by=model_id)
+def model_card(info: outputs.EngineInfo) -> pb.ModelCard:
+    """The served model, owned by itself (TGI's answer), created when this server loaded it (TGI
+    says 0; a real time is what OpenAI's clients expect)."""
+    return pb.ModelCard(id=info.model_id, object="model", created=info.loaded_at, owned_by=info.model_id)
 
 
-def models_to_pb(model_id: str) -> pb.ListModelsResponse:
+def models_to_pb(info: outputs.EngineInfo) -> pb.ListModelsResponse:
     """OpenAI's model list, as TGI answers it: the served model alone."""
-    return pb.ListModelsResponse(object="list", data=[model_card(model_id)])
+    return pb.ListModelsResponse(object="list", data=[model_card(info)])

@@ -16,11 +16,18 @@ ASSETS = {
     "favicon-32x32.png": "image/png",
     "favicon-16x16.png": "image/png",
 }
-# Relative links: the page is /docs, so `docs/x` is /docs/x and `openapi.json` is /openapi.json.
+# Relative links, so the page works behind a proxy's path prefix: at /docs, `docs/x` is /docs/x and
+# `openapi.json` is /openapi.json. The same page answers /docs/, where a base of `../` (set before any
+# link is read) makes the same links resolve as from /docs.
 PAGE = """<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
+<script>
+if (location.pathname.endsWith("/")) {
+  document.head.appendChild(Object.assign(document.createElement("base"), {href: "../"}));
+}
+</script>
 <title>inference-service REST API</title>
 <link rel="stylesheet" href="docs/swagger-ui.css">
 <link rel="icon" type="image/png" href="docs/favicon-32x32.png" sizes="32x32">

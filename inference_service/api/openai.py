@@ -142,7 +142,7 @@ class OpenAIRoutes:
 
     @unary_errors
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.ModelCard:
-        model_id, asked = self._backend.engine().info.model_id, urllib.parse.unquote(request.id)  # SDKs send `/` as %2F
-        if asked != model_id:
-            raise NotFoundError(f"The model '{asked}' does not exist: this server serves '{model_id}'")
-        return convert.model_card(model_id)
+        info, asked = self._backend.engine().info, urllib.parse.unquote(request.id)  # SDKs send `/` as %2F
+        if asked != info.model_id:
+            raise NotFoundError(f"The model '{asked}' does not exist: this server serves '{info.model_id}'")
+        return convert.model_card(info)

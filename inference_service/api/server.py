@@ -22,8 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from inference_service.api import pings
 from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
+from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.config import EngineConfig
 from inference_service.engine.async_engine import AsyncEngine
@@ -75,8 +77,10 @@ class ApiServer:
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[
+                *metadata_options(),  # what Envoy forwards always fits (api/header_limits.py)
                 ("grpc.max_receive_message_length", server_config.payload_limit),
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+                *pings.server_options(server_config.min_ping_interval_s),
             ],
         )
         generate_pb2_grpc.add_TextGenerationServicer_to_server(self.servicer, self._server)

@@ -96,4 +96,4 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @unary_errors
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
-        return convert.models_to_pb(self._backend.engine().info.model_id)
+        return convert.models_to_pb(self._backend.engine().info)

@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
@@ -28,6 +30,13 @@ from inference_service.sampling_params import EngineRequest
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # the engine thread re-checks for shutdown this often when idle
+# Test-only: milliseconds the engine thread sleeps after each step, so a tiny model's request can
+# last minutes (the long-request tests). Unset in any real deployment.
+STEP_DELAY_ENV = "INFERENCE_SERVICE_TEST_STEP_DELAY_MS"
+
+
+def _step_delay_s() -> float:
+    return float(os.environ.get(STEP_DELAY_ENV) or 0) / 1000
 
 
 @dataclasses.dataclass
@@ -73,6 +82,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._step_delay_s = _step_delay_s()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -224,6 +234,8 @@ class AsyncEngine:
             try:
                 self._apply_commands(block=not engine.has_unfinished())
                 outputs = engine.step() if engine.has_unfinished() else []
+                if outputs and self._step_delay_s:  # 0 unless a test slows the engine down
+                    time.sleep(self._step_delay_s)
             except Exception as error:  # noqa: BLE001 — a bug must not kill the engine thread
                 logger.exception("engine step failed")
                 outputs = engine.fail_all(error)

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig
 
-from inference_service.config import CacheConfig, EngineConfig, parse_memory
+from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
 from inference_service.errors import ModelLoadError
-from inference_service.models import demo, loader
+from inference_service.models import context, demo, loader
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
-from inference_service.sample.grammar import GrammarCompiler
+from inference_service.sample.grammar import GrammarBudget, GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker.attention import paged as attention
@@ -58,7 +59,7 @@ class LoadedModel:
     model: Any  # a transformers PreTrainedModel (torch.nn.Module types its attributes as tensors)
     tokenizer: object
     device: torch.device
-    model_id: str
+    model_id: str  # the name the API serves it under (loader.served_name)
     model_sha: str | None
     quantize: str | None = None  # the scheme serving; None: full precision
     num_quantized: int = 0  # linears replaced by quantized ones
@@ -97,7 +98,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         )
     info = make_info(config, loaded, num_blocks)
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
-    grammar_compiler = None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info)
+    grammar_compiler = (
+        None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info, config.limits)
+    )
     speculator = None
     if info.speculate:
         speculator = Speculator(NgramProposer(), info.speculate, info.max_total_tokens)
@@ -133,11 +136,14 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo) -> GrammarCompiler | None:
+def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:
     """The grammar compiler over the model's tokenizer; None (grammars refused) where the grammar engine
     can't read the tokenizer (it needs a fast one): the server still serves everything else."""
+    budget = GrammarBudget(
+        compile_timeout_s=limits.grammar_compile_timeout_ms / 1000, max_lexer_states=limits.grammar_max_states
+    )
     try:
-        return GrammarCompiler(loaded.tokenizer, info.vocab_size, info.eos_token_ids)
+        return GrammarCompiler(loaded.tokenizer, info.vocab_size, info.eos_token_ids, budget=budget)
     except Exception as error:  # noqa: BLE001 — a missing feature, not a failed load
         logger.warning("grammar support is off: the grammar engine can't use this tokenizer (%s)", error)
         return None
@@ -182,7 +188,14 @@ def load(config: EngineConfig) -> LoadedModel:
             # it was loaded with, and builds no causal mask for it).
             model, num_quantized = load_weights(FALLBACK_ATTENTION)
     return LoadedModel(
-        model, tokenizer, device, config.model.model_id, resolved.model_sha, scheme, num_quantized, fallback_reason
+        model,
+        tokenizer,
+        device,
+        loader.served_name(config.model, resolved),
+        resolved.model_sha,
+        scheme,
+        num_quantized,
+        fallback_reason,
     )
 
 
@@ -234,8 +247,7 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
     text_config = loaded.model.config.get_text_config()
     capacity = num_blocks * config.cache.block_size
     limits = config.limits
-    # A model with no stated context (ALiBi: BLOOM, MPT) needs --max-total-tokens.
-    max_total = limits.max_total_tokens or min(_model_context(text_config, loaded.tokenizer), capacity)
+    max_total = limits.max_total_tokens or min(_default_max_total(loaded), capacity)
     if max_total > capacity:
         raise ModelLoadError(
             f"--max-total-tokens {max_total} is more than the KV cache holds ({capacity} "
@@ -269,6 +281,7 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         attention_impl=ATTENTION_IMPL if loaded.fallback_reason else "paged",
         quantize=loaded.quantize,
         weights_nbytes=weights_nbytes(loaded.model),
+        loaded_at=int(time.time()),
         **_generation_defaults(loaded.model),
     )
 
@@ -296,13 +309,13 @@ def _generation_defaults(model) -> dict:
     }
 
 
-def _model_context(text_config, tokenizer) -> int:
-    context = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
-    tokenizer_max = getattr(tokenizer, "model_max_length", None)
-    candidates = [c for c in (context, tokenizer_max) if isinstance(c, int) and 0 < c < 10**8]
-    if not candidates:
-        raise ModelLoadError("the model states no context length; pass --max-total-tokens")
-    return min(candidates)
+def _default_max_total(loaded: LoadedModel) -> int:
+    """TGI's default (models/context.py), within the tokenizer's `model_max_length` where it states one."""
+    default = context.default_max_total_tokens(context.stated_context_length(loaded.model.config))
+    tokenizer_max = getattr(loaded.tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_max, int) and 0 < tokenizer_max < 10**8:  # unset is ~1e30
+        return min(default, tokenizer_max)
+    return default
 
 
 def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:

@@ -66,6 +66,16 @@ def resolve_model(config: ModelConfig) -> ResolvedModel:
     return _resolve_hub(config)
 
 
+def served_name(config: ModelConfig, resolved: ResolvedModel) -> str:
+    """The model's name in the API: --served-model-name, else the model id as given (TGI's), except
+    that a GGUF file is named by its file name: its path is this machine's business, not the API's."""
+    if config.served_model_name:
+        return config.served_model_name
+    if resolved.source == "gguf":
+        return Path(config.model_id).name
+    return config.model_id
+
+
 def _looks_like_path(model_id: str) -> bool:
     """Hub ids are `name` or `org/name`; anything else was meant as a local path."""
     return os.path.isabs(model_id) or model_id.startswith((".", "~")) or model_id.count("/") > 1

@@ -1,5 +1,6 @@
 """`--api-key` through Envoy, as TGI answers: generation routes need `Authorization: Bearer <key>`
-(a bare 401 otherwise, streams included), health, info, metrics and the model list stay open."""
+(a bare 401 otherwise, streams included), health, info, metrics and the model list stay open. (That
+a key from `--api-key-file` shows on no replica's command line: tests/e2e/test_replicas.py.)"""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from rest_helpers import sse_events, status_and_body
@@ -144,8 +145,10 @@ def test_metrics(gateway):
 
 def test_models(gateway):
     body = json.loads(gateway.curl("/v1/models"))
-    model_id = gateway.server.engine.info.model_id
-    assert body == {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]}
+    info = gateway.server.engine.info
+    card = {"id": info.model_id, "object": "model", "created": info.loaded_at, "owned_by": info.model_id}
+    assert body == {"object": "list", "data": [card]}
+    assert 0 < info.loaded_at <= time.time()  # when the server loaded the model, not 0
 
 
 def test_unknown_request_fields_and_nulls_are_accepted(gateway, validate):

@@ -91,19 +91,29 @@ def test_openai_responses_validate(docs_gateway, document):
     check(document, json.loads(error), "/v1/models/{id}", "get", "404")
 
 
-def test_swagger_ui_lists_every_route(docs_gateway, document, tmp_path):
+@pytest.mark.parametrize("page", ["/docs", "/docs/"])
+def test_swagger_ui_lists_every_route(docs_gateway, document, tmp_path, page):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "Chromium is needed: `make test` installs Debian's chromium package"
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000"]
     dom = subprocess.run(
-        [*flags, "--dump-dom", docs_gateway.url + "/docs"], capture_output=True, text=True, timeout=120
+        [*flags, "--dump-dom", docs_gateway.url + page], capture_output=True, text=True, timeout=120
     ).stdout
     listed = {segment.split('"')[0] for segment in dom.split('data-path="')[1:]}
     assert listed == set(document["paths"]), set(document["paths"]) ^ listed
+    if page.endswith("/"):
+        return  # one screenshot is enough
     screenshot = tmp_path / "docs.png"
     subprocess.run(
-        [*flags, "--window-size=1280,2000", f"--screenshot={screenshot}", docs_gateway.url + "/docs"],
+        [*flags, "--window-size=1280,2000", f"--screenshot={screenshot}", docs_gateway.url + page],
         capture_output=True,
         timeout=120,
     )
     assert screenshot.read_bytes().startswith(b"\x89PNG") and screenshot.stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("path", ["/docs/a/swagger-ui.css", "/docs/docs/swagger-ui.css", "/docs/../../etc/passwd"])
+def test_files_the_docs_do_not_have_are_404_at_any_depth(docs_gateway, path):
+    status, _, body = status_and_body(docs_gateway.curl(path, "-i", "--path-as-is"))
+    assert status == 404, body
+    assert json.loads(body)["error_type"] == "not_found"

@@ -1,7 +1,8 @@
 """`launch --num-replicas 2`: requests spread over both replicas, REST and gRPC through Envoy's one
-port; SIGKILL one under load and nothing is lost beyond typed errors of what it had in flight; it is
-restarted and serves again; SIGTERM stops everything. `--routing prefix` keeps a prompt's prefix on
-one replica."""
+port; SIGKILL one under load and nothing is lost beyond typed errors of what it had in flight, and
+/health stays 200 (the other replica serves); it is restarted and serves again; SIGTERM stops
+everything. `--routing prefix` keeps a prompt's prefix on one replica (launched with an API key from
+`--api-key-file`, which every replica checks and no command line shows)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from pathlib import Path
 
 import grpc
 
@@ -23,14 +26,46 @@ READY = r"ready: TGI REST API on (http://\S+) \(gRPC too\), balanced over (\d+) 
 REPLICA = r"replica (\d+) \(pid (\d+)\): gRPC port (\d+)"
 
 
-def generate(url: str, inputs: str, max_new_tokens: int = 8, timeout: float = 60) -> tuple[int, dict]:
+def generate(
+    url: str, inputs: str, max_new_tokens: int = 8, timeout: float = 60, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
     body = json.dumps({"inputs": inputs, "parameters": {"max_new_tokens": max_new_tokens}}).encode()
-    request = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url + "/generate", data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
+
+
+def health_status(url: str) -> int:
+    """REST /health's status (0: no answer at all)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0
+
+
+class HealthPoller(threading.Thread):
+    """Asks REST /health again and again until stopped; `statuses` holds the answers."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.statuses, self._stop_event = url, [], threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.statuses.append(health_status(self.url))
+            time.sleep(0.01)
+
+    def stop(self) -> Counter:
+        self._stop_event.set()
+        self.join(60)
+        return Counter(self.statuses)
 
 
 def wait_envoy_sees_healthy(run: Launched, count: int = 2, timeout_s: float = 30) -> None:
@@ -99,6 +134,8 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
     for thread in load:
         thread.start()
     time.sleep(0.3)
+    poller = HealthPoller(url)  # asked throughout the death and the restart
+    poller.start()
     killed_pid, killed_port = replicas[1]
     os.kill(killed_pid, signal.SIGKILL)
     for thread in load:
@@ -112,6 +149,8 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
 
     # Restarted on the same port, it serves again; nothing is lost meanwhile.
     run.wait_for(r"replica 1 restarted \(pid (\d+)\): serving again", timeout_s=60)
+    health = poller.stop()
+    assert set(health) == {200} and health[200] > 10, health  # it flapped to 503 before
     new_pid, port = replicas_of(run)[1]
     assert new_pid != killed_pid and port == killed_port
     wait_envoy_sees_healthy(run)
@@ -126,19 +165,31 @@ def test_two_replicas_share_the_load_survive_a_kill_and_stop(launched):
     assert not any(alive(pid) for pid, _ in replicas_of(run).values())
 
 
-def test_prefix_routing_keeps_a_prefix_on_one_replica(launched):
-    run = launched("--num-replicas", "2", "--routing", "prefix")
+def test_prefix_routing_keeps_a_prefix_on_one_replica(launched, tmp_path):
+    key = "s3cret-Key"
+    key_file = tmp_path / "api-key"
+    key_file.write_text(key + "\n")
+    run = launched("--num-replicas", "2", "--routing", "prefix", "--api-key-file", str(key_file))
     url = run.wait_for(READY).group(1)
     wait_envoy_sees_healthy(run)
+    # The key: on no command line (what `ps` shows; replicas had it there), in the replicas' environment.
+    replica_pids = [pid for pid, _ in replicas_of(run).values()]
+    for pid in [run.process.pid, *replica_pids]:
+        assert key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace")
+    for pid in replica_pids:
+        assert f"API_KEY={key}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    auth = {"Authorization": f"Bearer {key}"}
+    assert generate(url, "no key", 2)[0] == 401
+
     ports = [port for _, port in replicas_of(run).values()]
     deadline = time.monotonic() + 30  # different prefixes land on both (once Envoy uses both)
     while time.monotonic() < deadline and not all(steps_of(port) for port in ports):
         for index in range(20):
-            assert generate(url, f"{index} a different conversation", 2)[0] == 200
-    assert all(steps_of(port) for port in ports)
+            assert generate(url, f"{index} a different conversation", 2, headers=auth)[0] == 200
+    assert all(steps_of(port) for port in ports)  # both replicas took the key
     shared = "You are a helpful assistant who answers in rhymes. " * 6  # longer than the hashed prefix
     before = [steps_of(port) for port in ports]
     for turn in range(6):
-        assert generate(url, shared + f"question {turn}?", 2)[0] == 200
+        assert generate(url, shared + f"question {turn}?", 2, headers=auth)[0] == 200
     moved = [steps_of(port) - count for port, count in zip(ports, before, strict=True)]
     assert sorted(moved)[0] == 0 and sorted(moved)[1] > 0, moved  # every turn on the same replica

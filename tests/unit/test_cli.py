@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from inference_service.api.config import ServerConfig
 from inference_service.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY_FILE = Path(tempfile.mkdtemp(prefix="api-key-")) / "key"
+KEY_FILE.write_text("s3cret-from-a-file\n")
 
 # A valid value per flag, and the config field it must land in.
 SAMPLES = {
@@ -26,6 +29,7 @@ SAMPLES = {
     "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"),
     "--chat-template": ("chat.jinja", "chat.jinja"),
     "--quantize": ("eetq", "eetq"),
+    "--served-model-name": ("acme/chat", "acme/chat"),
     "--max-concurrent-requests": ("7", 7),
     "--max-best-of": ("3", 3),
     "--max-stop-sequences": ("6", 6),
@@ -36,6 +40,8 @@ SAMPLES = {
     "--watermark-gamma": ("0.25", 0.25),
     "--watermark-delta": ("1.5", 1.5),
     "--disable-grammar-support": (None, True),
+    "--grammar-compile-timeout-ms": ("500", 500),
+    "--grammar-max-states": ("1000", 1000),
     "--max-batch-prefill-tokens": ("512", 512),
     "--max-batch-size": ("8", 8),
     "--waiting-served-ratio": ("1.2", 1.2),
@@ -55,6 +61,7 @@ SAMPLES = {
     "--otlp-service-name": ("svc", "svc"),
     "--prometheus-port": ("9100", 9100),
     "--api-key": ("s3cret", "s3cret"),
+    "--api-key-file": (str(KEY_FILE), "s3cret-from-a-file"),  # the line end is not the key's
     "--tls-cert": ("c.pem", "c.pem"),
     "--tls-key": ("k.pem", "k.pem"),
     "--tls-client-ca": ("ca.pem", "ca.pem"),
@@ -106,6 +113,15 @@ def test_environment_variable_sets_its_field(flag):
 def test_the_api_key_stays_out_of_reprs():
     _engine, server = parse([], {"API_KEY": "s3cret"})
     assert server.api_key == "s3cret" and "s3cret" not in repr(server)
+
+
+def test_the_api_key_from_a_file_and_not_from_two_places(tmp_path):
+    with pytest.raises(flags.CliError, match="--api-key and --api-key-file are the same setting"):
+        parse(["--api-key", "a", "--api-key-file", str(KEY_FILE)])
+    with pytest.raises(flags.CliError, match="a readable file"):
+        parse(["--api-key-file", str(tmp_path / "missing")])
+    with pytest.raises(flags.CliError, match="API_KEY_FILE=.*a readable file"):
+        parse([], {"API_KEY_FILE": str(tmp_path / "missing")})
 
 
 def test_env_names_are_tgi_style():
@@ -208,6 +224,18 @@ def test_help_explains_every_flag(capsys, monkeypatch):
     out = capsys.readouterr().out
     for flag in flags.SERVE_FLAGS:
         assert flag.name in out and f"[env: {flag.env}]" in out
+
+
+def test_api_key_help_names_every_guarded_call_and_route():
+    from inference_service.api.auth import GUARDED_METHODS
+
+    [flag] = [flag for flag in flags.SERVE_FLAGS if flag.name == "--api-key"]
+    guarded, open_part = flag.help.split("Open without it")
+    names = re.findall(r"\b[A-Z][A-Za-z]+\b", guarded)
+    assert {method.rsplit("/", 1)[-1] for method in GUARDED_METHODS} <= set(names)
+    routes = ("/generate", "/generate_stream", "/tokenize", "/invocations", "/v1/chat/completions", "/v1/completions")
+    for path in routes:
+        assert path in guarded and path not in open_part
 
 
 def test_readme_flag_table_matches_the_code():

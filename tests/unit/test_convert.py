@@ -279,9 +279,9 @@ def test_info_has_tgi_fields_and_stats():
 
 
 def test_model_list_is_openai_shaped():
-    models = convert.models_to_pb("m")
+    models = convert.models_to_pb(dataclasses.replace(INFO, loaded_at=1_700_000_000))
     assert models.object == "list"
-    assert models.data[0] == pb.ModelCard(id="m", object="model", created=0, owned_by="m")
+    assert models.data[0] == pb.ModelCard(id="m", object="model", created=1_700_000_000, owned_by="m")
 
 
 def test_tokenize_spans():

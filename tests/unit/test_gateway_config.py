@@ -68,7 +68,7 @@ def test_routes_are_tgis_and_openais():
         ("GET", "/metrics"),
         ("GET", "/openapi.json"),
         ("GET", "/docs"),
-        ("GET", "/docs/{file}"),
+        ("GET", "/docs/{file=**}"),
         ("GET", "/v1/models"),
         ("GET", "/v1/models/{id=**}"),
         ("POST", "/v1/chat/completions"),

@@ -41,6 +41,9 @@ ARCHITECTURES = {
 }
 
 
+BLOOM_CONTEXT = 256
+
+
 def llama_cpp_layout(arch: str, gguf_name: str, weights: np.ndarray, config) -> np.ndarray:
     """The tensor as llama.cpp's convert_hf_to_gguf.py stores it (what transformers' reader undoes)."""
     if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
@@ -74,6 +77,8 @@ def write_gguf(path, model, tokenizer, arch: str):
             writer.add_uint32(f"{arch}.{key}", value)
         elif isinstance(value, float):
             writer.add_float32(f"{arch}.{key}", value)
+    if arch == "bloom":  # llama.cpp writes one (`seq_length`, else the width); BLOOM's config has no field for it
+        writer.add_context_length(BLOOM_CONTEXT)
     if arch == "gpt2":  # as llama.cpp: these two from fixed fields, not the mapping's names
         writer.add_context_length(config.n_positions)
         writer.add_feed_forward_length(4 * config.n_embd)
@@ -166,3 +171,16 @@ def test_a_gguf_file_loads_with_the_original_logits_and_serves_what_it_generates
             ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=original.config.eos_token_id
         )
     assert tokens == reference[0, ids.shape[1] :].tolist()
+
+
+def test_a_bloom_gguf_keeps_the_context_length_it_states(tmp_path, tokenizer, monkeypatch):
+    """transformers' reader drops `bloom.context_length`; the conversion keeps it, and it is the
+    default --max-total-tokens as for any model stating one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    vocab = tokenizer.get_vocab()
+    model = tiny_model(tiny_config("bloom", vocab_size=len(vocab), eos_token_id=vocab["<|im_end|>"]))
+    path = write_gguf(tmp_path / "tiny-bloom.gguf", model, tokenizer, "bloom")
+    engine = build_engine(
+        EngineConfig(model=ModelConfig(model_id=str(path)), cache=CacheConfig(max_batch_total_tokens=4096))
+    )
+    assert (engine.info.max_total_tokens, engine.info.max_input_tokens) == (BLOOM_CONTEXT, BLOOM_CONTEXT - 1)

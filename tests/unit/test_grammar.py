@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import pytest
 import torch
 
-from inference_service.errors import GenerationError, ValidationError
+from inference_service.errors import GenerationError, OverloadedError, ValidationError
 from inference_service.sample import ops
 from inference_service.sample.grammar import (
+    GrammarBudget,
     GrammarCompiler,
     GrammarSpec,
+    GrammarTooComplex,
     fill_bitmasks,
     grammar_spec_from_tgi,
     prefetch_masks,
@@ -221,3 +224,76 @@ def test_every_engine_eos_id_ends_a_complete_grammar(byte_tokenizer):
         byte_tokenizer.eos_token_id,
         im_end,
     }
+
+
+# -- budgets: a grammar's cost is paid and checked at compile time, off the engine thread ------------
+def chained_schema(depth: int = 62) -> dict:
+    """`depth` $defs, each an array of exactly two of the next: tiny to send, 2**depth leaves to write."""
+    defs = {
+        f"d{i}": {
+            "type": "array",
+            "prefixItems": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}],
+            "minItems": 2,
+            "items": False,
+        }
+        for i in range(depth)
+    }
+    defs[f"d{depth}"] = {"type": "string"}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"], "$defs": defs}
+
+
+@pytest.mark.parametrize(
+    ("spec", "first_text"),
+    [
+        (GrammarSpec("json", json.dumps(chained_schema())), "{"),
+        (GrammarSpec("regex", "((a+)+)+b"), "a"),
+        (GrammarSpec("regex", "(((a*)*)*)*(b|c)+"), "b"),
+    ],
+)
+def test_deep_schemas_and_nested_quantifiers_compile_cheaply(byte_tokenizer, byte_grammar_compiler, spec, first_text):
+    vocab_size = len(byte_tokenizer)
+    state = byte_grammar_compiler.compile(spec).new_state()
+    allowed = allowed_ids(fill_bitmasks([state], vocab_size)[0], vocab_size)
+    assert byte_tokenizer.convert_tokens_to_ids(first_text) in allowed
+
+
+def test_a_huge_counted_repetition_is_refused_at_compile_and_the_refusal_is_cached(byte_tokenizer):
+    compiler = GrammarCompiler(
+        byte_tokenizer, len(byte_tokenizer), [1], budget=GrammarBudget(compile_timeout_s=0.2, max_concurrent=1)
+    )
+    spec = GrammarSpec("regex", "a{1000000}")
+    with pytest.raises(GrammarTooComplex, match="grammar is too complex: ") as error:
+        compiler.compile(spec)
+    assert isinstance(error.value, ValidationError)  # the caller's error: 422 / INVALID_ARGUMENT
+    with pytest.raises(GrammarTooComplex):  # sent again: refused without compiling again
+        compiler.compile(spec)
+    assert compiler.num_compiled == 1
+
+
+def test_a_regex_that_matches_nothing_is_invalid(byte_grammar_compiler):
+    with pytest.raises(ValidationError, match="grammar is not valid: no text matches it"):
+        byte_grammar_compiler.compile(GrammarSpec("regex", r"[^\s\S]"))
+
+
+def test_grammar_error_messages_are_bounded(byte_grammar_compiler):
+    with pytest.raises(ValidationError, match="unclosed group") as error:
+        byte_grammar_compiler.compile(GrammarSpec("regex", "(x" + "y" * 100_000))
+    assert len(error.value.message) < 400 and "\n" not in error.value.message
+
+
+def test_compiles_queued_past_the_budget_are_overload_not_invalid(byte_tokenizer):
+    compiler = GrammarCompiler(
+        byte_tokenizer, len(byte_tokenizer), [1], budget=GrammarBudget(compile_timeout_s=0.2, max_concurrent=1)
+    )
+    slow = threading.Thread(
+        target=lambda: pytest.raises(GrammarTooComplex, compiler.compile, GrammarSpec("regex", "((a{100}){100}){100}"))
+    )
+    slow.start()
+    while compiler.num_running == 0:  # the only compiler thread is busy with the slow grammar
+        time.sleep(0.005)
+    with pytest.raises(OverloadedError):
+        compiler.compile(GrammarSpec("regex", "[0-9]+"))
+    slow.join()
+    while compiler.num_running:  # the slow grammar's compilation runs on to its own end
+        time.sleep(0.005)
+    assert compiler.compile(GrammarSpec("regex", "[0-9]+")).spec.value == "[0-9]+"  # not cached as refused

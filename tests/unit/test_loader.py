@@ -19,11 +19,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from inference_service.config import ModelConfig
 from inference_service.errors import ModelLoadError
 from inference_service.models.loader import (
+    ResolvedModel,
     load_model,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
     resolve_model,
+    served_name,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -194,6 +196,21 @@ def test_path_like_ids_that_do_not_exist_are_not_sent_to_the_hub(tmp_path):
 
 
 # --- dtype and device ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_id", "source", "served", "expected"),
+    [
+        ("org/name", "hub", None, "org/name"),  # TGI's: the id as given
+        ("/models/my-llama", "local", None, "/models/my-llama"),
+        ("/models/gguf/tiny.Q4_0.gguf", "gguf", None, "tiny.Q4_0.gguf"),  # not this machine's path
+        ("/models/gguf/tiny.Q4_0.gguf", "gguf", "acme/tiny", "acme/tiny"),
+        ("org/name", "hub", "served", "served"),
+    ],
+)
+def test_served_name(model_id, source, served, expected):
+    resolved = ResolvedModel(Path("/cache/folder"), None, source)
+    assert served_name(ModelConfig(model_id=model_id, served_model_name=served), resolved) == expected
 
 
 def test_auto_device_is_cuda_only_when_available():

@@ -25,7 +25,8 @@ def _routes(config: GatewayConfig) -> list[dict]:
     listener = render(config)["static_resources"]["listeners"][0]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
-    return [r for r in routes if "route" in r and r["name"] != "preflight"]  # preflights end at the Lua filter
+    # Preflights end at the Lua filter; health retries on every replica (tests/unit/test_gateway_limits_config.py).
+    return [r for r in routes if "route" in r and r["name"] not in ("preflight", "Health")]
 
 
 def test_replicas_are_the_cluster_endpoints_with_health_checks_and_outlier_detection():
@@ -45,12 +46,15 @@ def test_replicas_are_the_cluster_endpoints_with_health_checks_and_outlier_detec
 def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_routing():
     for route in _routes(GatewayConfig()):
         policy = route["route"]["retry_policy"]
+        # Never on a status alone (UNAVAILABLE, RESOURCE_EXHAUSTED): only the engine's own marker
+        # says that it refused the request before admitting it.
         assert set(policy["retry_on"].split(",")) == {
             "connect-failure",
+            "reset-before-request",
             "refused-stream",
-            "unavailable",
-            "resource-exhausted",
+            "retriable-headers",
         }
+        assert policy["retriable_headers"] == [{"name": "x-textgen-retryable", "string_match": {"exact": "1"}}]
         assert "hash_policy" not in route["route"]
     prefix = GatewayConfig(upstream_ports=(7001, 7002), routing="prefix")
     assert _engine_cluster(prefix)["lb_policy"] == "RING_HASH"
@@ -133,3 +137,16 @@ def test_on_cuda_each_replica_sees_one_gpu_of_its_own():
     assert command[command.index("--device") + 1] == "cuda" and command.count("--device") == 1
     cpu = ReplicaSet(EngineConfig(model=ModelConfig(model_id="m")), ServerConfig(grpc_port=7000), 2, "127.0.0.1")
     assert "CUDA_VISIBLE_DEVICES" not in cpu.environment(cpu.replicas[0], {})
+
+
+def test_replicas_get_the_api_key_through_their_environment_not_their_command_line():
+    engine = EngineConfig(model=ModelConfig(model_id="some/model"))
+    replicas = ReplicaSet(engine, ServerConfig(grpc_port=7000, api_key="s3cret-Key"), 2, "127.0.0.1")
+    replica = replicas.replicas[0]
+    assert not any("s3cret-Key" in arg for arg in replicas.command(replica)) and "--api-key" not in " ".join(
+        replicas.command(replica)
+    )
+    environment = replicas.environment(replica, {"API_KEY": "other", "API_KEY_FILE": "/run/key", "HOME": "/h"})
+    assert environment == {"API_KEY": "s3cret-Key", "HOME": "/h"}
+    keyless = ReplicaSet(engine, ServerConfig(grpc_port=7000), 2, "127.0.0.1")
+    assert "API_KEY" not in keyless.environment(keyless.replicas[0], {"API_KEY": "stale"})

@@ -181,8 +181,8 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Docs(self, request, context):
-        """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
-        NOT_FOUND (REST 404) for a file it does not have.
+        """Swagger UI over the OpenAPI document: its page at `/docs` (and `/docs/`), its assets at `/docs/{file}`.
+        NOT_FOUND (REST 404) for a file it does not have, at any depth.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

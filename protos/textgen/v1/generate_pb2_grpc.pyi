@@ -65,8 +65,8 @@ class TextGenerationStub:
     OpenApi: _grpc.UnaryUnaryMultiCallable[_generate_pb2.OpenApiRequest, _httpbody_pb2.HttpBody]
     """The OpenAPI 3 document of these REST routes, generated from this file (gateway/openapi.py)."""
     Docs: _grpc.UnaryUnaryMultiCallable[_generate_pb2.DocsRequest, _httpbody_pb2.HttpBody]
-    """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
-    NOT_FOUND (REST 404) for a file it does not have.
+    """Swagger UI over the OpenAPI document: its page at `/docs` (and `/docs/`), its assets at `/docs/{file}`.
+    NOT_FOUND (REST 404) for a file it does not have, at any depth.
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]
     """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
@@ -120,8 +120,8 @@ class TextGenerationAsyncStub(TextGenerationStub):
     OpenApi: _aio.UnaryUnaryMultiCallable[_generate_pb2.OpenApiRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
     """The OpenAPI 3 document of these REST routes, generated from this file (gateway/openapi.py)."""
     Docs: _aio.UnaryUnaryMultiCallable[_generate_pb2.DocsRequest, _httpbody_pb2.HttpBody]  # type: ignore[assignment]
-    """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
-    NOT_FOUND (REST 404) for a file it does not have.
+    """Swagger UI over the OpenAPI document: its page at `/docs` (and `/docs/`), its assets at `/docs/{file}`.
+    NOT_FOUND (REST 404) for a file it does not have, at any depth.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]  # type: ignore[assignment]
     """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
@@ -226,8 +226,8 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generate_pb2.DocsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_httpbody_pb2.HttpBody, _abc.Awaitable[_httpbody_pb2.HttpBody]]:
-        """Swagger UI over the OpenAPI document: its page at `/docs`, its assets at `/docs/{file}`.
-        NOT_FOUND (REST 404) for a file it does not have.
+        """Swagger UI over the OpenAPI document: its page at `/docs` (and `/docs/`), its assets at `/docs/{file}`.
+        NOT_FOUND (REST 404) for a file it does not have, at any depth.
         """
 
     @_abc_1.abstractmethod

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 CONVERSION_MARKER = "conversion.json"
 # Part of a conversion's cache folder name: raised when a fix changes what a file converts to, so a
 # conversion made before it is not reused (2: config fields transformers' reader misses; 3: T5's
-# feed-forward and output matrix as llama.cpp reads them).
-CONVERTER_VERSION = 3
+# feed-forward and output matrix as llama.cpp reads them; 4: the context length of architectures whose
+# config has no field for it, BLOOM's).
+CONVERTER_VERSION = 4
 
 # Temporary folders older than this are leftovers of a killed conversion or download.
 STALE_AFTER_S = 24 * 3600
@@ -148,6 +149,11 @@ def _fill_missed_config(config, metadata: dict) -> None:
         derived = isinstance(getattr(type(config), attribute, None), property)  # Falcon's head_dim
         if isinstance(value, (int, float)) and attribute in config.to_dict() and not derived:
             setattr(config, attribute, value)
+    context = metadata.get(f"{architecture}.context_length")
+    if isinstance(context, int) and getattr(config, "max_position_embeddings", None) is None:
+        # The reader drops it where the config has no field for it (BLOOM): kept as the length the
+        # model states, which the server's default --max-total-tokens reads (models/context.py).
+        config.max_position_embeddings = context
 
 
 def _dequantized_model(gguf_path: Path, metadata: dict) -> Any:  # a transformers PreTrainedModel
