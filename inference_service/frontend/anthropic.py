@@ -23,7 +23,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from inference_service.errors import ToolError, ValidationError
+from inference_service.errors import ToolError, ValidationError, quoted
 from inference_service.frontend import openai
 from inference_service.frontend.openai import ChatPlan
 from inference_service.frontend.plain_json import value_to_python
@@ -60,7 +60,7 @@ def _text_of(content: Any, where: str) -> str:
     texts = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
-        _check(kind == "text", f"`{where}` blocks must be text blocks, not {kind!r}")
+        _check(kind == "text", f"`{where}` blocks must be text blocks, not {quoted(kind)}")
         _check(isinstance(block.get("text"), str), f"`{where}` text blocks need a `text` string")
         texts.append(block["text"])
     return "".join(texts)
@@ -90,7 +90,7 @@ def _user_messages(blocks: list[dict[str, Any]], where: str) -> list[dict[str, A
             _check(isinstance(block.get("text"), str), f"`{where}` text blocks need a `text` string")
             texts.append(block["text"])
         else:
-            raise ValidationError(f"`{where}`: unsupported content block type {kind!r} in a user turn")
+            raise ValidationError(f"`{where}`: unsupported content block type {quoted(kind)} in a user turn")
     if texts or not messages:
         messages.append({"role": "user", "content": "".join(texts)})
     return messages
@@ -113,7 +113,7 @@ def _assistant_message(blocks: list[dict[str, Any]], where: str) -> dict[str, An
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
             )
         elif kind not in ("thinking", "redacted_thinking"):
-            raise ValidationError(f"`{where}`: unsupported content block type {kind!r} in an assistant turn")
+            raise ValidationError(f"`{where}`: unsupported content block type {quoted(kind)} in an assistant turn")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
@@ -127,7 +127,7 @@ def _chat_messages(request: apb.MessagesRequest) -> list[dict[str, Any]]:
     if system:
         messages.append({"role": "system", "content": system})
     for index, message in enumerate(request.messages):
-        _check(message.role in ROLES, f"`messages[{index}].role` must be user or assistant, not {message.role!r}")
+        _check(message.role in ROLES, f"`messages[{index}].role` must be user or assistant, not {quoted(message.role)}")
         blocks, where = _blocks(message, index), f"messages[{index}].content"
         if message.role == "user":
             messages += _user_messages(blocks, where)
@@ -140,7 +140,9 @@ def _tools(request: apb.MessagesRequest) -> list[dict[str, Any]]:
     tools = []
     for tool in request.tools:
         if tool.HasField("type") and tool.type != "custom":
-            raise ToolError(f"tool {tool.name!r}: server tools ({tool.type!r}) are not supported; define a custom tool")
+            raise ToolError(
+                f"tool {quoted(tool.name)}: server tools ({quoted(tool.type)}) are not supported; define a custom tool"
+            )
         function: dict[str, Any] = {"name": tool.name}
         if tool.HasField("description"):
             function["description"] = tool.description
@@ -161,7 +163,7 @@ def _tool_choice(request: apb.MessagesRequest) -> tuple[Any, bool]:
             raise ToolError('`tool_choice` {"type": "tool"} needs the tool\'s `name`')
         return {"type": "function", "function": {"name": choice.name}}, parallel
     if choice.type not in TOOL_CHOICES:
-        raise ToolError(f"`tool_choice.type` must be auto, any, tool or none, not {choice.type!r}")
+        raise ToolError(f"`tool_choice.type` must be auto, any, tool or none, not {quoted(choice.type)}")
     return TOOL_CHOICES[choice.type], parallel
 
 
@@ -169,7 +171,7 @@ def _thinking(request: apb.MessagesRequest) -> bool | None:
     if not request.HasField("thinking"):
         return None
     kind = request.thinking.type
-    _check(kind in ("enabled", "disabled"), f"`thinking.type` must be enabled or disabled, not {kind!r}")
+    _check(kind in ("enabled", "disabled"), f"`thinking.type` must be enabled or disabled, not {quoted(kind)}")
     return kind == "enabled"
 
 
@@ -182,7 +184,7 @@ def _output_format(request: apb.MessagesRequest) -> dict[str, Any] | None:
     else:
         return None
     kind = output_format.type
-    _check(kind == "json_schema", f"`output_config.format.type` must be json_schema, not {kind!r}")
+    _check(kind == "json_schema", f"`output_config.format.type` must be json_schema, not {quoted(kind)}")
     _check(output_format.HasField("schema"), "`output_config.format` needs a `schema`")
     return json_format.MessageToDict(output_format.schema)
 
