@@ -26,6 +26,8 @@ HTTP_BODY = ".google.api.HttpBody"
 #   health  errors become TGI's 503 "unhealthy";  raw  passed through (Prometheus text);
 #   openai  proto3 JSON -> OpenAI's JSON, errors in OpenAI's shape;
 #   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape;
+#   anthropic  proto3 JSON -> Anthropic's JSON, errors in Anthropic's shape;
+#   anthropic_stream  Anthropic's SSE events (`event: <type>` lines), errors in Anthropic's shape;
 #   openai_response  a Responses object (output items' unused fields dropped), errors in OpenAI's shape;
 #   openai_response_stream  Responses' typed SSE events (`event: <type>`), no `[DONE]`.
 KINDS = {
@@ -44,12 +46,15 @@ KINDS = {
     "ChatCompletionStream": "openai_stream",
     "Completion": "openai",
     "CompletionStream": "openai_stream",
+    "Messages": "anthropic",
+    "MessagesStream": "anthropic_stream",
+    "CountMessageTokens": "anthropic",
     "CreateResponse": "openai_response",
     "CreateResponseStream": "openai_response_stream",
     "GetResponse": "openai_response",
     "DeleteResponse": "openai",
 }
-STREAM_KINDS = ("stream", "openai_stream", "openai_response_stream")
+STREAM_KINDS = ("stream", "openai_stream", "anthropic_stream", "openai_response_stream")
 # Top-level fields TGI prints as null when they have no value (proto3 leaves them out).
 NULLS = {"Info": ("model_sha", "model_pipeline_tag", "sha", "docker_label")}
 

@@ -24,17 +24,20 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-PROTO_FILES = ["textgen/v1/generate.proto", "textgen/v1/responses.proto"]
+PROTO_FILES = ["textgen/v1/generate.proto", "textgen/v1/anthropic.proto", "textgen/v1/responses.proto"]
 SERVER_OUT = Path("protos")
 CLIENT_OUT = Path("clients/python/textgen_client/_proto")
-CLIENT_IMPORT = ("from textgen.v1 import ", "from textgen_client._proto.textgen.v1 import ")
 DESCRIPTOR_SET = Path("protos/textgen/textgen.pb")
 CLIENT_FILES = [
     "textgen/v1/generate_pb2.py",
     "textgen/v1/generate_pb2.pyi",
+    "textgen/v1/anthropic_pb2.py",
+    "textgen/v1/anthropic_pb2.pyi",
     "textgen/v1/responses_pb2.py",
     "textgen/v1/responses_pb2.pyi",
 ]
+# The client imports its own copies of our modules, not the server's `textgen.v1`.
+CLIENT_IMPORT = ("from textgen.v1 import", "from textgen_client._proto.textgen.v1 import")
 
 
 def _include_dirs() -> list[str]:
@@ -80,9 +83,8 @@ def generate(out_root: Path) -> list[Path]:
         for name in CLIENT_FILES:
             target = out_root / CLIENT_OUT / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            # One of our protos importing another: the client has no `textgen` package of its own.
             text = (Path(tmp) / name).read_text(encoding="utf-8")
-            target.write_text(text.replace(CLIENT_IMPORT[0], CLIENT_IMPORT[1]), encoding="utf-8")
+            target.write_text(text.replace(*CLIENT_IMPORT), encoding="utf-8")
     descriptor = out_root / DESCRIPTOR_SET
     _protoc([f"--descriptor_set_out={descriptor}", "--include_imports", "--include_source_info"])
     return sorted(p.relative_to(out_root) for p in out_root.rglob("*") if p.is_file())

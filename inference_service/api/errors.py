@@ -23,7 +23,8 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from inference_service.errors import InferenceError
+from inference_service.errors import InferenceError, UnavailableError
+from inference_service.observability.logging import UNAVAILABLE_CHANNEL, log_state
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,18 @@ def wants_inband_errors(context: grpc.aio.ServicerContext) -> bool:
 
 
 def log_failure(error: Exception, code: grpc.StatusCode, method: str) -> None:
-    if isinstance(error, InferenceError):
+    if isinstance(error, UnavailableError):  # loading or draining: said once per state
+        log_state(
+            logger,
+            UNAVAILABLE_CHANNEL,
+            error.message,
+            logging.INFO,
+            "%s failed: %s (%s)",
+            method,
+            error.message,
+            code.name,
+        )
+    elif isinstance(error, InferenceError):
         logger.info("%s failed: %s (%s)", method, error.message, code.name)
     else:
         logger.error("%s failed with an unexpected error", method, exc_info=error)

@@ -98,13 +98,17 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
             self._thread.start()
 
-    async def shutdown(self, timeout_s: float) -> None:
-        """Stop admitting, let in-flight requests finish for up to `timeout_s`, abort the rest."""
+    async def shutdown(self, timeout_s: float, cut: asyncio.Event | None = None) -> int:
+        """Stop admitting, let in-flight requests finish for up to `timeout_s` (or until `cut` is
+        set: a second Ctrl-C), abort the rest; returns how many were aborted."""
         self._draining = True
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._num_in_flight and asyncio.get_running_loop().time() < deadline:
+            if cut is not None and cut.is_set():
+                break
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
+        aborted = list(self._streams)
+        for request_id in aborted:
             self._commands.put(AbortRequest(request_id, "server shutting down"))
         while self._streams and asyncio.get_running_loop().time() < deadline + 5:
             await asyncio.sleep(0.02)
@@ -112,6 +116,7 @@ class AsyncEngine:
         self._commands.put(Wake())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        return len(aborted)
 
     @property
     def is_draining(self) -> bool:

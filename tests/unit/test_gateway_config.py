@@ -75,6 +75,9 @@ def test_routes_are_tgis_and_openais():
         ("POST", "/v1/chat/completions/stream"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/completions/stream"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/messages/stream"),
+        ("POST", "/v1/messages/count_tokens"),
         ("POST", "/v1/responses"),
         ("POST", "/v1/responses/stream"),
         ("GET", "/v1/responses/{response_id}"),
@@ -87,6 +90,7 @@ def test_routes_are_tgis_and_openais():
         "GenerateStream",
         "ChatCompletionStream",
         "CompletionStream",
+        "MessagesStream",
         "CreateResponseStream",
     ]
     assert routes["GET", "/v1/models/{id=**}"].path_match() == {"prefix": "/v1/models/"}
