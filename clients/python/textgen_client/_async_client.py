@@ -14,6 +14,8 @@ from textgen_client._anthropic_methods import AnthropicMethods
 from textgen_client._openai_methods import OpenAIMethods
 from textgen_client._proto.textgen.v1 import anthropic_pb2 as apb
 from textgen_client._proto.textgen.v1 import generate_pb2 as pb
+from textgen_client._proto.textgen.v1 import responses_pb2 as rpb
+from textgen_client._responses_methods import ResponsesMethods
 from textgen_client._retry import NO_RETRY, RetryPolicy, is_retryable
 from textgen_client._tracing import trace_metadata
 from textgen_client._types import Metadata
@@ -112,6 +114,26 @@ class _Methods:
             request_serializer=apb.MessagesRequest.SerializeToString,
             response_deserializer=apb.MessageTokensCount.FromString,
         )
+        self.create_response = channel.unary_unary(
+            _SERVICE + "CreateResponse",
+            request_serializer=rpb.CreateResponseRequest.SerializeToString,
+            response_deserializer=rpb.ResponseObject.FromString,
+        )
+        self.create_response_stream = channel.unary_stream(
+            _SERVICE + "CreateResponseStream",
+            request_serializer=rpb.CreateResponseRequest.SerializeToString,
+            response_deserializer=rpb.ResponseStreamEvent.FromString,
+        )
+        self.get_response = channel.unary_unary(
+            _SERVICE + "GetResponse",
+            request_serializer=rpb.GetResponseRequest.SerializeToString,
+            response_deserializer=rpb.ResponseObject.FromString,
+        )
+        self.delete_response = channel.unary_unary(
+            _SERVICE + "DeleteResponse",
+            request_serializer=rpb.DeleteResponseRequest.SerializeToString,
+            response_deserializer=rpb.DeleteResponseResponse.FromString,
+        )
 
 
 class _StreamEnd:
@@ -131,7 +153,7 @@ class _StreamEnd:
         return response
 
 
-class AsyncClient(OpenAIMethods, AnthropicMethods):
+class AsyncClient(OpenAIMethods, AnthropicMethods, ResponsesMethods):
     """asyncio client of a textgen server: `await client.generate(...)`,
     `async for response in client.generate_stream(...)`.
 

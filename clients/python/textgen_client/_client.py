@@ -233,6 +233,10 @@ class Client:
     messages = _blocking(AsyncClient.messages)
     messages_stream = _blocking_stream(AsyncClient.messages_stream)
     count_message_tokens = _blocking(AsyncClient.count_message_tokens)
+    create_response = _blocking(AsyncClient.create_response)
+    create_response_stream = _blocking_stream(AsyncClient.create_response_stream)
+    get_response = _blocking(AsyncClient.get_response)
+    delete_response = _blocking(AsyncClient.delete_response)
 
     @property
     def target(self) -> str:
