@@ -12,12 +12,14 @@ or at once when the rendered prompt already opened them (DeepSeek-R1's template 
 (by a length limit) are still thoughts: the answer is then empty.
 
 With a grammar in force (structured output, tools), `grammar_after_thoughts` lets the thoughts run
-free and constrains what follows them.
+free and constrains what follows them (llguidance's lazy `stop=` lexeme ends the free text at the
+end marker).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,8 +153,11 @@ def split_reasoning(syntax: ReasoningSyntax, inside: bool, text: str) -> tuple[s
 
 def grammar_after_thoughts(grammar: Any, syntax: ReasoningSyntax, inside: bool) -> GrammarSpec:
     """A grammar (TGI's dict or a GrammarSpec) that first lets the model think freely: an optional
-    thought (a required one when the prompt opened it), then the original grammar."""
+    thought (a required one when the prompt opened it), then the original grammar. A regex that
+    writes the thoughts itself (it begins with the start marker) is kept as it is."""
     spec = grammar if isinstance(grammar, GrammarSpec) else grammar_spec_from_tgi(grammar)
+    if spec.kind == "regex" and spec.value.startswith((syntax.start, re.escape(syntax.start))):
+        return spec
     if spec.kind == "json":
         rules = [f"answer: {lark_json(json.loads(spec.value))}"]
     elif spec.kind == "regex":

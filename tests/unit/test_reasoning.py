@@ -101,3 +101,21 @@ def test_a_grammar_after_free_thoughts(byte_tokenizer, byte_grammar_compiler):
     wrapped = reasoning.grammar_after_thoughts(lark, QWEN3, inside=False)
     assert _accepts(byte_tokenizer, byte_grammar_compiler, wrapped, "<think>hmm</think>yes")
     assert json.loads(json.dumps(wrapped.value))  # a plain string grammar
+
+
+def test_a_regex_that_writes_the_thoughts_itself_is_kept():
+    spec = reasoning.grammar_after_thoughts({"type": "regex", "value": "<think>[a-z]+</think>[a-z]+"}, QWEN3, False)
+    assert spec == GrammarSpec("regex", "<think>[a-z]+</think>[a-z]+")
+
+
+def test_thoughts_then_a_native_tool_call(byte_tokenizer, byte_grammar_compiler):
+    from inference_service.frontend import openai_tools
+    from inference_service.frontend.tool_parsers import SYNTAXES
+
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    calls = openai_tools.combined_grammar(openai_tools.tool_call_format([tool], "auto", True), None, SYNTAXES["hermes"])
+    spec = reasoning.grammar_after_thoughts(calls, QWEN3, inside=False)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert _accepts(byte_tokenizer, byte_grammar_compiler, spec, f"<think>\nwhich tool?\n</think>\n\n{call}")
+    assert _accepts(byte_tokenizer, byte_grammar_compiler, spec, "<think>none</think>Just text.")
+    assert not _accepts(byte_tokenizer, byte_grammar_compiler, spec, "<think>x</think><b>bold</b>")  # no call, no text
