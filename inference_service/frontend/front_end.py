@@ -108,7 +108,7 @@ class FrontEnd:
         )
         if plan.reasoning is not None:  # the thoughts come first, free of any grammar
             plan.reasoning_inside = reasoning.starts_inside(plan.reasoning, prompt)
-            if plan.parameters.grammar is not None:
+            if plan.parameters.grammar is not None and not reasoning.prompt_closed(plan.reasoning, prompt):
                 plan.parameters.grammar = reasoning.grammar_after_thoughts(
                     plan.parameters.grammar, plan.reasoning, plan.reasoning_inside
                 )

@@ -65,12 +65,16 @@ def _template_text(template: Any) -> str:
     return template or ""
 
 
+def prompt_closed(syntax: ReasoningSyntax, prompt: str) -> bool:
+    """The rendered prompt ends with closed thoughts (Qwen3's `enable_thinking: false`): none are expected."""
+    return prompt.rstrip().endswith(syntax.end)
+
+
 def starts_inside(syntax: ReasoningSyntax, prompt: str) -> bool:
     """Whether generation begins inside the thoughts, judged by how the rendered prompt ends."""
-    tail = prompt.rstrip()
-    if tail.endswith(syntax.end):
+    if prompt_closed(syntax, prompt):
         return False
-    return syntax.implicit_start or tail.endswith(syntax.start)
+    return syntax.implicit_start or prompt.rstrip().endswith(syntax.start)
 
 
 class ReasoningStream:

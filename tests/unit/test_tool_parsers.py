@@ -148,12 +148,18 @@ def _accepts(tokenizer, compiler, spec: GrammarSpec, text: str) -> bool:
     return state.matcher.is_accepting()
 
 
+TIME, WEATHER_CALL = ("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Rome"}')
+
+
+def _written(key: str, open_: str = "", close: str = "") -> list[str]:
+    return [f'{open_}{{"name": "{name}", "{key}": {arguments}}}{close}' for name, arguments in (TIME, WEATHER_CALL)]
+
+
 GRAMMAR_TEXTS = {
-    "hermes": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
-    "llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": "Rome"}}',
-    "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
-    "json": '{"name": "get_time", "arguments": {"zone": "UTC"}}\n{"name": "get_weather", "arguments": {"city": "Rome"}}',
+    "hermes": "\n".join(_written("arguments", "<tool_call>\n", "\n</tool_call>")),
+    "llama3_json": "; ".join(_written("parameters")),
+    "mistral": "[TOOL_CALLS][" + ", ".join(_written("arguments")) + "]",
+    "json": "\n".join(_written("arguments")),
 }
 TOOLS = [
     {
