@@ -35,10 +35,10 @@ def _top(token: Token) -> pb.TopLogprob:
 
 
 def chat_logprobs(
-    tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]], final: bool = True
+    tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]], reason: FinishReason | None
 ) -> pb.ChoiceLogprobs:
-    """`final`: these tokens end the output, so a special last token (the EOS) is left out."""
-    last = len(tokens) - 1 if final else -1
+    """`reason`: how the output ended, when these tokens end it (an ending EOS is left out)."""
+    last = len(tokens) - 1 if reason == FinishReason.EOS_TOKEN else -1
     content = [
         pb.TokenLogprob(
             token=token.text,
@@ -105,7 +105,7 @@ def chat_response(
             index=index, finish_reason=finish_reason(result.finish_reason, bool(calls)), message=message
         )
         if plan.logprobs:
-            choice.logprobs.CopyFrom(chat_logprobs(result.tokens, result.top_tokens))
+            choice.logprobs.CopyFrom(chat_logprobs(result.tokens, result.top_tokens, result.finish_reason))
         choices.append(choice)
     return pb.ChatCompletionResponse(
         id=header.id,
@@ -170,7 +170,7 @@ class ChatChoiceStream:
             delta.content = ""
         choice = pb.ChatCompletionChunkChoice(index=self.index, delta=delta)
         if self.plan.logprobs:
-            choice.logprobs.CopyFrom(chat_logprobs(output.tokens, output.top_tokens, final=output.finished))
+            choice.logprobs.CopyFrom(chat_logprobs(output.tokens, output.top_tokens, output.finish_reason))
         if output.finish_reason is not None:
             self.num_prompt_tokens, self.num_generated_tokens = output.num_prompt_tokens, output.num_generated_tokens
             called = self._tools is not None and self._tools.called
