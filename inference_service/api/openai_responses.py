@@ -12,7 +12,7 @@ Pure functions and small per-choice stream readers; no I/O. Conventions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from inference_service import __version__
@@ -23,6 +23,7 @@ from inference_service.outputs import FinishReason, GenerateResult, RequestOutpu
 from textgen.v1 import generate_pb2 as pb
 
 SYSTEM_FINGERPRINT = f"{__version__}-native"
+TokenBytes = Callable[[int], bytes]
 MIN_LOGPROB = -9999.0
 
 
@@ -30,21 +31,38 @@ def _logprob(value: float) -> float:
     return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
 
 
-def _top(token: Token) -> pb.TopLogprob:
-    return pb.TopLogprob(token=token.text, logprob=_logprob(token.logprob), bytes=token.text.encode())
+def _text_and_bytes(token: Token, token_bytes: TokenBytes | None) -> tuple[str, bytes]:
+    """A token that is part of a UTF-8 character has no text of its own: as OpenAI, its bytes are
+    shown escaped (`\\xe6\\x97`) and given in `bytes` (a text's tokens' bytes join into its bytes)."""
+    if token_bytes is not None and not token.special:
+        raw = token_bytes(token.id)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            return "".join(f"\\x{byte:02x}" for byte in raw), raw
+    return token.text, token.text.encode()
+
+
+def _top(token: Token, token_bytes: TokenBytes | None = None) -> pb.TopLogprob:
+    text, raw = _text_and_bytes(token, token_bytes)
+    return pb.TopLogprob(token=text, logprob=_logprob(token.logprob), bytes=raw)
 
 
 def chat_logprobs(
-    tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]], reason: FinishReason | None
+    tokens: Sequence[Token],
+    top_tokens: Sequence[Sequence[Token]],
+    reason: FinishReason | None,
+    token_bytes: TokenBytes | None = None,
 ) -> pb.ChoiceLogprobs:
-    """`reason`: how the output ended, when these tokens end it (an ending EOS is left out)."""
+    """`reason`: how the output ended, when these tokens end it (an ending EOS is left out);
+    `token_bytes`: id → the token's bytes, for tokens that are part of a character."""
     last = len(tokens) - 1 if reason == FinishReason.EOS_TOKEN else -1
     content = [
         pb.TokenLogprob(
-            token=token.text,
+            token=_text_and_bytes(token, token_bytes)[0],
             logprob=_logprob(token.logprob),
-            bytes=token.text.encode(),
-            top_logprobs=[_top(t) for t in (top_tokens[i] if i < len(top_tokens) else ())],
+            bytes=_text_and_bytes(token, token_bytes)[1],
+            top_logprobs=[_top(t, token_bytes) for t in (top_tokens[i] if i < len(top_tokens) else ())],
         )
         for i, token in enumerate(tokens)
         if not (token.special and i == last)
@@ -105,7 +123,9 @@ def chat_response(
             index=index, finish_reason=finish_reason(result.finish_reason, bool(calls)), message=message
         )
         if plan.logprobs:
-            choice.logprobs.CopyFrom(chat_logprobs(result.tokens, result.top_tokens, result.finish_reason))
+            choice.logprobs.CopyFrom(
+                chat_logprobs(result.tokens, result.top_tokens, result.finish_reason, plan.token_bytes)
+            )
         choices.append(choice)
     return pb.ChatCompletionResponse(
         id=header.id,
@@ -170,7 +190,9 @@ class ChatChoiceStream:
             delta.content = ""
         choice = pb.ChatCompletionChunkChoice(index=self.index, delta=delta)
         if self.plan.logprobs:
-            choice.logprobs.CopyFrom(chat_logprobs(output.tokens, output.top_tokens, output.finish_reason))
+            choice.logprobs.CopyFrom(
+                chat_logprobs(output.tokens, output.top_tokens, output.finish_reason, self.plan.token_bytes)
+            )
         if output.finish_reason is not None:
             self.num_prompt_tokens, self.num_generated_tokens = output.num_prompt_tokens, output.num_generated_tokens
             called = self._tools is not None and self._tools.called

@@ -17,6 +17,7 @@ from inference_service.frontend import openai, reasoning, tgi, tool_parsers
 from inference_service.frontend.chat_template import ChatTemplate, load_template_file
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
 from inference_service.frontend.parameters import GenerateRequest, TokenSpan
+from inference_service.frontend.token_bytes import token_bytes_reader
 from inference_service.frontend.validation import ValidatedRequest, Validator, tokenize
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import GrammarCompiler
@@ -43,6 +44,7 @@ class FrontEnd:
         # The model's own formats: named by the flags, else recognised in its chat template.
         self.reasoning = reasoning.reasoning_syntax(reasoning_parser, self.chat_template.source)
         self.tool_syntax = tool_parsers.tool_syntax(tool_call_parser, self.chat_template.source)
+        self.token_bytes = token_bytes_reader(tokenizer)
         self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler)
         self.has_fill_in_middle = openai.has_fill_in_middle(tokenizer)
         self._rng = rng or random.SystemRandom()
@@ -96,6 +98,7 @@ class FrontEnd:
     async def chat(self, request: pb.ChatCompletionRequest, *, stream: bool) -> tuple[ChatPlan, list[EngineRequest]]:
         """The conversation rendered by the chat template, validated; one request per choice."""
         plan = openai.chat_plan(request, self.tool_syntax, self.reasoning)
+        plan.token_bytes = self.token_bytes
         return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
 
     def _chat_choices(self, plan: ChatPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:

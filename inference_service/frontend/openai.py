@@ -17,6 +17,7 @@ validator's `prepare` then checks the engine's limits. Mapping, explicitly (`def
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ class ChatPlan:
     tool_syntax: ToolSyntax = openai_tools.DEFAULT_SYNTAX  # how calls are written and read back
     reasoning: ReasoningSyntax | None = None  # thoughts to split from the answer
     reasoning_inside: bool = False  # the prompt opened the thoughts (known once rendered)
+    token_bytes: Callable[[int], bytes] | None = None  # id → its bytes (logprobs of part of a character)
 
 
 @dataclass
