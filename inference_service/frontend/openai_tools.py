@@ -8,6 +8,10 @@ way a call can start, so the text can be read back while it streams:
 - `auto`: the output is calls, or text that does not start with `{` (the response format's JSON
   when one is given);
 - `none`, or no tools: no grammar from tools.
+With a known native format (`--tool-call-parser`, `tool_parsers.ToolSyntax`) the grammar writes calls
+in that format instead (Hermes' `<tool_call>` blocks, Llama's `parameters`, Mistral's `[TOOL_CALLS]`
+list), and `tool_parsers` reads them back; `parse_tool_calls` and `ToolCallStream` here read only the
+JSON-lines format.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def grammar_after_thoughts(grammar: Any, syntax: ReasoningSyntax, inside: bool) 
     if spec.kind == "json":
         rules = [f"answer: {lark_json(json.loads(spec.value))}"]
     elif spec.kind == "regex":
-        rules = [f"answer: /{spec.value.replace('/', chr(92) + '/')}/"]
+        rules = [f"answer: /{_slashes_escaped(spec.value)}/"]
     else:
         if not spec.value.lstrip().startswith("start:"):
             raise ValidationError("grammar is not valid: with reasoning, a lark grammar must begin with its start rule")
@@ -175,3 +175,12 @@ def grammar_after_thoughts(grammar: Any, syntax: ReasoningSyntax, inside: bool) 
     text = f"thought_text[stop={json.dumps(syntax.end)}]: /(?s:.*)/"
     start = "start: thought answer" if inside else "start: thought? answer"
     return GrammarSpec(kind="lark", value="\n".join([start, thought, text, *rules]))
+
+
+def _slashes_escaped(pattern: str) -> str:
+    """A regex written between Lark's slashes: its unescaped `/` escaped."""
+    out, escaped = [], False
+    for char in pattern:
+        out.append("\\/" if char == "/" and not escaped else char)
+        escaped = char == "\\" and not escaped
+    return "".join(out)

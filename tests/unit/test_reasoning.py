@@ -93,9 +93,9 @@ def test_a_grammar_after_free_thoughts(byte_tokenizer, byte_grammar_compiler):
     assert not accepts("<think>x</think>not json")
     assert not accepts('<think>x</think>{"ok": true} and more')
 
-    opened = reasoning.grammar_after_thoughts({"type": "regex", "value": "a/b[0-9]"}, QWEN3, inside=True)
-    assert _accepts(byte_tokenizer, byte_grammar_compiler, opened, "thinking</think>\na/b7")
-    assert not _accepts(byte_tokenizer, byte_grammar_compiler, opened, "a/b7")  # the thoughts must close first
+    opened = reasoning.grammar_after_thoughts({"type": "regex", "value": r"a/b\/c\\[0-9]"}, QWEN3, inside=True)
+    assert _accepts(byte_tokenizer, byte_grammar_compiler, opened, "thinking</think>\na/b/c\\7")
+    assert not _accepts(byte_tokenizer, byte_grammar_compiler, opened, "a/b/c\\7")  # the thoughts must close first
 
     lark = GrammarSpec("lark", 'start: "yes" | "no"')
     wrapped = reasoning.grammar_after_thoughts(lark, QWEN3, inside=False)
