@@ -6,11 +6,38 @@ status code in one place, and the REST gateway maps it on to TGI's HTTP status.
 
 from typing import Any
 
+# How much of a caller's value an error message repeats: enough to recognise it, never so much that
+# the message (a gRPC trailer, a header through every proxy) grows with what the caller sent.
+ECHO_CHARS = 64
+
+
+def quoted(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value`'s repr for an error message, cut to `limit` characters with an ellipsis."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters with an ellipsis (a message from a library that may quote input)."""
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def condensed(text: str, limit: int, line_chars: int = ECHO_CHARS) -> str:
+    """A library's multi-line message (a parser's, quoting the input line by line) for a caller: each
+    line cut to `line_chars`, blank ones dropped, the whole cut to `limit`. What the parser says
+    after the quote ("error: unclosed group") survives a long input."""
+    lines = [shortened(line.rstrip(), line_chars) for line in text.splitlines() if line.strip()]
+    return shortened("\n".join(lines), limit)
+
 
 class InferenceError(Exception):
     """Base of the errors a request can end with; `error_type` is machine-readable."""
 
     error_type = "internal"
+    # True only for refusals before the engine admitted the request (overloaded, loading, draining):
+    # nothing ran, so a proxy may send it again, elsewhere. Anything that fails after admission is
+    # never replayed: the generation may have done work (and been seen) already.
+    retryable = False
     # The engine's RequestTimings of the failed request, set by the engine when it got that far
     # (traces show where a failed request spent its time). One error object per request.
     timings: Any = None
@@ -60,6 +87,7 @@ class OverloadedError(InferenceError):
     """More requests in flight than `--max-concurrent-requests` allows."""
 
     error_type = "overloaded"
+    retryable = True  # refused at admission
 
     def __init__(self, message: str = "Model is overloaded"):
         super().__init__(message)
@@ -75,6 +103,19 @@ class GenerationError(InferenceError):
         self.detail = detail
 
 
+class RequestStepError(GenerationError):
+    """One request's own part of an engine step failed (its logits processing, sampling, text or
+    grammar): that request ends with this error and the step's other requests go on.
+
+    The message names the stage only; the cause, with its traceback, is in the server's log. Its
+    error type stays "generation" (TGI's 424), which every surface already maps.
+    """
+
+    def __init__(self, stage: str):
+        super().__init__(f"{stage} failed for this request")
+        self.stage = stage
+
+
 class RequestCancelled(InferenceError):
     """The request was aborted (client gone, deadline, shutdown) before it finished."""
 
@@ -85,6 +126,7 @@ class UnavailableError(InferenceError):
     """The engine is not serving (still loading, or draining for shutdown)."""
 
     error_type = "unavailable"
+    retryable = True  # raised only before admission (see the engine's `_admit`, `api.backend`)
 
 
 class UnauthorizedError(InferenceError):
