@@ -232,10 +232,10 @@ end
 -- lists of the others are dropped (a message keeps its `content`, `[]` while in progress), and a
 -- reasoning item's `reasoning_content` is OpenAI's `content`.
 local RESPONSE_RULES = {
+  {'("type":"reasoning","id":"[%w_]*","status":"[%w_]*"),"content":%[%],"summary":%[%],"reasoning_content":',
+   '%1,"summary":[],"content":'},
   {'("type":"function_call","id":"[%w_]*","status":"[%w_]*"),"content":%[%]', '%1'},
-  {'("type":"reasoning","id":"[%w_]*","status":"[%w_]*"),"content":%[%]', '%1'},
   {',"summary":%[%],"reasoning_content":%[%]', ''},
-  {'"reasoning_content":', '"content":'},
 }
 
 local function response_json(text)

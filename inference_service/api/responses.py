@@ -101,11 +101,12 @@ def function_call_item(
     )
 
 
-def reasoning_item(text: str, item_id: str | None = None) -> rpb.ResponseOutputItem:
-    """A reasoning model's thoughts (the text of its `<think>…</think>`) as a reasoning item: the
-    hook for a reasoning parser, which puts it before the answer's items."""
-    item = rpb.ResponseOutputItem(type="reasoning", id=item_id or _new_id("rs"), status="completed")
-    item.reasoning_content.append(rpb.ResponseReasoningText(type="reasoning_text", text=text))
+def reasoning_item(text: str | None, status: str = "completed", item_id: str | None = None) -> rpb.ResponseOutputItem:
+    """A reasoning model's thoughts (the text of its `<think>…</think>`, split by the reasoning
+    parser) as a reasoning item, which comes before the answer's items; no text while in progress."""
+    item = rpb.ResponseOutputItem(type="reasoning", id=item_id or _new_id("rs"), status=status)
+    if text is not None:
+        item.reasoning_content.append(rpb.ResponseReasoningText(type="reasoning_text", text=text))
     return item
 
 
@@ -165,10 +166,11 @@ def finish(response: rpb.ResponseObject, items: list[rpb.ResponseOutputItem], fi
 
 
 def output_items(message: pb.ChatCompletionMessage, finish_reason: str) -> list[rpb.ResponseOutputItem]:
-    """A chat completion's message as output items: its tool calls, or its text."""
+    """A chat completion's message as output items: its thoughts, then its tool calls or its text."""
+    items = [reasoning_item(message.reasoning_content)] if message.HasField("reasoning_content") else []
     if message.tool_calls:
-        return [function_call_item(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
-    return [message_item(message.content, _status(finish_reason))]
+        return items + [function_call_item(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+    return items + [message_item(message.content, _status(finish_reason))]
 
 
 # -- streams -----------------------------------------------------------------------------------------
@@ -193,6 +195,14 @@ class _EventStream:
         yield self.event("response.in_progress", response=self.response)
 
     def choice(self, choice: pb.ChatCompletionChunkChoice) -> Iterator[rpb.ResponseStreamEvent]:
+        if choice.delta.reasoning_content:
+            if self._open is None or self._open.type != "reasoning":
+                yield from self._close()
+                yield from self._open_item(reasoning_item(None, "in_progress"))
+            self._text += choice.delta.reasoning_content
+            yield self.event(
+                "response.reasoning_text.delta", **self._at(), content_index=0, delta=choice.delta.reasoning_content
+            )
         if choice.delta.content:
             if self._open is None or self._open.type != "message":
                 yield from self._close()
@@ -209,7 +219,11 @@ class _EventStream:
                 yield self.event("response.function_call_arguments.delta", **self._at(), delta=call.function.arguments)
 
     def finish(self, finish_reason: str, usage: rpb.ResponseUsage) -> Iterator[rpb.ResponseStreamEvent]:
-        if not self.items and self._open is None:  # nothing generated: an empty message, as unary
+        answered = any(item.type != "reasoning" for item in self.items) or (
+            self._open is not None and self._open.type != "reasoning"
+        )
+        if not answered:  # no answer generated: an empty message, as unary
+            yield from self._close()
             yield from self._open_item(message_item("", "in_progress"))
             yield self.event("response.content_part.added", **self._at(), content_index=0, part=self._part(""))
         yield from self._close(_status(finish_reason))
@@ -238,6 +252,9 @@ class _EventStream:
             yield self.event("response.output_text.done", **at, content_index=0, text=self._text)
             yield self.event("response.content_part.done", **at, content_index=0, part=part)
             item.content.append(part)
+        elif item.type == "reasoning":
+            yield self.event("response.reasoning_text.done", **at, content_index=0, text=self._text)
+            item.reasoning_content.append(rpb.ResponseReasoningText(type="reasoning_text", text=self._text))
         else:
             yield self.event("response.function_call_arguments.done", **at, arguments=item.arguments)
         item.status = status if item.type == "message" else "completed"

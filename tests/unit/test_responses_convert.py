@@ -9,6 +9,7 @@ from inference_service.api import responses as api
 from inference_service.errors import NotFoundError, ValidationError
 from inference_service.frontend import responses
 from inference_service.frontend.openai import chat_plan
+from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import responses_pb2 as rpb
 
 
@@ -117,3 +118,45 @@ def test_store_keeps_the_most_recently_used():
     store.delete("a")
     with pytest.raises(NotFoundError):
         store.delete("a")
+
+
+def _chunk(**delta) -> pb.ChatCompletionChunkChoice:
+    return pb.ChatCompletionChunkChoice(index=0, delta=pb.ChatCompletionDelta(**delta))
+
+
+def test_streamed_thoughts_are_a_reasoning_item_before_the_message():
+    events = api._EventStream(rpb.ResponseObject(id="resp_1"))
+    sent = [*events.start()]
+    for delta in ({"role": "assistant"}, {"reasoning_content": "hm"}, {"reasoning_content": "m"}, {"content": "ok"}):
+        sent += events.choice(_chunk(**delta))
+    sent += events.finish("stop", api._usage(3, 4))
+    assert [e.type for e in sent] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in sent] == list(range(len(sent)))
+    reasoning, message = sent[-1].response.output
+    assert reasoning.type == "reasoning" and reasoning.reasoning_content[0].text == "hmm"
+    assert message.content[0].text == "ok" and sent[-1].response.usage.total_tokens == 7
+    assert [e.output_index for e in sent if e.type == "response.output_item.done"] == [0, 1]
+
+
+def test_thoughts_alone_still_end_with_a_message_and_unary_items_match():
+    events = api._EventStream(rpb.ResponseObject(id="resp_1"))
+    sent = [*events.choice(_chunk(reasoning_content="hm")), *events.finish("length", api._usage(1, 1))]
+    assert [item.type for item in sent[-1].response.output] == ["reasoning", "message"]
+    assert sent[-1].response.status == "incomplete"
+    message = pb.ChatCompletionMessage(role="assistant", content="ok", reasoning_content="hm")
+    assert [item.type for item in api.output_items(message, "stop")] == ["reasoning", "message"]
