@@ -133,6 +133,8 @@ def _response_format(text_format: rpb.ResponseTextFormat) -> pb.ResponseFormat:
         _check(text_format.HasField("schema"), "`text.format.schema` must be a JSON schema object")
         schema = pb.JsonSchemaFormat(name=text_format.name, schema=text_format.schema)
         return pb.ResponseFormat(type="json_schema", json_schema=schema)
+    if kind in ("json", "regex") and text_format.HasField("value"):  # TGI's grammar shapes
+        return pb.ResponseFormat(type=kind, value=text_format.value)
     _check(
         kind in ("", "text", "json_object"),
         f"`text.format.type` must be text, json_object or json_schema, not {quoted(kind)}",

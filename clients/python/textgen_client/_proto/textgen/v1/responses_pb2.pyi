@@ -71,7 +71,9 @@ Global___ResponseTool: _TypeAlias = ResponseTool  # noqa: Y015
 
 @_typing.final
 class ResponseTextFormat(_message.Message):
-    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name": ..., "schema": ...}`."""
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name": ..., "schema": ...}`;
+    TGI's grammar shapes are accepted too: `{"type": "json" | "regex", "value": ...}`.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -80,12 +82,15 @@ class ResponseTextFormat(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     SCHEMA_FIELD_NUMBER: _builtins.int
     STRICT_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     name: _builtins.str
     description: _builtins.str
     strict: _builtins.bool
     @_builtins.property
     def schema(self) -> _struct_pb2.Struct: ...
+    @_builtins.property
+    def value(self) -> _struct_pb2.Value: ...
     def __init__(
         self,
         *,
@@ -94,10 +99,11 @@ class ResponseTextFormat(_message.Message):
         description: _builtins.str | None = ...,
         schema: _struct_pb2.Struct | None = ...,
         strict: _builtins.bool | None = ...,
+        value: _struct_pb2.Value | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_name", b"_name", "_strict", b"_strict", "description", b"description", "name", b"name", "schema", b"schema", "strict", b"strict"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_name", b"_name", "_strict", b"_strict", "description", b"description", "name", b"name", "schema", b"schema", "strict", b"strict", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_name", b"_name", "_strict", b"_strict", "description", b"description", "name", b"name", "schema", b"schema", "strict", b"strict", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_description", b"_description", "_name", b"_name", "_strict", b"_strict", "description", b"description", "name", b"name", "schema", b"schema", "strict", b"strict", "type", b"type", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__description: _TypeAlias = _typing.Literal["description"]  # noqa: Y015
     _WhichOneofArgType__description: _TypeAlias = _typing.Literal["_description", b"_description"]  # noqa: Y015
