@@ -121,7 +121,10 @@ def test_server_errors_become_typed_errors(scripted, error, expected, kind):
     with Client(server.target) as client, pytest.raises(expected) as caught:
         client.generate("x")
     assert caught.value.error_type == kind
-    assert str(error) in caught.value.message
+    if isinstance(error, InferenceError):
+        assert str(error) in caught.value.message
+    else:  # a server bug: its text goes to the server's log, never to the caller
+        assert caught.value.message == "Unexpected server error"
 
 
 def test_refused_credentials_and_missing_methods(scripted):
