@@ -6,6 +6,29 @@ status code in one place, and the REST gateway maps it on to TGI's HTTP status.
 
 from typing import Any
 
+# How much of a caller's value an error message repeats: enough to recognise it, never so much that
+# the message (a gRPC trailer, a header through every proxy) grows with what the caller sent.
+ECHO_CHARS = 64
+
+
+def quoted(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value`'s repr for an error message, cut to `limit` characters with an ellipsis."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters with an ellipsis (a message from a library that may quote input)."""
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def condensed(text: str, limit: int, line_chars: int = ECHO_CHARS) -> str:
+    """A library's multi-line message (a parser's, quoting the input line by line) for a caller: each
+    line cut to `line_chars`, blank ones dropped, the whole cut to `limit`. What the parser says
+    after the quote ("error: unclosed group") survives a long input."""
+    lines = [shortened(line.rstrip(), line_chars) for line in text.splitlines() if line.strip()]
+    return shortened("\n".join(lines), limit)
+
 
 class InferenceError(Exception):
     """Base of the errors a request can end with; `error_type` is machine-readable."""
@@ -73,6 +96,19 @@ class GenerationError(InferenceError):
     def __init__(self, detail: str):
         super().__init__(f"Request failed during generation: Server error: {detail}")
         self.detail = detail
+
+
+class RequestStepError(GenerationError):
+    """One request's own part of an engine step failed (its logits processing, sampling, text or
+    grammar): that request ends with this error and the step's other requests go on.
+
+    The message names the stage only; the cause, with its traceback, is in the server's log. Its
+    error type stays "generation" (TGI's 424), which every surface already maps.
+    """
+
+    def __init__(self, stage: str):
+        super().__init__(f"{stage} failed for this request")
+        self.stage = stage
 
 
 class RequestCancelled(InferenceError):

@@ -4,7 +4,12 @@ Every `InferenceError.error_type` maps to one status code. The status details
 (`grpc-status-details-bin`) carry a `google.rpc.ErrorInfo` whose `reason` is the error type, and the
 `x-error-type` trailer carries it too, so callers (and the REST gateway) can tell the kinds apart
 without parsing messages. Anything that is not an `InferenceError` is a bug: it is logged with its
-traceback and answered UNKNOWN, so it is never mistaken for a generation failure (INTERNAL).
+traceback and answered UNKNOWN, so it is never mistaken for a generation failure (INTERNAL); its
+text is not sent (it may name internals).
+
+Every message is bounded here, whatever produced it: it travels in the trailers twice (`grpc-message`,
+percent-encoded, and the status details), and a trailer past a hop's header limit (gRPC's 8 KiB by
+default) is not one call's failure: the hop resets the HTTP/2 connection, ending every stream on it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # Set by the REST gateway on GenerateStream: TGI sends stream errors as a last SSE event, not a status.
 INBAND_ERRORS_KEY = "x-textgen-inband-errors"
 UNEXPECTED_ERROR_TYPE = "internal"
+UNEXPECTED_ERROR_MESSAGE = "Unexpected server error"
+# UTF-8 bytes of a message: percent-encoded (up to 3x) plus its copy in the details (base64, 4/3x),
+# the trailers stay under 5 KiB.
+MAX_MESSAGE_BYTES = 1024
 
 STATUS_CODES: dict[str, grpc.StatusCode] = {
     "validation": grpc.StatusCode.INVALID_ARGUMENT,
@@ -47,12 +56,16 @@ def describe(error: Exception) -> tuple[grpc.StatusCode, str, str]:
     """(status code, message, error type) of any exception a handler raised."""
     if isinstance(error, InferenceError):
         error_type = error.error_type if error.error_type in STATUS_CODES else UNEXPECTED_ERROR_TYPE
-        return STATUS_CODES[error_type], error.message, error_type
-    return (
-        STATUS_CODES[UNEXPECTED_ERROR_TYPE],
-        f"Unexpected server error: {type(error).__name__}: {error}",
-        UNEXPECTED_ERROR_TYPE,
-    )
+        return STATUS_CODES[error_type], bounded(error.message), error_type
+    return STATUS_CODES[UNEXPECTED_ERROR_TYPE], UNEXPECTED_ERROR_MESSAGE, UNEXPECTED_ERROR_TYPE
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`message` cut to at most `limit` UTF-8 bytes, with an ellipsis when cut."""
+    data = message.encode()
+    if len(data) <= limit:
+        return message
+    return data[: limit - len("…".encode())].decode(errors="ignore") + "…"
 
 
 def trailing_metadata(code: grpc.StatusCode, message: str, error_type: str) -> tuple[tuple[str, Any], ...]:

@@ -21,7 +21,7 @@ from inference_service.api.backend import Backend
 from inference_service.api.errors import unary_errors
 from inference_service.api.openai_responses import ChatChoiceStream, CompletionChoiceStream, ResponseHeader
 from inference_service.api.streaming import engine_events, stream_errors
-from inference_service.errors import NotFoundError
+from inference_service.errors import NotFoundError, quoted
 from inference_service.sampling_params import EngineRequest
 from textgen.v1 import generate_pb2 as pb
 
@@ -144,5 +144,5 @@ class OpenAIRoutes:
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.ModelCard:
         info, asked = self._backend.engine().info, urllib.parse.unquote(request.id)  # SDKs send `/` as %2F
         if asked != info.model_id:
-            raise NotFoundError(f"The model '{asked}' does not exist: this server serves '{info.model_id}'")
+            raise NotFoundError(f"The model {quoted(asked)} does not exist: this server serves '{info.model_id}'")
         return convert.model_card(info)

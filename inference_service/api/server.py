@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
+from inference_service.api.decoding import DecodeErrorInterceptor
 from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.config import EngineConfig
@@ -73,6 +74,7 @@ class ApiServer:
         interceptors = self.observability.server_interceptors()
         if server_config.api_key:
             interceptors.append(ApiKeyInterceptor(server_config.api_key))
+        interceptors.append(DecodeErrorInterceptor())  # last: it wraps the servicer's own handlers
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[

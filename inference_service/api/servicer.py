@@ -22,7 +22,7 @@ from inference_service.api.openai import OpenAIRoutes
 from inference_service.api.tgi import TgiRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.errors import NotFoundError, UnavailableError
+from inference_service.errors import ECHO_CHARS, NotFoundError, UnavailableError, shortened
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.requests import RequestObserver
 from textgen.v1 import generate_pb2 as pb
@@ -91,7 +91,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def Docs(self, request: pb.DocsRequest, context: Context) -> httpbody_pb2.HttpBody:
         found = await asyncio.to_thread(docs.docs_file, request.file)
         if found is None:
-            raise NotFoundError(f"no such file: /docs/{request.file}")
+            raise NotFoundError(f"no such file: /docs/{shortened(request.file, ECHO_CHARS)}")
         return httpbody_pb2.HttpBody(content_type=found[0], data=found[1])
 
     @unary_errors

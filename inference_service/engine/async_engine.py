@@ -19,8 +19,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
+from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.errors import GenerationError, OverloadedError, UnavailableError
+from inference_service.errors import OverloadedError, UnavailableError
 from inference_service.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sampling_params import EngineRequest
@@ -224,9 +225,9 @@ class AsyncEngine:
             try:
                 self._apply_commands(block=not engine.has_unfinished())
                 outputs = engine.step() if engine.has_unfinished() else []
-            except Exception as error:  # noqa: BLE001 — a bug must not kill the engine thread
+            except Exception:  # noqa: BLE001 — a bug must not kill the engine thread
                 logger.exception("engine step failed")
-                outputs = engine.fail_all(error)
+                outputs = engine.fail_all()
             self._stats = engine.stats()
             if outputs:
                 self._deliver(outputs)
@@ -255,7 +256,7 @@ class AsyncEngine:
                 self._engine.add_request(command.request_id, command.request)
             except Exception as error:  # noqa: BLE001
                 logger.exception("could not add request %s", command.request_id)
-                return [RequestOutput(command.request_id, error=GenerationError(f"{type(error).__name__}: {error}"))]
+                return [RequestOutput(command.request_id, error=request_error(error, "starting the request"))]
             return []
         if isinstance(command, AbortRequest):
             output = self._engine.abort_request(command.request_id, command.reason)

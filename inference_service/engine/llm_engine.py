@@ -1,8 +1,10 @@
 """The synchronous engine: one `step()` = schedule → run the model → sample → text → outputs.
 
 It runs on one thread (the async front owns that thread). Errors are contained: a failed
-forward pass ends the requests of that step with a generation error, a failure in one
-request's post-processing ends only that request, and the engine goes on either way.
+forward pass ends the requests of that step with a generation error; a failure in one request's
+own part of the step (its prompt logprobs, its sampling row, its text, stop sequences or grammar)
+ends only that request (`isolation`), and the engine goes on either way. Callers' messages never
+carry internals: the cause goes to the log.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.detokenizer import TextState, decode, special_token_ids
 from inference_service.engine.forward_clock import ForwardClock
+from inference_service.engine.isolation import request_error, sample_rows
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
@@ -187,10 +190,10 @@ class LLMEngine:
         self._forward_clock.start()
         try:
             step_logits = self.runner.execute(plan.scheduled)
-        except Exception as error:  # noqa: BLE001 — contain it to this step's requests
+        except Exception:  # noqa: BLE001 — contain it to this step's requests
             logger.exception("model step failed for %d requests", len(plan.scheduled))
             stats.failed, stats.total_s = True, time.perf_counter() - started
-            return self._fail_all([s.request_id for s in plan.scheduled], error)
+            return self._fail_all([s.request_id for s in plan.scheduled], "the model step failed")
         self._forward_clock.stop()
         outputs = self._sample_step(plan, step_logits, stats)
         stats.total_s = time.perf_counter() - started
@@ -204,7 +207,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for item in plan.scheduled:
             if item.request_id in step_logits.prompt_logits:
-                self._record_prompt_logprobs(item, step_logits.prompt_logits[item.request_id])
+                try:
+                    self._record_prompt_logprobs(item, step_logits.prompt_logits[item.request_id])
+                except Exception as error:  # noqa: BLE001 — only this request fails
+                    logger.exception("prompt logprobs failed for request %s", item.request_id)
+                    outputs.append(self._fail(item.request_id, request_error(error, "prompt logprobs")))
         if step_logits.sample_ids:
             outputs += self._sample_rounds(plan, step_logits, stats)
         return outputs
@@ -224,22 +231,21 @@ class LLMEngine:
             row += count
         outputs: list[RequestOutput] = []
         accepted = dict.fromkeys(drafts, 0)
-        active, depth = list(range(len(ids))), 0
+        active, depth = [i for i, request_id in enumerate(ids) if request_id in self.live], 0
         while active:
             rows = [first_rows[i] + depth for i in active]
             logits = step_logits.sample_logits
             if rows != list(range(len(logits))):
                 logits = logits[torch.tensor(rows, device=logits.device)]
             verifying = [ids[i] for i in active]
-            try:
-                sampled = self.sampler(logits, [self.live[r].sampling for r in verifying])
-            except Exception as error:  # noqa: BLE001
-                logger.exception("sampling failed")
-                stats.failed = True
-                return outputs + self._fail_all(verifying, error)
+            isolated = sample_rows(self.sampler, logits, [self.live[r].sampling for r in verifying])
+            sampled = isolated.sampled
             next_active = []
             for row, i in enumerate(active):
                 request_id = ids[i]
+                if row in isolated.errors:
+                    outputs.append(self._fail(request_id, isolated.errors[row]))
+                    continue
                 guesses = drafts.get(request_id, ())
                 output, going_on = self._on_token(request_id, sampled, row, guesses[depth : depth + 1])
                 if going_on:
@@ -254,7 +260,10 @@ class LLMEngine:
         stats.accepted_draft_tokens = list(accepted.values())
         self.num_draft_tokens += stats.num_draft_tokens
         self.num_accepted_tokens += sum(accepted.values())
-        self.sampler.prefetch_grammars([self.live[r].sampling for r in ids if r in self.live])
+        try:
+            self.sampler.prefetch_grammars([self.live[r].sampling for r in ids if r in self.live])
+        except Exception:  # noqa: BLE001 — only a head start: the next step fills the masks itself
+            logger.exception("prefetching grammar masks failed")
         return outputs
 
     def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:
@@ -287,12 +296,10 @@ class LLMEngine:
             return self._release(live, len(live.pending) - num_held), False
         except GenerationError as error:  # already says what went wrong (a token off the grammar)
             logger.error("request %s failed: %s", request_id, error.detail)
-            return self._fail(request_id, error, RequestStatus.FINISHED_ERROR), False
+            return self._fail(request_id, error), False
         except Exception as error:  # noqa: BLE001 — only this request fails
-            logger.exception("post-processing failed for request %s", request_id)
-            return self._fail(
-                request_id, GenerationError(f"{type(error).__name__}: {error}"), RequestStatus.FINISHED_ERROR
-            ), False
+            logger.exception("processing the sampled token failed for request %s", request_id)
+            return self._fail(request_id, request_error(error, "processing the sampled token")), False
 
     def _take_token(self, live: LiveRequest, sampled: SamplerOutput, row: int) -> FinishReason | None:
         """Append the token to the request, its text and its pending output; whether it ends it."""
@@ -365,7 +372,9 @@ class LLMEngine:
         self._forget(request_id)
         return output
 
-    def _fail(self, request_id: str, error: InferenceError, status: RequestStatus) -> RequestOutput:
+    def _fail(
+        self, request_id: str, error: InferenceError, status: RequestStatus = RequestStatus.FINISHED_ERROR
+    ) -> RequestOutput:
         request = self.live[request_id].request
         self.scheduler.finish(request, status)
         self._forget(request_id)
@@ -378,16 +387,14 @@ class LLMEngine:
             num_prompt_tokens=request.num_input_tokens,
         )
 
-    def fail_all(self, error: Exception) -> list[RequestOutput]:
-        """End every live request with a generation error (an unexpected engine failure)."""
-        return self._fail_all(list(self.live), error)
+    def fail_all(self) -> list[RequestOutput]:
+        """End every live request with a generation error (an unexpected engine failure, logged by the caller)."""
+        return self._fail_all(list(self.live), "the engine failed")
 
-    def _fail_all(self, request_ids: list[str], error: Exception) -> list[RequestOutput]:
-        detail = f"{type(error).__name__}: {error}"
+    def _fail_all(self, request_ids: list[str], detail: str) -> list[RequestOutput]:
+        """End these requests, each with its own `GenerationError` (it carries its request's timings)."""
         return [
-            self._fail(request_id, GenerationError(detail), RequestStatus.FINISHED_ERROR)
-            for request_id in request_ids
-            if request_id in self.live
+            self._fail(request_id, GenerationError(detail)) for request_id in request_ids if request_id in self.live
         ]
 
     def _forget(self, request_id: str) -> None:

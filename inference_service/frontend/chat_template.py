@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from inference_service.errors import TemplateError
+import jinja2
+
+from inference_service.errors import TemplateError, quoted, shortened
 
 # Put before the tool definitions when the template cannot render them itself.
 DEFAULT_TOOL_PROMPT = (
@@ -30,6 +32,7 @@ NO_TEMPLATE = (
     "the model has no chat template: pass one with --chat-template FILE (a Jinja template as in "
     "tokenizer_config.json), or use /v1/completions or /generate with a prompt"
 )
+RENDER_ERROR_CHARS = 200  # of a template's own error message (it may quote the messages)
 
 
 def load_template_file(path: str | Path) -> str:
@@ -101,7 +104,7 @@ class ChatTemplate:
                 **(variables or {}),
             )
         except Exception as error:  # Jinja syntax, raise_exception(), a missing variable
-            raise TemplateError(f"{type(error).__name__}: {error}") from error
+            raise TemplateError(_render_failure(error)) from error
 
     def _template(self) -> str | None:
         """A dict of named templates: transformers picks "default" (or "tool_use" with tools) itself."""
@@ -110,7 +113,7 @@ class ChatTemplate:
     def _prepared(self, message: dict[str, Any]) -> dict[str, Any]:
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool", "developer"):
-            raise TemplateError(f"unknown message role {role!r}: use system, user, assistant or tool")
+            raise TemplateError(f"unknown message role {quoted(role)}: use system, user, assistant or tool")
         prepared = {key: value for key, value in message.items() if value is not None}
         prepared["content"] = _content_text(message.get("content"))
         if role == "developer":  # OpenAI's newer name for system
@@ -121,6 +124,15 @@ class ChatTemplate:
             prepared["content"] = f"{prepared['content']}\n{text}" if prepared["content"] else text
             del prepared["tool_calls"]
         return prepared
+
+
+def _render_failure(error: Exception) -> str:
+    """What a caller is told when rendering failed: the template's own message (`raise_exception`,
+    an undefined variable) or transformers' (a ValueError), first line and shortened; any other
+    exception is the template engine's internals."""
+    if isinstance(error, (jinja2.TemplateError, ValueError)) and str(error).strip():
+        return shortened(str(error).strip().splitlines()[0], RENDER_ERROR_CHARS)
+    return "the chat template could not render these messages"
 
 
 def _content_text(content: Any) -> str:
@@ -138,7 +150,7 @@ def _content_text(content: Any) -> str:
         elif kind == "image_url":
             texts.append(f"![]({(part.get('image_url') or {}).get('url', '')})")
         else:
-            raise TemplateError(f"unsupported content part type {kind!r}: use 'text'")
+            raise TemplateError(f"unsupported content part type {quoted(kind)}: use 'text'")
     return "".join(texts)
 
 

@@ -4,8 +4,8 @@ The engine never sees OpenAI types: a chat or completion request becomes a `Gene
 prompt text, parameters in TGI's terms) with its sampling decided here, plus what only the API needs
 (how many choices, logprobs, tools). OpenAI's ranges are checked here, in OpenAI's terms; the
 validator's `prepare` then checks the engine's limits. Mapping, explicitly (`defaults` has the table):
-- `temperature` absent is 1.0 and samples (OpenAI's default); 0 is greedy (`do_sample` false); `top_p`
-  1 is off (no filter).
+- `temperature` absent is 1.0 and samples (OpenAI's default); 0 is greedy (`do_sample` false); as
+  OpenAI, at most 2. `top_p` 1 is off (no filter).
 - `max_completion_tokens` (or the older `max_tokens`) is `max_new_tokens`; absent, `defaults` decides.
 - `n` choices decode in one batch; with a `seed`, choice i is seeded `seed + i`.
 - `stop` is a string or a list; the stop text is not part of the returned text.
@@ -22,7 +22,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from inference_service.errors import ValidationError
+from inference_service.errors import ValidationError, quoted
 from inference_service.frontend import defaults, openai_tools
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters
 from inference_service.frontend.plain_json import plain_json, value_to_python
@@ -83,7 +83,7 @@ def _stop_sequences(request: Any) -> list[str]:
 def _logit_bias(biases: Any) -> dict[int, float]:
     parsed = {}
     for key, bias in biases.items():
-        _check(key.lstrip("-").isdigit(), f"`logit_bias` keys must be token ids, not {key!r}")
+        _check(key.lstrip("-").isdigit(), f"`logit_bias` keys must be token ids, not {quoted(key)}")
         _check(-100.0 <= bias <= 100.0, f"`logit_bias` values must be in [-100, 100]. Given: {bias}")
         parsed[int(key)] = float(bias)
     return parsed
@@ -107,7 +107,7 @@ def _sampling_parameters(
 ) -> tuple[GenerateParameters, bool]:
     """The parameters both routes share, and whether the request samples: OpenAI's ranges and
     meanings, each field mapped explicitly."""
-    _check(not request.HasField("temperature") or request.temperature >= 0.0, "`temperature` must be >= 0")
+    _in_range(request, "temperature", 0.0, 2.0)
     _check(not request.HasField("top_p") or 0.0 < request.top_p <= 1.0, "`top_p` must be > 0.0 and <= 1.0")
     _in_range(request, "frequency_penalty", -2.0, 2.0)
     _in_range(request, "presence_penalty", -2.0, 2.0)
@@ -201,7 +201,7 @@ def response_format_grammar(response_format: pb.ResponseFormat) -> dict[str, Any
         return {"type": kind, "value": value_to_python(response_format.value)}
     if kind == "json_object":
         return {"type": "json", "value": {"type": "object"}}
-    raise ValidationError(f"`response_format.type` must be text, json_object or json_schema, not {kind!r}")
+    raise ValidationError(f"`response_format.type` must be text, json_object or json_schema, not {quoted(kind)}")
 
 
 # -- completions ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_service.errors import ToolError
+from inference_service.errors import ECHO_CHARS, ToolError, quoted, shortened
 from inference_service.sample.grammar import GrammarSpec, lark_json
 
 _CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
@@ -43,7 +43,7 @@ def tool_call_format(tools: list[dict[str, Any]], tool_choice: Any, parallel: bo
         if tool.get("type", "function") != "function" or not isinstance(name, str) or not name:
             raise ToolError('each tool must be {"type": "function", "function": {"name": ...}}')
         if name in schemas:
-            raise ToolError(f"the function {name!r} is defined twice")
+            raise ToolError(f"the function {quoted(name)} is defined twice")
         schemas[name] = function.get("parameters") or {"type": "object", "properties": {}}
     if tool_choice is None:
         tool_choice = "auto" if schemas else "none"
@@ -54,10 +54,11 @@ def tool_call_format(tools: list[dict[str, Any]], tool_choice: Any, parallel: bo
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") != "function" or name not in schemas:
-            raise ToolError(f"`tool_choice` names no defined function: {json.dumps(tool_choice)}")
+            given = shortened(json.dumps(tool_choice), ECHO_CHARS)
+            raise ToolError(f"`tool_choice` names no defined function: {given}")
         return ToolCallFormat({name: schemas[name]}, parallel=False, text_allowed=False)
     if tool_choice not in ("auto", "required"):
-        raise ToolError(f"`tool_choice` must be none, auto, required or a function, not {tool_choice!r}")
+        raise ToolError(f"`tool_choice` must be none, auto, required or a function, not {quoted(tool_choice)}")
     return ToolCallFormat(schemas, parallel=parallel, text_allowed=tool_choice == "auto")
 
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inference_service.errors import ValidationError
+from inference_service.errors import ValidationError, quoted, shortened
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest, TokenSpan
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, grammar_spec_from_tgi
@@ -189,7 +189,7 @@ class Validator:
         try:
             token_ids = list(self._tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens))
         except Exception as error:  # any tokenizer failure is the caller's input
-            raise ValidationError(f"tokenizer error {error}") from error
+            raise ValidationError(f"tokenizer error {shortened(str(error), 200)}") from error
         _check(len(token_ids) > 0, "`inputs` cannot be empty")
         return token_ids if truncate is None else token_ids[-truncate:]
 
@@ -203,7 +203,7 @@ class Validator:
             bos_id = self._vocabulary().get(forced_bos_token)
             _check(
                 bos_id is not None and bos_id < self._info.vocab_size,
-                f"`forced_bos_token` must be a token of the model's vocabulary. Given: {forced_bos_token!r}",
+                f"`forced_bos_token` must be a token of the model's vocabulary. Given: {quoted(forced_bos_token)}",
             )
         if bos_id is not None:
             forced[0] = bos_id

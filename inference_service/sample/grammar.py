@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from inference_service.errors import GenerationError, OverloadedError, ValidationError
+from inference_service.errors import GenerationError, OverloadedError, ValidationError, quoted
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stub only
@@ -99,7 +99,7 @@ class GrammarSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValidationError(
-                f"grammar is not valid: unknown grammar kind {self.kind!r}; expected one of {', '.join(KINDS)}"
+                f"grammar is not valid: unknown grammar kind {quoted(self.kind)}; expected one of {', '.join(KINDS)}"
             )
         if not isinstance(self.value, str):
             raise ValidationError(f"grammar is not valid: a {self.kind} grammar's value must be a string")
@@ -129,7 +129,7 @@ def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
             raise ValidationError("grammar is not valid: a regex grammar's value must be a string")
         return GrammarSpec("regex", value)
     raise ValidationError(
-        f"grammar is not valid: unknown grammar type {kind!r}; expected json, json_object, json_schema or regex"
+        f"grammar is not valid: unknown grammar type {quoted(kind)}; expected json, json_object, json_schema or regex"
     )
 
 
@@ -147,7 +147,7 @@ def _schema_text(value: Any) -> str:
         try:
             value = json.loads(value)
         except ValueError as error:
-            raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None
+            raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None  # no echo
     if not isinstance(value, (dict, bool)):
         raise ValidationError("grammar is not valid: a JSON schema must be an object")
     return json.dumps(value, separators=(",", ":"))
@@ -190,13 +190,16 @@ class GrammarState:
         return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def _take_prefetched(self) -> Tensor | None:
-        """The prefetched mask row `[W]` of the current position (waiting for it), or None."""
+        """The prefetched mask row `[W]` of the current position (waiting for it), or None.
+
+        None too when the background fill failed: it filled a group of rows at once, so one bad
+        row fails them all; each row is then filled again on its own, where only the bad one fails.
+        """
         if self._prefetched is None:
             return None
         done, bitmask, row = self._prefetched
         self._prefetched = None
-        done.result()
-        return bitmask[row]
+        return bitmask[row] if done.exception() is None else None
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -12,6 +12,12 @@ Top-p uses transformers' rule (keep a token while the mass above it is < p) with
 that deciding it on a few candidates gives exactly the kept set of a full sort. It can differ from
 transformers' fp32 cumsum only when a token's mass is within fp32 rounding (~1e-7) of p, or when
 equal logits straddle the boundary: transformers keeps an order-dependent part of them, we keep all.
+
+Safe by construction: whatever a request's parameters, no processor returns NaN or +inf (NaN
+becomes -inf, +inf the largest float; a temperature is at least `MIN_TEMPERATURE`), and
+`sample_from_logits` returns an id inside the vocabulary even for a row with nothing left to
+sample. A NaN in a softmax would otherwise become an out-of-range id, and an out-of-range index
+fails the whole batch's gather (on a GPU, the whole device).
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ import torch
 from torch import Tensor
 
 NEG_INF = float("-inf")
+MAX_LOGIT = torch.finfo(torch.float32).max
+# Below it a temperature changes nothing a sampler can see (the top logit takes all the mass) but
+# dividing by it overflows: 1e-45 turns every logit into +-inf.
+MIN_TEMPERATURE = 1e-5
 # Candidates per row tried in turn before a full sort. On one CPU thread with 49152 logits, topk
 # costs ~0.15 ms per row at 256 and ~0.9 ms at 4096, a full sort ~4 ms.
 CANDIDATE_TIERS = (256, 4096)
@@ -48,6 +58,12 @@ def unpack_bitmask_torch(bitmask: Tensor, vocab_size: int) -> Tensor:
     return ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]  # [R, V]
 
 
+def finite_logits(logits: Tensor) -> Tensor:
+    """A copy with NaN as -inf (never chosen) and +inf as the largest float (chosen, but a softmax
+    of two of them is not NaN); -inf stays -inf: it is a mask."""
+    return torch.nan_to_num(logits, nan=NEG_INF, posinf=MAX_LOGIT, neginf=NEG_INF)
+
+
 def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: Tensor) -> Tensor:
     """Penalize each seen token once: `x * p` if x < 0 else `x / p` (p = 1: off).
 
@@ -56,7 +72,8 @@ def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: Tensor)
     """
     scores = logits.gather(1, token_ids)  # [B, T]
     p = penalty.to(logits.dtype)[:, None]  # [B, 1]
-    return logits.scatter(1, token_ids, torch.where(scores < 0, scores * p, scores / p))  # [B, V]
+    penalized = finite_logits(torch.where(scores < 0, scores * p, scores / p))  # a tiny p overflows
+    return logits.scatter(1, token_ids, penalized)  # [B, V]
 
 
 def apply_frequency_penalty(
@@ -87,8 +104,8 @@ def apply_logit_bias(logits: Tensor, token_ids: Tensor, bias: Tensor) -> Tensor:
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
-    """Divide by the row's temperature (1.0: off)."""
-    return logits / temperature.to(logits.dtype)[:, None]  # [B, V]
+    """Divide by the row's temperature, at least `MIN_TEMPERATURE` (1.0: off)."""
+    return finite_logits(logits / temperature.to(logits.dtype).clamp(min=MIN_TEMPERATURE)[:, None])  # [B, V]
 
 
 def apply_top_k(logits: Tensor, top_k: Tensor, max_top_k: int | None = None) -> Tensor:
@@ -196,5 +213,7 @@ def sample_from_logits(logits: Tensor, uniforms: Tensor) -> Tensor:
     """
     cdf = logits.softmax(dim=-1).cumsum(dim=-1)  # [S, V] non-decreasing
     target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]  # [S, 1], < the total as u < 1 in fp32
-    # The first token whose cdf exceeds the target: its probability is not zero.
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [S]
+    # The first token whose cdf exceeds the target: its probability is not zero. A row with no
+    # token left (all -inf: its cdf is NaN) finds none; the clamp keeps its id in range, and the
+    # sampler reports that row as failed.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)  # [S]

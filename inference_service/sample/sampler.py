@@ -6,7 +6,11 @@ watermark, repetition penalty, frequency penalty; OpenAI's presence penalty (gen
 only); temperature, top-k, top-p, typical-p. Each step is applied only to the rows that enable
 it. Greedy rows take the argmax of the processed logits (biases, penalties and watermark apply to
 them too); sampling rows draw one uniform from their request's own generator,
-so a seeded request's tokens do not depend on its batch.
+so a seeded request's tokens do not depend on its batch, and drawn once per position, so sampling
+a position again (the engine retries a failed batch row by row) draws the same token.
+
+A row with no token left to choose (every logit -inf or NaN after its grammar and processors) is
+not given an arbitrary token: the call raises `GenerationError` (the engine then finds the row).
 
 Reported logprobs are RAW: `log_softmax` of the model's logits before any grammar mask, penalty,
 temperature or filter (vLLM's default), for the chosen token and for the top-n alternatives.
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from inference_service.errors import GenerationError
 from inference_service.sample import ops
 from inference_service.sample.grammar import GrammarState, fill_bitmasks, prefetch_masks
 from inference_service.sample.watermark import Watermark
@@ -66,6 +71,7 @@ class SamplingState:
         self.num_tokens = len(prompt_token_ids)
         self.num_generated = 0
         self._forced = dict(params.forced_token_ids)
+        self._uniform: Tensor | None = None  # this position's draw, until a token is appended
 
     def append(self, token_id: int) -> None:
         """Record a generated token; a token the grammar rejects raises `GenerationError` first."""
@@ -79,6 +85,15 @@ class SamplingState:
         self.last_token_id = token_id
         self.num_tokens += 1
         self.num_generated += 1
+        self._uniform = None
+
+    def uniform(self) -> Tensor:
+        """This position's uniform `[1]` from the request's generator (sampling requests only),
+        drawn once: sampling the position again reuses it."""
+        assert self.generator is not None, "greedy requests draw nothing"
+        if self._uniform is None:
+            self._uniform = torch.rand(1, generator=self.generator)
+        return self._uniform
 
     @property
     def forced_token_id(self) -> int | None:
@@ -140,7 +155,8 @@ class Sampler:
         """Sample one token per row.
 
         Rows are selected from the parameters on the host; off CPU the only sync is the final
-        read of the results. On CPU, top-p also reads which rows its candidates decided.
+        read of the results (whether each row had a token to choose included). On CPU, top-p also
+        reads which rows its candidates decided.
         """
         if logits.dim() != 2 or logits.shape != (len(states), self.vocab_size):
             raise ValueError(
@@ -150,14 +166,25 @@ class Sampler:
         params = [s.params for s in states]
         allowed = self.apply_grammars(logits, states)  # [B, V]; logprobs stay those of the raw logits
         if all(p.is_greedy and not p.changes_logits for p in params):
+            chosen_from = allowed
             token_ids = allowed.argmax(dim=-1)  # [B]
         else:
-            token_ids = self._choose(self.process(allowed, states), states)  # [B]
+            chosen_from = self.process(allowed, states)
+            token_ids = self._choose(chosen_from, states)  # [B]
+        # The chosen logit is -inf (every token was) or NaN (the model's logits were): nothing to choose.
+        chosen = chosen_from.gather(1, token_ids[:, None]).squeeze(1) > ops.NEG_INF  # [B]
         forced = [(row, s.forced_token_id) for row, s in enumerate(states) if s.forced_token_id is not None]
         if forced:  # after the draw, so a seeded request's random stream is the same either way
             rows, ids = zip(*forced, strict=True)
             token_ids[list(rows)] = torch.tensor(ids, dtype=token_ids.dtype, device=token_ids.device)
-        return _gather_output(logits, token_ids, params)
+            chosen[list(rows)] = True
+        output, num_unchosen = _gather_output(logits, token_ids, chosen, params)
+        if num_unchosen:
+            raise GenerationError(
+                "no token could be sampled: the request's grammar and parameters left every token's"
+                " logit at -inf or NaN"
+            )
+        return output
 
     def apply_grammars(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         """The logits with -inf where a row's grammar disallows (a new tensor; `logits` itself when
@@ -179,7 +206,7 @@ class Sampler:
     def process(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         """The logits each row samples from, after its request's processors (a new tensor)."""
         params = [s.params for s in states]
-        x = logits.clone()  # [B, V]
+        x = ops.finite_logits(logits)  # [B, V] a copy; the model's NaN/inf cannot reach a softmax
         rows = _rows(params, lambda p: bool(p.logit_bias))
         if rows:
             ids = _padded([[t for t, _ in params[i].logit_bias] for i in rows], x.device)
@@ -223,7 +250,7 @@ class Sampler:
         sampled = [i for i, s in enumerate(states) if s.generator is not None]
         if not sampled:
             return processed.argmax(dim=-1)  # [B]
-        uniforms = torch.cat([torch.rand(1, generator=states[i].generator) for i in sampled])  # [S]
+        uniforms = torch.cat([states[i].uniform() for i in sampled])  # [S]
         uniforms = uniforms.to(processed.device)
         if len(sampled) == len(states):
             return ops.sample_from_logits(processed, uniforms)  # [B]
@@ -298,26 +325,32 @@ def _update_rows(x: Tensor, rows: list[int], fn: Callable[[Tensor], Tensor]) -> 
     return x
 
 
-def _gather_output(logits: Tensor, token_ids: Tensor, params: Sequence[SamplingParams]) -> SamplerOutput:
-    """Raw logprobs of the chosen tokens and the top-n, read back to the host in one transfer."""
+def _gather_output(
+    logits: Tensor, token_ids: Tensor, chosen: Tensor, params: Sequence[SamplingParams]
+) -> tuple[SamplerOutput, int]:
+    """Raw logprobs of the chosen tokens and the top-n, read back to the host in one transfer with
+    the number of rows that had no token to choose (`chosen` [B] false)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
     top_rows = _rows(params, lambda p: p.top_n_tokens > 0)
     width = min(max((params[i].top_n_tokens for i in top_rows), default=0), logits.shape[-1])
-    parts = [token_ids.double(), logprobs.double()]
+    parts = [token_ids.double(), logprobs.double(), (~chosen).sum(dim=0, keepdim=True).double()]
     if top_rows:
         index = torch.tensor(top_rows, device=logits.device)  # [N]
         top_logprobs, top_ids = raw_logprobs[index].topk(width, dim=-1)  # [N, width]
         parts += [top_ids.flatten().double(), top_logprobs.flatten().double()]
     flat = torch.cat(parts).tolist()
     num_rows = len(params)
+    num_unchosen = int(flat[2 * num_rows])
     top_ids_list: list[list[int]] = [[] for _ in params]
     top_logprobs_list: list[list[float]] = [[] for _ in params]
-    ids_start, logprobs_start = 2 * num_rows, 2 * num_rows + len(top_rows) * width
+    ids_start = 2 * num_rows + 1
+    logprobs_start = ids_start + len(top_rows) * width
     for j, i in enumerate(top_rows):
         n = min(params[i].top_n_tokens, width)
         top_ids_list[i] = [int(t) for t in flat[ids_start + j * width : ids_start + j * width + n]]
         top_logprobs_list[i] = flat[logprobs_start + j * width : logprobs_start + j * width + n]
-    return SamplerOutput(
+    output = SamplerOutput(
         [int(t) for t in flat[:num_rows]], flat[num_rows : 2 * num_rows], top_ids_list, top_logprobs_list
     )
+    return output, num_unchosen

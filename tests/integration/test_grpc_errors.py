@@ -110,7 +110,8 @@ def test_failure_inside_generation_is_internal(start_grpc_server, tiny_engine_co
     with pytest.raises(grpc.RpcError) as raised:
         server.stub.Generate(LONG, timeout=TIMEOUT)
     assert raised.value.code() == grpc.StatusCode.INTERNAL
-    assert raised.value.details() == "Request failed during generation: Server error: RuntimeError: device lost"
+    # What failed inside stays in the server's log: the caller learns that generation failed.
+    assert raised.value.details() == "Request failed during generation: Server error: the engine failed"
     assert error_info(raised.value) == ("generation", "generation")
 
     call = server.stub.GenerateStream(LONG, timeout=TIMEOUT, metadata=INBAND)
@@ -126,7 +127,7 @@ def test_a_bug_is_unknown_not_internal(tiny_grpc_server, monkeypatch):
     with pytest.raises(grpc.RpcError) as raised:
         tiny_grpc_server.stub.Generate(LONG, timeout=TIMEOUT)
     assert raised.value.code() == grpc.StatusCode.UNKNOWN
-    assert "ZeroDivisionError: division by zero" in raised.value.details()
+    assert raised.value.details() == "Unexpected server error"  # the exception is in the log, not sent
     assert error_info(raised.value) == ("internal", "internal")
 
 

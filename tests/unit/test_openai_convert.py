@@ -70,6 +70,8 @@ def test_stop_max_tokens_penalties_and_bias_map_to_engine_parameters():
         ({"n": 0}, "`n` must be >= 1"),
         ({"n": 17}, "`n` x prompts must be <= 16"),
         ({"temperature": -0.5}, "`temperature` must be >= 0"),
+        ({"temperature": 2.5}, "`temperature` must be >= 0.0 and <= 2.0"),
+        ({"temperature": "NaN"}, "`temperature` must be >= 0.0 and <= 2.0"),
         ({"logit_bias": {"abc": 1}}, "`logit_bias` keys must be token ids"),
         ({"logit_bias": {"1": 101}}, "`logit_bias` values must be in [-100, 100]"),
         ({"top_logprobs": 2}, "`top_logprobs` needs `logprobs` set to true"),
