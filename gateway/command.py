@@ -11,6 +11,7 @@ from gateway.envoy import GatewayError
 from gateway.launch import launch, options_from_args
 from gateway.replicated import launch_replicas
 from inference_service import flags
+from inference_service.api.stopping import run_until_stopped
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,6 +19,10 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args, dict(os.environ))
     flags.configure_logging(server_config)
     flags.warn_of_command_line_secrets(args)
+    return run_until_stopped(lambda: _launch(engine_config, server_config, options), engine_config.model.model_id)
+
+
+def _launch(engine_config, server_config, options) -> int:
     from inference_service.models.loader import resolve_model
 
     # Found (fetched, converted) before any port opens, as TGI's launcher downloads before it starts

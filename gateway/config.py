@@ -33,6 +33,8 @@ from gateway.limits import (
 )
 from gateway.tls import TlsFiles, listener_tls, upstream_tls
 from gateway.upstream import ROUTINGS, engine_cluster, hash_policy, health_retry_policy, retry_policy
+from inference_service.api import pings
+from inference_service.api.errors import RETRYABLE_KEY
 from inference_service.api.header_limits import GATEWAY_MAX_HEADERS_COUNT, GATEWAY_MAX_REQUEST_HEADERS_KB
 from inference_service.observability.tracing import otlp_target
 
@@ -80,6 +82,8 @@ class GatewayConfig:
     request_timeout_s: float = 60.0  # to receive a whole request; answers take as long as they take
     idle_timeout_s: float = 60.0
     max_concurrent_streams: int = 256  # per HTTP/2 connection
+    # How often Envoy pings the engine; the engine permits it (`inference_service.api.pings`).
+    upstream_ping_interval_s: float = pings.PING_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -98,6 +102,8 @@ class GatewayConfig:
             raise ValueError("the connection and stream limits must be >= 1")
         if min(self.request_headers_timeout_s, self.request_timeout_s, self.idle_timeout_s) <= 0:
             raise ValueError("the request and idle timeouts must be > 0")
+        if self.upstream_ping_interval_s <= 0:
+            raise ValueError("the upstream ping interval must be > 0")
 
     @property
     def ports(self) -> tuple[int, ...]:
@@ -250,19 +256,29 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 
     path_regex = {"safe_regex": {"regex": OPENAI_PATHS}}
     openai_path = {"header_filter": {"header": {"name": ":path", "string_match": path_regex}}}
-    mappers = [
-        {
-            "filter": {"and_filter": {"filters": [status_filter(status), openai_path]}},
-            "body_format_override": openai_body(_error_text(error, payload_limit), error_type, status),
+    # Envoy's 503 when no engine could be reached (UF) or none is healthy (UH): no engine saw the
+    # request, so it carries the engine's retry marker, for callers' own retries.
+    unsent = {"response_flag_filter": {"flags": ["UF", "UH"]}}
+
+    def mapper(filters: list[dict[str, Any]], body: dict[str, Any], marked: bool = False) -> dict[str, Any]:
+        entry = {
+            "filter": filters[0] if len(filters) == 1 else {"and_filter": {"filters": filters}},
+            "body_format_override": body,
         }
-        for status, error_type, error in _LOCAL_REPLY_TYPES
-    ] + [
-        {
-            "filter": status_filter(status),
-            "body_format_override": json_body(_error_text(error, payload_limit), error_type),
-        }
-        for status, error_type, error in _LOCAL_REPLY_TYPES
-    ]
+        if marked:
+            entry["headers_to_add"] = [_header(RETRYABLE_KEY, "1")]
+        return entry
+
+    mappers = []
+    for on_path, body in (
+        ([openai_path], openai_body),
+        ([], lambda error, error_type, status: json_body(error, error_type)),
+    ):
+        for status, error_type, error in _LOCAL_REPLY_TYPES:
+            text = body(_error_text(error, payload_limit), error_type, status)
+            if status == 503:
+                mappers.append(mapper([status_filter(status), unsent, *on_path], text, marked=True))
+            mappers.append(mapper([status_filter(status), *on_path], text))
     return {"mappers": mappers, "body_format": json_body("%LOCAL_REPLY_BODY%", "gateway")}
 
 
@@ -312,6 +328,8 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
         "stat_prefix": "rest",
         "codec_type": "AUTO",
         "server_name": "inference-service",
+        # Off: a unary request sends nothing until its answer, minutes later; any idle timeout would
+        # cut long generations (routes have no timeouts either, see `_upstream`).
         "stream_idle_timeout": "0s",
         "local_reply_config": _local_reply_config(config.payload_limit),
         "route_config": {
@@ -352,14 +370,22 @@ def _listener(config: GatewayConfig, routes: list[RestRoute], descriptor: bytes,
     }
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _keepalive(config: GatewayConfig) -> dict[str, Any]:
+    """Envoy's pings to the engine, which the engine permits (`inference_service.api.pings`): without
+    them a dead engine host would hold a silent unary request forever."""
+    return {"interval": _seconds(config.upstream_ping_interval_s), "timeout": _seconds(pings.PING_TIMEOUT_S)}
+
+
 def _cluster(config: GatewayConfig) -> dict[str, Any]:
     limits = {key: UNLIMITED for key in ("max_connections", "max_pending_requests", "max_requests")}
     protocol = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
-            "explicit_http_config": {
-                "http2_protocol_options": {"connection_keepalive": {"interval": "30s", "timeout": "10s"}}
-            },
+            "explicit_http_config": {"http2_protocol_options": {"connection_keepalive": _keepalive(config)}},
         }
     }
     options = protocol["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]

@@ -7,7 +7,7 @@ Order of things:
 3. Envoy is supervised: if it dies it is restarted (at most `MAX_RESTARTS` within
    `RESTART_WINDOW_S`), after that the command shuts the server down and exits 1;
 4. on SIGTERM/SIGINT the server drains first (in-flight REST requests still flow through Envoy),
-   then Envoy stops.
+   then Envoy stops; a second signal cuts the drain short (`inference_service.api.stopping`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import ssl
 import tempfile
 import time
@@ -30,6 +29,7 @@ from gateway.envoy import Envoy, GatewayError
 from gateway.tls import TlsFiles
 from gateway.upstream import ROUTINGS
 from inference_service import flags
+from inference_service.api.stopping import StopSignals, abandon_loading
 from inference_service.flags import CliError, NamedFlag
 
 logger = logging.getLogger("gateway.launch")
@@ -141,10 +141,7 @@ async def launch(server_config, engine_config, options: LaunchOptions) -> int:
     from inference_service.api.server import ApiServer
 
     server = ApiServer(server_config, engine_config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    signals = StopSignals.install()
     grpc_port = await server.start()
     with tempfile.TemporaryDirectory(prefix="inference-service-envoy-") as workdir:
         envoy = make_envoy(server_config, options, (grpc_port,), Path(workdir))
@@ -154,7 +151,7 @@ async def launch(server_config, engine_config, options: LaunchOptions) -> int:
             await server.stop_now()
             raise
         try:
-            return await _serve(server, envoy, stop, grpc_port)
+            return await _serve(server, envoy, signals, grpc_port)
         finally:
             await asyncio.to_thread(envoy.stop)
 
@@ -195,28 +192,36 @@ async def start_envoy(envoy: Envoy) -> None:
     logger.info("Envoy %d: REST on port %d, admin %s", envoy.pid, envoy.port, envoy.admin_url)
 
 
-async def _serve(server, envoy: Envoy, stop: asyncio.Event, grpc_port: int) -> int:
+async def _serve(server, envoy: Envoy, signals: StopSignals, grpc_port: int) -> int:
     supervising = asyncio.ensure_future(keep_running(envoy))
     loading = asyncio.ensure_future(server.load_engine())
-    stopping = asyncio.ensure_future(stop.wait())
+    stopping = asyncio.ensure_future(signals.stop.wait())
+    ready = None
     try:
         await asyncio.wait({loading, stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and loading.exception() is not None:
             raise loading.exception()
         if not loading.done():  # stopped (or Envoy gave up) while the model was loading
             loading.cancel()
+            abandon_loading()
         elif not supervising.done() and not stopping.done():
-            await asyncio.to_thread(wait_healthy, envoy.url("/health"), READY_TIMEOUT_S, envoy.ssl_context())
-            logger.info("ready: TGI REST API on %s, gRPC API on port %d", envoy.url(), grpc_port)
-            await asyncio.wait({stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
+            ready = asyncio.ensure_future(wait_ready(envoy, READY_TIMEOUT_S))
+            await asyncio.wait({ready, stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                ready.result()
+                logger.info("ready: TGI REST API on %s, gRPC API on port %d", envoy.url(), grpc_port)
+                await asyncio.wait({stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
         return 1 if supervising.done() and not stopping.done() else 0
     finally:
-        for task in (supervising, stopping):
-            task.cancel()
+        for task in (supervising, stopping, ready):
+            if task is not None:
+                task.cancel()
         if loading.done() and not loading.cancelled() and loading.exception() is None:
-            await server.shutdown()  # drains while Envoy still carries the in-flight requests
+            await server.shutdown(cut=signals.now)  # drains while Envoy still carries the in-flight requests
         else:
             await server.stop_now()
+            if signals.stop.is_set():
+                logger.info("stopped (%s) while the model was loading", signals.name)
 
 
 async def keep_running(envoy: Envoy) -> None:
@@ -255,10 +260,10 @@ def healthy(url: str, context: ssl.SSLContext | None = None) -> bool:
         return False
 
 
-def wait_healthy(url: str, timeout_s: float, context: ssl.SSLContext | None = None) -> None:
-    """Poll a REST health URL until it answers 200."""
+async def wait_ready(envoy: Envoy, timeout_s: float) -> None:
+    """Poll REST `/health` through Envoy until it answers 200; a stop signal can cancel it."""
     deadline = time.monotonic() + timeout_s
-    while not healthy(url, context):
+    while not await asyncio.to_thread(healthy, envoy.url("/health"), envoy.ssl_context()):
         if time.monotonic() > deadline:
-            raise GatewayError(f"{url} did not answer 200 within {timeout_s:.0f}s")
-        time.sleep(0.1)
+            raise GatewayError(f"{envoy.url('/health')} did not answer 200 within {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)

@@ -5,7 +5,9 @@ A replica that dies is started again on the same port (Envoy's cluster lists fix
 active health checks take the replica out while it is down and back once it serves), at most
 `MAX_RESTARTS` times within `RESTART_WINDOW_S`; after that it stays down and the others carry on.
 Each replica gets SIGTERM if the launcher dies without stopping it (as Envoy does), so a killed
-launcher leaves no engine holding a port or memory.
+launcher leaves no engine holding a port or memory. Each runs in its own process group, so a Ctrl-C
+in a terminal reaches the launcher only, which passes stop signals on one at a time (a second one
+stops a replica at once: two at the same moment would cut its drain short).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class ReplicaSet:
 
     def start(self, replica: Replica) -> None:
         replica.process = subprocess.Popen(
-            self.command(replica), stdin=subprocess.DEVNULL, env=self.environment(replica)
+            self.command(replica), stdin=subprocess.DEVNULL, env=self.environment(replica), process_group=0
         )
         logger.info(
             "replica %d (pid %d): gRPC port %d, %d threads", replica.index, replica.pid, replica.port, self._threads
@@ -174,17 +176,23 @@ class ReplicaSet:
                 return
             await asyncio.sleep(0.2)
 
-    async def stop(self, timeout_s: float) -> None:
-        """SIGTERM every replica (each drains its requests), SIGKILL what is left after `timeout_s`."""
+    async def stop(self, timeout_s: float, now: asyncio.Event | None = None) -> None:
+        """SIGTERM every replica (each drains its requests), again once `now` is set (each stops at
+        once), SIGKILL what is left after `timeout_s`."""
         self._stopping = True
         running = [r.process for r in self.replicas if r.alive]
         for process in running:
             process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
+        deadline, passed_on = time.monotonic() + timeout_s, False
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            if now is not None and now.is_set() and not passed_on:
+                passed_on = True
+                for process in running:
+                    if process.poll() is None:
+                        process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
         for process in running:
-            try:
-                await asyncio.to_thread(process.wait, max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if process.poll() is None:
                 process.kill()
                 await asyncio.to_thread(process.wait)
 

@@ -7,20 +7,21 @@ Order of things:
 3. once a replica serves, REST `/health` is 200 and the command says it is ready; each replica is
    announced as it comes up. Envoy and the replicas are supervised: a dead one is restarted;
 4. on SIGTERM/SIGINT the replicas drain (Envoy still carries their in-flight requests), then Envoy
-   stops. The command exits 1 when Envoy can't be kept running or no replica is left.
+   stops; a second signal is passed on, so each replica stops at once and says what it cut. The
+   command exits 1 when Envoy can't be kept running or no replica is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import tempfile
 from pathlib import Path
 
 from gateway.envoy import Envoy
 from gateway.launch import LaunchOptions, healthy, keep_running, loopback, make_envoy, start_envoy
 from gateway.replicas import ReplicaSet
+from inference_service.api.stopping import StopSignals
 
 logger = logging.getLogger("gateway.launch")
 
@@ -28,10 +29,7 @@ POLL_S = 0.2
 
 
 async def launch_replicas(server_config, engine_config, options: LaunchOptions) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    signals = StopSignals.install()
     replicas = ReplicaSet(engine_config, server_config, options.num_replicas, loopback(server_config.hostname))
     replicas.start_all()
     drain_s = server_config.graceful_termination_timeout + 5
@@ -40,12 +38,13 @@ async def launch_replicas(server_config, engine_config, options: LaunchOptions) 
             envoy = make_envoy(server_config, options, replicas.ports, Path(workdir))
             await start_envoy(envoy)
             try:
-                return await _serve(replicas, envoy, stop)
+                return await _serve(replicas, envoy, signals.stop)
             finally:
-                await replicas.stop(drain_s)  # drains while Envoy still carries the in-flight requests
+                # drains while Envoy still carries the in-flight requests
+                await replicas.stop(drain_s, signals.now)
                 await asyncio.to_thread(envoy.stop)
     finally:
-        await replicas.stop(drain_s)
+        await replicas.stop(drain_s, signals.now)
 
 
 async def _serve(replicas: ReplicaSet, envoy: Envoy, stop: asyncio.Event) -> int:

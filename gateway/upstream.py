@@ -12,9 +12,11 @@ that is down or draining is taken out, and which requests are retried.
   With most replicas out, Envoy's panic mode tries them all; a replica that can't serve answers
   UNAVAILABLE (loading, draining) and the request is retried on another, so callers see the
   server's own answers (TGI's in-band stream errors included) rather than Envoy's.
-- Retries only where nothing was done: a refused connection or stream, or UNAVAILABLE (a replica
-  loading or draining) or RESOURCE_EXHAUSTED (a full replica) before any response, each time on
-  another replica. Never after a response started: a stream that sent a token is not replayed.
+- Retries only where no engine accepted the request, each time on another replica: a connection
+  that failed or was reset before the request went out, a refused stream, or an engine's own
+  refusal before admission (full, loading, draining), which it marks with `RETRYABLE_KEY`. Never
+  on a status alone: an UNAVAILABLE after admission (a connection closed under a running
+  generation) would replay work that was done, and a request must run once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.envoy_fields import discovery_type, socket_address, type_url
+from inference_service.api.errors import RETRYABLE_KEY
 
 PREFIX_HASH_HEADER = "x-prefix-hash"
 ROUTINGS = ("least-request", "prefix")
@@ -77,7 +80,8 @@ def engine_cluster(
 
 def retry_policy() -> dict[str, Any]:
     return {
-        "retry_on": "connect-failure,refused-stream,unavailable,resource-exhausted",
+        "retry_on": "connect-failure,reset-before-request,refused-stream,retriable-headers",
+        "retriable_headers": [{"name": RETRYABLE_KEY, "string_match": {"exact": "1"}}],
         "num_retries": 2,
         "retry_host_predicate": [
             {

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from inference_service import __version__
+from inference_service.api.stopping import run_until_stopped
 from inference_service.config import DEMO_MODEL_ID
 from inference_service.errors import ModelLoadError
 from inference_service.flags import (
@@ -49,6 +50,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     engine_config, server_config = configs_from_args(args)
     configure_logging(server_config)
     warn_of_command_line_secrets(args)
+    return run_until_stopped(lambda: _serve(engine_config, server_config), engine_config.model.model_id)
+
+
+def _serve(engine_config, server_config) -> int:
     # Imported here so that `--help` and flag errors don't wait for torch.
     from inference_service.models.loader import resolve_model
 
@@ -151,5 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelLoadError, CommandFailed) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a one-shot command cut short (serve and launch take signals themselves)
+        print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

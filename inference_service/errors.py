@@ -34,6 +34,10 @@ class InferenceError(Exception):
     """Base of the errors a request can end with; `error_type` is machine-readable."""
 
     error_type = "internal"
+    # True only for refusals before the engine admitted the request (overloaded, loading, draining):
+    # nothing ran, so a proxy may send it again, elsewhere. Anything that fails after admission is
+    # never replayed: the generation may have done work (and been seen) already.
+    retryable = False
     # The engine's RequestTimings of the failed request, set by the engine when it got that far
     # (traces show where a failed request spent its time). One error object per request.
     timings: Any = None
@@ -83,6 +87,7 @@ class OverloadedError(InferenceError):
     """More requests in flight than `--max-concurrent-requests` allows."""
 
     error_type = "overloaded"
+    retryable = True  # refused at admission
 
     def __init__(self, message: str = "Model is overloaded"):
         super().__init__(message)
@@ -121,6 +126,7 @@ class UnavailableError(InferenceError):
     """The engine is not serving (still loading, or draining for shutdown)."""
 
     error_type = "unavailable"
+    retryable = True  # raised only before admission (see the engine's `_admit`, `api.backend`)
 
 
 class UnauthorizedError(InferenceError):

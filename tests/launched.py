@@ -25,7 +25,13 @@ class Launched:
     `--json-output`, for instance, to the entry's message.
     """
 
-    def __init__(self, model_dir: Path, *extra_args: str, message_of: Callable[[str], str | None] = whole_line):
+    def __init__(
+        self,
+        model_dir: Path,
+        *extra_args: str,
+        message_of: Callable[[str], str | None] = whole_line,
+        env: dict[str, str] | None = None,
+    ):
         command = [
             str(Path(sys.executable).with_name("inference-service")),
             "launch",
@@ -48,7 +54,12 @@ class Launched:
             *extra_args,
         ]
         self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines: list[str] = []
         self._message_of = message_of

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_service.api.pings import MIN_PING_INTERVAL_S
 from inference_service.observability.tracing import otlp_target
 
 
@@ -43,6 +44,8 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Pings closer together than this cost a caller a strike (`api.pings`); tests shorten it.
+    min_ping_interval_s: float = MIN_PING_INTERVAL_S
 
     @property
     def tls(self) -> bool:
@@ -54,6 +57,7 @@ class ServerConfig:
         _require(0 <= self.prometheus_port <= 65535, "--prometheus-port must be in [0, 65535]")
         if self.otlp_endpoint:
             otlp_target(self.otlp_endpoint)  # a ValueError that says what it should look like
+        _require(self.min_ping_interval_s > 0, "the minimum ping interval must be > 0")
         _require(self.graceful_termination_timeout >= 0, "--graceful-termination-timeout must be >= 0")
         _require((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together")
         _require(

@@ -23,7 +23,8 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from inference_service.errors import InferenceError
+from inference_service.errors import InferenceError, UnavailableError
+from inference_service.observability.logging import UNAVAILABLE_CHANNEL, log_state
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ ERROR_TYPE_KEY = "x-error-type"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # Set by the REST gateway on GenerateStream: TGI sends stream errors as a last SSE event, not a status.
 INBAND_ERRORS_KEY = "x-textgen-inband-errors"
+# "1" on a refusal before admission (`InferenceError.retryable`), in the status's metadata (a
+# trailers-only response: headers to a proxy) or, for an in-band stream error, in the headers. The
+# REST gateway retries on it and nothing else the engine answers; callers may too.
+RETRYABLE_KEY = "x-textgen-retryable"
 UNEXPECTED_ERROR_TYPE = "internal"
 UNEXPECTED_ERROR_MESSAGE = "Unexpected server error"
 # UTF-8 bytes of a message: percent-encoded (up to 3x) plus its copy in the details (base64, 4/3x),
@@ -68,12 +73,21 @@ def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     return data[: limit - len("…".encode())].decode(errors="ignore") + "…"
 
 
-def trailing_metadata(code: grpc.StatusCode, message: str, error_type: str) -> tuple[tuple[str, Any], ...]:
-    """The trailers of a failed call: the rich status (google.rpc.Status + ErrorInfo) and the kind."""
+def retryable(error: Exception) -> bool:
+    """Whether `error` refused the request before the engine admitted it."""
+    return isinstance(error, InferenceError) and error.retryable
+
+
+def trailing_metadata(
+    code: grpc.StatusCode, message: str, error_type: str, retryable: bool = False
+) -> tuple[tuple[str, Any], ...]:
+    """The trailers of a failed call: the rich status (google.rpc.Status + ErrorInfo), the kind, and
+    the retry marker on a refusal before admission."""
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=error_type, domain=ERROR_DOMAIN))
     status = status_pb2.Status(code=code.value[0], message=message, details=[info])
-    return ((ERROR_TYPE_KEY, error_type), (STATUS_DETAILS_KEY, status.SerializeToString()))
+    marker = ((RETRYABLE_KEY, "1"),) if retryable else ()
+    return ((ERROR_TYPE_KEY, error_type), (STATUS_DETAILS_KEY, status.SerializeToString()), *marker)
 
 
 def wants_inband_errors(context: grpc.aio.ServicerContext) -> bool:
@@ -81,7 +95,18 @@ def wants_inband_errors(context: grpc.aio.ServicerContext) -> bool:
 
 
 def log_failure(error: Exception, code: grpc.StatusCode, method: str) -> None:
-    if isinstance(error, InferenceError):
+    if isinstance(error, UnavailableError):  # loading or draining: said once per state
+        log_state(
+            logger,
+            UNAVAILABLE_CHANNEL,
+            error.message,
+            logging.INFO,
+            "%s failed: %s (%s)",
+            method,
+            error.message,
+            code.name,
+        )
+    elif isinstance(error, InferenceError):
         logger.info("%s failed: %s (%s)", method, error.message, code.name)
     else:
         logger.error("%s failed with an unexpected error", method, exc_info=error)
@@ -91,7 +116,7 @@ async def abort(context: grpc.aio.ServicerContext, error: Exception, method: str
     """End the call with the status that `error` maps to (raises, as `context.abort` does)."""
     code, message, error_type = describe(error)
     log_failure(error, code, method)
-    await context.abort(code, message, trailing_metadata(code, message, error_type))
+    await context.abort(code, message, trailing_metadata(code, message, error_type, retryable(error)))
 
 
 Request = TypeVar("Request")

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import signal
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,11 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from inference_service.api import pings
 from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
 from inference_service.api.decoding import DecodeErrorInterceptor
 from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
+from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loading
 from inference_service.config import EngineConfig
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.frontend.front_end import FrontEnd
@@ -81,6 +82,7 @@ class ApiServer:
                 *metadata_options(),  # what Envoy forwards always fits (api/header_limits.py)
                 ("grpc.max_receive_message_length", server_config.payload_limit),
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+                *pings.server_options(server_config.min_ping_interval_s),
             ],
         )
         generate_pb2_grpc.add_TextGenerationServicer_to_server(self.servicer, self._server)
@@ -135,15 +137,20 @@ class ApiServer:
         logger.info("serving %s", engine.info.model_id)
         return engine
 
-    async def shutdown(self, timeout_s: float | None = None) -> None:
-        """NOT_SERVING, stop admitting, give in-flight requests `timeout_s`, cancel the rest, stop."""
+    async def shutdown(self, timeout_s: float | None = None, cut: asyncio.Event | None = None) -> None:
+        """NOT_SERVING, stop admitting, give in-flight requests `timeout_s` (or until `cut` is set:
+        a second stop signal), cancel the rest, stop."""
         timeout_s = self.config.graceful_termination_timeout if timeout_s is None else timeout_s
-        logger.info("draining (up to %.1fs)", timeout_s)
+        logger.info("draining (up to %.1fs; Ctrl-C again stops at once)", timeout_s)
         for service in HEALTH_SERVICES:  # not ready; still alive
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.drain()
         if self.engine is not None:
-            await self.engine.shutdown(timeout_s)
+            num_cut = await self.engine.shutdown(timeout_s, cut)
+            at_once = cut is not None and cut.is_set()
+            if num_cut or at_once:
+                how = "stopped at once" if at_once else f"the drain timed out after {timeout_s:.1f}s"
+                logger.info("%s: %d request%s cut", how, num_cut, "" if num_cut == 1 else "s")
         await self._server.stop(STOP_GRACE_S)
         await asyncio.to_thread(self.observability.shutdown)
         logger.info("stopped")
@@ -155,7 +162,8 @@ class ApiServer:
 
 async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:
     """Run a blocking call on a daemon thread: unlike the default executor, a SIGTERM while it runs
-    (a model still loading) does not have to wait for it before the process can exit."""
+    (a model still loading) does not have to wait for it before the process can exit
+    (`stopping.leave` then ends the process without the interpreter's shutdown)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -171,7 +179,7 @@ async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
             loop.call_soon_threadsafe(settle, outcome)
 
-    threading.Thread(target=target, name="model-load", daemon=True).start()
+    threading.Thread(target=target, name=LOAD_THREAD, daemon=True).start()
     return await future
 
 
@@ -188,26 +196,24 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Serve until SIGTERM or SIGINT, then drain; returns the exit code. Raises ModelLoadError
-    (the model can't be served) or StartupError (can't listen)."""
+    """Serve until SIGTERM or SIGINT, then drain (a second signal cuts the drain short); returns
+    the exit code. Raises ModelLoadError (the model can't be served) or StartupError (can't listen)."""
     server = ApiServer(server_config, engine_config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    signals = StopSignals.install()
     await server.start()
     loading = asyncio.ensure_future(server.load_engine())
-    stopping = asyncio.ensure_future(stop.wait())
+    stopping = asyncio.ensure_future(signals.stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done() and loading.exception() is not None:
         stopping.cancel()
         await server.stop_now()
         raise loading.exception()
     if not loading.done():  # stopped while loading: nothing is in flight
-        logger.info("stopped while the model was loading")
         loading.cancel()
+        abandon_loading()
         await server.stop_now()
+        logger.info("stopped (%s) while the model was loading", signals.name)
         return 0
     await stopping
-    await server.shutdown()
+    await server.shutdown(cut=signals.now)
     return 0

@@ -4,6 +4,8 @@ handling of a streamed call.
 An error before the first message is a status (REST: an HTTP error in the API's shape). After it,
 a caller that asked for in-band errors (the REST gateway's `x-textgen-inband-errors`) gets the
 error as a last message, and, where the API has one, a last `done` message (OpenAI's `[DONE]`).
+A refusal before admission carries the retry marker either way (`api.errors.RETRYABLE_KEY`): in
+the status, or for an in-band error in the headers, where the gateway's retry policy sees it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from typing import Any
 
 import grpc
 
-from inference_service.api.errors import StreamHandler, abort, describe, log_failure, wants_inband_errors
+from inference_service.api.errors import (
+    RETRYABLE_KEY,
+    StreamHandler,
+    abort,
+    describe,
+    log_failure,
+    retryable,
+    wants_inband_errors,
+)
 from inference_service.api.keepalive import requested_interval, with_keepalives
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.outputs import RequestOutput
@@ -48,6 +58,8 @@ def stream_errors(
                     return
                 code, message, error_type = describe(error)
                 log_failure(error, code, handler.__name__)
+                if not sent and retryable(error):  # refused before admission: the gateway may retry
+                    await context.send_initial_metadata(((RETRYABLE_KEY, "1"),))
                 yield error_message(message, error_type)
             if inband and done_message is not None:
                 yield done_message()

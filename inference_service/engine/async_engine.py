@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
@@ -29,6 +31,13 @@ from inference_service.sampling_params import EngineRequest
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # the engine thread re-checks for shutdown this often when idle
+# Test-only: milliseconds the engine thread sleeps after each step, so a tiny model's request can
+# last minutes (the long-request tests). Unset in any real deployment.
+STEP_DELAY_ENV = "INFERENCE_SERVICE_TEST_STEP_DELAY_MS"
+
+
+def _step_delay_s() -> float:
+    return float(os.environ.get(STEP_DELAY_ENV) or 0) / 1000
 
 
 @dataclasses.dataclass
@@ -74,6 +83,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._step_delay_s = _step_delay_s()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -88,13 +98,17 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
             self._thread.start()
 
-    async def shutdown(self, timeout_s: float) -> None:
-        """Stop admitting, let in-flight requests finish for up to `timeout_s`, abort the rest."""
+    async def shutdown(self, timeout_s: float, cut: asyncio.Event | None = None) -> int:
+        """Stop admitting, let in-flight requests finish for up to `timeout_s` (or until `cut` is
+        set: a second Ctrl-C), abort the rest; returns how many were aborted."""
         self._draining = True
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._num_in_flight and asyncio.get_running_loop().time() < deadline:
+            if cut is not None and cut.is_set():
+                break
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
+        aborted = list(self._streams)
+        for request_id in aborted:
             self._commands.put(AbortRequest(request_id, "server shutting down"))
         while self._streams and asyncio.get_running_loop().time() < deadline + 5:
             await asyncio.sleep(0.02)
@@ -102,6 +116,7 @@ class AsyncEngine:
         self._commands.put(Wake())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        return len(aborted)
 
     @property
     def is_draining(self) -> bool:
@@ -225,6 +240,8 @@ class AsyncEngine:
             try:
                 self._apply_commands(block=not engine.has_unfinished())
                 outputs = engine.step() if engine.has_unfinished() else []
+                if outputs and self._step_delay_s:  # 0 unless a test slows the engine down
+                    time.sleep(self._step_delay_s)
             except Exception:  # noqa: BLE001 — a bug must not kill the engine thread
                 logger.exception("engine step failed")
                 outputs = engine.fail_all()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from inference_service import progress
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
@@ -71,11 +72,17 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     loaded = load(config)
+    with progress.phase("preparing the engine", "prepared the engine", total=3) as phase:
+        return _build(config, loaded, phase)
+
+
+def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> LLMEngine:
     dtype = next(loaded.model.parameters()).dtype
     linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
     native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
     if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
         native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+    phase.update()
     runner: Runner
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
@@ -96,11 +103,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             config.model.model_id,
             loaded.fallback_reason,
         )
+    phase.update()
     info = make_info(config, loaded, num_blocks)
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
     grammar_compiler = (
         None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info, config.limits)
     )
+    phase.update()
     speculator = None
     if info.speculate:
         speculator = Speculator(NgramProposer(), info.speculate, info.max_total_tokens)
@@ -177,16 +186,21 @@ def load(config: EngineConfig) -> LoadedModel:
             num_quantized = install_gguf(model, _gguf_file(config, resolved))
         return model, num_quantized
 
-    model, num_quantized = load_weights(FALLBACK_ATTENTION if fallback_reason else attention.ATTENTION_NAME)
-    tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
+    with progress.phase("loading weights", "loaded weights", total=2) as phase, progress.library_bars_off():
+        model, num_quantized = load_weights(FALLBACK_ATTENTION if fallback_reason else attention.ATTENTION_NAME)
+        phase.update()
+        tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
+        phase.update()
     if fallback_reason is None:
         try:
-            probe_model(model, device)
+            with progress.phase("checking the model", "checked the paged attention", total=3) as phase:
+                probe_model(model, device, phase.update)
         except ModelLoadError as error:  # served exactly another way, never wrong
             fallback_reason = str(error)
             # Loaded again: set_attn_implementation does not switch every model (BLOOM keeps the name
             # it was loaded with, and builds no causal mask for it).
-            model, num_quantized = load_weights(FALLBACK_ATTENTION)
+            with progress.phase("loading weights", "loaded weights again", total=1), progress.library_bars_off():
+                model, num_quantized = load_weights(FALLBACK_ATTENTION)
     return LoadedModel(
         model,
         tokenizer,
@@ -341,14 +355,17 @@ def warm_up(engine: LLMEngine, num_tokens: int = 16) -> None:
     if table is None:
         raise ModelLoadError(f"the KV cache holds fewer than the {num_tokens + 1} tokens of the warm-up")
     try:
-        runner.execute(
-            [
-                ScheduledRequest(
-                    _WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True, encoder_token_ids=[0] * num_tokens
-                )
-            ]
-        )
-        runner.execute([ScheduledRequest(_WARMUP_ID, num_tokens, 1, [0], table, True)])
+        with progress.phase("warming up", "warmed up", total=2) as phase:
+            runner.execute(
+                [
+                    ScheduledRequest(
+                        _WARMUP_ID, 0, num_tokens, [0] * num_tokens, table, True, encoder_token_ids=[0] * num_tokens
+                    )
+                ]
+            )
+            phase.update()
+            runner.execute([ScheduledRequest(_WARMUP_ID, num_tokens, 1, [0], table, True)])
+            phase.update()
     finally:
         kv.free(_WARMUP_ID)
         runner.release(_WARMUP_ID)

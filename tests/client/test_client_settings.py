@@ -43,10 +43,11 @@ def test_several_replicas_are_balanced_round_robin():
     assert _policy(channel_options(parse_target("dns:///svc:1"), None)) == ["round_robin"]
     assert _policy(channel_options(parse_target("localhost:1"), None)) == []
     assert _policy(channel_options(parse_target("localhost:1"), "round_robin")) == ["round_robin"]
-    extra = (("grpc.max_receive_message_length", 5),)
-    options = dict(channel_options(parse_target("localhost:1"), None, extra))
-    assert options["grpc.max_receive_message_length"] == 5
-    assert options["grpc.max_reconnect_backoff_ms"] <= 2000
+    extra = (("grpc.max_receive_message_length", 5), ("grpc.keepalive_time_ms", 1000))
+    options = channel_options(parse_target("localhost:1"), None, extra)
+    assert len(dict(options)) == len(options)  # one of each: gRPC would take the first, ours
+    assert dict(options)["grpc.max_receive_message_length"] == 5 and dict(options)["grpc.keepalive_time_ms"] == 1000
+    assert dict(options)["grpc.max_reconnect_backoff_ms"] <= 2000
 
 
 def test_backoff_grows_to_its_cap():
@@ -71,11 +72,12 @@ def test_bad_policies(bad):
         RetryPolicy(**bad)
 
 
-def test_only_unavailable_before_any_token_is_retried():
-    unavailable = UnavailableError("down", "unavailable")
+def test_only_unavailable_that_no_server_took_before_any_token_is_retried():
+    unavailable = UnavailableError("down", "unavailable", retryable=True)
     assert is_retryable(unavailable, received_any=False)
     assert not is_retryable(unavailable, received_any=True)
-    assert not is_retryable(OverloadedError("busy", "overloaded"), received_any=False)
+    assert not is_retryable(UnavailableError("connection lost", "unavailable"), received_any=False)
+    assert not is_retryable(OverloadedError("busy", "overloaded", retryable=True), received_any=False)
 
 
 def test_trace_context_of_the_current_span():

@@ -86,3 +86,23 @@ def test_reflection_lists_and_describes_the_service(tiny_grpc_server):
     service = database.FindFileContainingSymbol(SERVICE)
     assert service.name == "textgen/v1/generate.proto"
     assert "Generate" in [m.name for m in service.service[0].method]
+
+
+def test_calls_while_loading_log_once_not_per_call(start_grpc_server, tiny_engine_config, caplog, monkeypatch):
+    """Polling health every second, or Envoy retrying a request, while the model loads: one line."""
+    import logging
+    import re
+
+    from inference_service.observability import logging as service_logging
+
+    monkeypatch.setattr(service_logging, "_last_states", {})
+    server = start_grpc_server(tiny_engine_config, load=False)
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(5):
+            unavailable(lambda: server.stub.Health(pb.HealthRequest(), timeout=TIMEOUT))
+        for _ in range(3):
+            unavailable(lambda: server.stub.Generate(LONG, timeout=TIMEOUT))
+    loading = [r for r in caplog.records if re.search(r"still loading|failed \(unavailable\)", r.getMessage())]
+    assert [r.levelno for r in loading].count(logging.INFO) == 1, [r.getMessage() for r in loading]
+    assert len(loading) == 5 + 3 * 2  # each call still logged, at DEBUG: its failure and its request line
+    server.load()

@@ -46,12 +46,15 @@ def test_replicas_are_the_cluster_endpoints_with_health_checks_and_outlier_detec
 def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_routing():
     for route in _routes(GatewayConfig()):
         policy = route["route"]["retry_policy"]
+        # Never on a status alone (UNAVAILABLE, RESOURCE_EXHAUSTED): only the engine's own marker
+        # says that it refused the request before admitting it.
         assert set(policy["retry_on"].split(",")) == {
             "connect-failure",
+            "reset-before-request",
             "refused-stream",
-            "unavailable",
-            "resource-exhausted",
+            "retriable-headers",
         }
+        assert policy["retriable_headers"] == [{"name": "x-textgen-retryable", "string_match": {"exact": "1"}}]
         assert "hash_policy" not in route["route"]
     prefix = GatewayConfig(upstream_ports=(7001, 7002), routing="prefix")
     assert _engine_cluster(prefix)["lb_policy"] == "RING_HASH"

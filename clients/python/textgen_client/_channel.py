@@ -1,4 +1,4 @@
-"""Channel settings: target, TLS, load balancing, reconnect pacing.
+"""Channel settings: target, TLS, load balancing, reconnect pacing, keepalive pings.
 
 Targets are gRPC's (`host:port`, `dns:///host:port`, `ipv4:a:p,b:p`, `unix:path`); an
 `http://` or `https://` URL, what `text-generation` users pass, is read as host and port, with TLS
@@ -22,6 +22,18 @@ RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+# Pings while a call is open, so a long silent call (a unary generation answers only at its end)
+# finds out when its connection died. The server permits pings every 10 s and more (its
+# `inference_service.api.pings`, whose numbers these are; a test checks that they agree): more
+# often, and it would close the connection under the call. gRPC stops pinging after 2 pings
+# without data unless told otherwise; a long call has no data for minutes.
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 0),
 )
 
 
@@ -54,13 +66,14 @@ def parse_target(target: str) -> Target:
 def channel_options(
     target: Target, load_balancing: str | None, extra: tuple[tuple[str, object], ...] = ()
 ) -> list[tuple[str, object]]:
-    """gRPC channel options: reconnect pacing, the load-balancing policy, then the caller's."""
-    options: list[tuple[str, object]] = list(RECONNECT_OPTIONS)
+    """gRPC channel options: reconnect pacing, keepalive pings, the load-balancing policy, and the
+    caller's, which replace ours of the same name (gRPC itself would keep the first of two)."""
+    options: dict[str, object] = {**dict(RECONNECT_OPTIONS), **dict(KEEPALIVE_OPTIONS)}
     policy = load_balancing or ("round_robin" if target.balanced else None)
     if policy:
-        options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{policy: {}}]})))
-    options.extend(extra)
-    return options
+        options["grpc.service_config"] = json.dumps({"loadBalancingConfig": [{policy: {}}]})
+    options.update(extra)
+    return list(options.items())
 
 
 def create_channel(

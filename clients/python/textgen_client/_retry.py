@@ -1,7 +1,9 @@
 """When a failed call may be sent again, and how long to wait first.
 
-Only a call that the server cannot have started is retried: the channel could not connect, or
-the server answered UNAVAILABLE (loading, draining) before any token came back. A stream that has
+Only a call that no server took is retried: the channel could not connect, or the server (or the
+gateway, when no server was reachable) answered UNAVAILABLE with the retry marker, which it sets
+only before admitting a request (loading, draining). An UNAVAILABLE without it (a connection lost
+under a running generation) is not retried: the generation would run twice. A stream that has
 yielded a token is never re-sent, so no caller sees a token twice.
 """
 
@@ -48,4 +50,4 @@ NO_RETRY = RetryPolicy(max_retries=0)
 
 def is_retryable(error: TextGenerationError, received_any: bool) -> bool:
     """Whether a call that failed with `error` is safe to send again."""
-    return isinstance(error, UnavailableError) and not received_any
+    return isinstance(error, UnavailableError) and error.retryable and not received_any

@@ -13,6 +13,11 @@ from google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 ERROR_TYPE_KEY = "x-error-type"
+# "1" when no server took the call: a server's refusal before admission (loading, draining, full),
+# or the gateway's 503 when no server could be reached. Such a call is safe to send again.
+RETRYABLE_KEY = "x-textgen-retryable"
+# gRPC's own words for a call that never left the client (no connection, no address).
+_UNSENT_DETAILS = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed")
 
 
 class TextGenerationError(Exception):
@@ -20,14 +25,16 @@ class TextGenerationError(Exception):
 
     `message` is the server's message (TGI's text, e.g. "Input validation error: ..."),
     `error_type` the kind ("validation", "overloaded", "generation", ...), and `code` the gRPC
-    status code (None for an error found before anything was sent).
+    status code (None for an error found before anything was sent). `retryable` is True when no
+    server took the call (sending it again cannot run it twice).
     """
 
-    def __init__(self, message: str, error_type: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, error_type: str, code: grpc.StatusCode | None = None, *, retryable: bool = False):
         super().__init__(message)
         self.message = message
         self.error_type = error_type
         self.code = code
+        self.retryable = retryable
 
     def __repr__(self) -> str:
         code = self.code.name if self.code is not None else None
@@ -141,7 +148,16 @@ def from_status(code: grpc.StatusCode, message: str | None, trailing_metadata: o
     """The typed error of a failed call: chosen by the server's kind, else by the status code."""
     kind = error_kind(trailing_metadata)
     cls = _BY_KIND.get(kind or "") or _BY_CODE.get(code, UnknownError)
-    return cls(message or code.name, kind or code.name.lower(), code)
+    return cls(
+        message or code.name, kind or code.name.lower(), code, retryable=_unsent(code, message, trailing_metadata)
+    )
+
+
+def _unsent(code: grpc.StatusCode, message: str | None, trailing_metadata: object) -> bool:
+    """Whether no server took the call: it says so (the retry marker), or gRPC never connected."""
+    if any(key == RETRYABLE_KEY and value in ("1", b"1") for key, value in trailing_metadata or ()):  # type: ignore[attr-defined]
+        return True
+    return code == grpc.StatusCode.UNAVAILABLE and (message or "").startswith(_UNSENT_DETAILS)
 
 
 def from_kind(kind: str, message: str) -> TextGenerationError:

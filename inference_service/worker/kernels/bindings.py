@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from inference_service import progress
 from inference_service.config import default_cache_dir
 from inference_service.worker.kernels.packed import PackedWeight
 
@@ -508,12 +509,13 @@ def _build(sources: tuple[Path, ...]) -> Path:
             for source, obj in zip(sources, objects, strict=True)
         ]
         commands.append([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library)])
-        for command in commands:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        with progress.phase("building kernels", f"built native CPU kernels ({target.name})", unit="file") as phase:
+            for command in phase.track(commands):
+                # In its own process group: a stop signal ends the compiler with the server (api.stopping).
+                done = subprocess.run(command, capture_output=True, text=True, timeout=300, process_group=0)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(library, target)  # atomic: concurrent builders each install a complete file
-    logger.info("built native CPU kernels: %s", target)
     return target
 
 

@@ -7,7 +7,6 @@ and 5) reads like any hub checkpoint, and serving never touches the GGUF again.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.metadata
 import json
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inference_service import progress
 from inference_service.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -100,25 +100,30 @@ def remove_stale_dirs(parent: Path, pattern: str, max_age_s: float = STALE_AFTER
 def _write_folder(gguf_path: Path, folder: Path) -> None:
     """Write config, float32 weights, tokenizer and the marker for `gguf_path` into `folder`."""
     try:
-        with _progress_bars_off():
-            metadata = _read_metadata(gguf_path)
-            model = _dequantized_model(gguf_path, metadata)
-            model.save_pretrained(folder)
-            tokenizer = _tokenizer(gguf_path, metadata.get("tokenizer.ggml.pre"))
-            context = getattr(model.config, "max_position_embeddings", None)
-            if context:  # ALiBi models (BLOOM) state none: --max-total-tokens decides
-                tokenizer.model_max_length = context
-            tokenizer.save_pretrained(folder)
-        _rewrite_json(folder / "config.json", _portable_config)
-        _rewrite_json(folder / "tokenizer_config.json", _portable_tokenizer_config)
-        _make_readable(folder)
-        _write_marker(folder, gguf_path)
+        with progress.phase("converting", f"converted {gguf_path.name}", unit="tensor") as phase:
+            _write_converted(gguf_path, folder, phase)
     except ModelLoadError:
         raise
     except Exception as error:
         logger.debug("GGUF conversion failed", exc_info=True)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"could not convert GGUF file {gguf_path.name!r}: {reason}") from None
+
+
+def _write_converted(gguf_path: Path, folder: Path, phase: progress.Phase) -> None:
+    with _progress_bars_off(phase):
+        metadata = _read_metadata(gguf_path)
+        model = _dequantized_model(gguf_path, metadata)
+        model.save_pretrained(folder)
+        tokenizer = _tokenizer(gguf_path, metadata.get("tokenizer.ggml.pre"))
+        context = getattr(model.config, "max_position_embeddings", None)
+        if context:  # ALiBi models (BLOOM) state none: --max-total-tokens decides
+            tokenizer.model_max_length = context
+        tokenizer.save_pretrained(folder)
+    _rewrite_json(folder / "config.json", _portable_config)
+    _rewrite_json(folder / "tokenizer_config.json", _portable_tokenizer_config)
+    _make_readable(folder)
+    _write_marker(folder, gguf_path)
 
 
 def _read_metadata(gguf_path: Path) -> dict:
@@ -330,20 +335,15 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 
 @contextmanager
-def _progress_bars_off() -> Iterator[None]:
-    """Silence transformers' bars while converting; callers log their own progress lines.
-
-    The GGUF reader uses a plain tqdm that transformers' switch ignores, so it is wrapped too.
-    """
+def _progress_bars_off(phase: progress.Phase) -> Iterator[None]:
+    """Silence transformers' bars while converting: the reader's walk over the tensors (a plain
+    tqdm that transformers' switch ignores) advances the conversion's own phase instead."""
     from transformers import modeling_gguf_pytorch_utils as reader
-    from transformers.utils import logging as hf_logging
 
-    original, bars_were_on = reader.tqdm, hf_logging.is_progress_bar_enabled()
-    reader.tqdm = functools.partial(original, disable=True)
-    hf_logging.disable_progress_bar()
+    original = reader.tqdm
+    reader.tqdm = lambda items, *args, **kwargs: phase.track(items)
     try:
-        yield
+        with progress.library_bars_off():
+            yield
     finally:
         reader.tqdm = original
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
