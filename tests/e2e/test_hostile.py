@@ -232,7 +232,7 @@ def assert_nothing_held(server: Server) -> None:
 def test_hostile_requests_beside_innocent_ones(server, alone, kind):
     with Bystanders(server, alone) as bystanders:
         statuses, wrong = send_all(server, cases(kind, range(SEEDS_PER_KIND)), workers=2)
-    assert wrong == [], wrong
+    assert (wrong, bystanders.failures) == ([], []), (wrong, bystanders.failures[:5])
     bystanders.check()
     assert_nothing_held(server)
 
@@ -339,7 +339,7 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
     (RESULTS / "hostile_soak.md").write_text(markdown(results))
     print("\n" + markdown(results))
 
-    assert wrong == [], wrong[:20]
+    assert (wrong, bystanders.failures) == ([], []), (wrong[:20], bystanders.failures[:5])
     bystanders.check()
     assert_nothing_held(server)
     for name in pids:  # no growth once warm: the last half adds at most allocator slack
