@@ -127,16 +127,15 @@ def cancelled_rest_stream(target: Target, path: str, body: dict, events: int) ->
         connection.close()
 
 
-_channels: dict[tuple[int, int], grpc.Channel] = {}
+_channels: dict[int, grpc.Channel] = {}
 
 
 def channel(target: Target, through_gateway: bool) -> grpc.Channel:
     """One channel per port (and per process), reused as clients do: one HTTP/2 connection."""
-    port = target.gateway_port if through_gateway else target.grpc_port
-    key = (port, id(target))
+    key = target.gateway_port if through_gateway else target.grpc_port
     if key not in _channels:
         _channels[key] = grpc.insecure_channel(
-            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
+            f"127.0.0.1:{key}", options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
         )
     return _channels[key]
 
