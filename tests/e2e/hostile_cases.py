@@ -16,6 +16,7 @@ import http.client
 import json
 import random
 import socket
+import time
 from collections.abc import Callable
 
 import grpc
@@ -422,6 +423,19 @@ def huge_limits(rng: random.Random) -> Case:
         "seed": ("/generate", generate(seed=huge, do_sample=True)),
         "long_input": ("/generate", {"inputs": "hello " * rng.randint(600, 20_000), "parameters": {}}),
     }
+    if rng.random() < 0.25:  # the same over gRPC directly, as large as the field's type lets it be
+        count = min(max(huge, 0), 2**32 - 1)
+        fields = {
+            "max_new_tokens": {"max_new_tokens": count},
+            "best_of": {"best_of": count, "do_sample": True},
+            "top_n_tokens": {"top_n_tokens": count, "details": True},
+            "truncate": {"truncate": count},
+            "stop": {"stop": ["a"] * rng.randint(5, 5000)},
+        }
+        name = rng.choice(sorted(fields))
+        request = pb.GenerateRequest(inputs="Hello", parameters=pb.GenerateParameters(**fields[name]))
+        method = rng.choice(["Generate", "GenerateStream"])
+        return Case("huge_limits", f"grpc-{method}-{name}={count}", lambda t: grpc_call(t, method, request))
     name = rng.choice(sorted(bodies))
     path, body = bodies[name]
     return Case("huge_limits", f"{name}={huge}", post(path, body))
@@ -513,6 +527,36 @@ def broken_http(rng: random.Random) -> Case:
     return Case("broken_http", name, lambda t: raw_http(t, data))
 
 
+SLOW_STARTS = [
+    b"",  # connected, silent
+    b"POST /generate HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n",  # stuck in its headers
+    b"POST /generate HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # an HTTP/2 preface, then nothing
+]
+
+
+def slow_connections(rng: random.Random) -> Case:
+    """Connections to Envoy's port that start a request (or nothing) and stall for a while."""
+    count, hold_s = rng.randint(5, 50), rng.uniform(0.2, 1.5)
+    start = rng.choice(SLOW_STARTS)
+
+    def send(target: Target) -> Answer:
+        held = []
+        try:
+            for _ in range(count):
+                sock = socket.create_connection(("127.0.0.1", target.gateway_port), timeout=TIMEOUT)
+                held.append(sock)
+                with contextlib.suppress(OSError):
+                    sock.sendall(start)
+            time.sleep(hold_s)
+        finally:
+            for sock in held:
+                sock.close()
+        return Answer(0, b"(closed by the caller)", "tcp")
+
+    return Case("slow_connections", f"{count}x{start[:20]!r}", send)
+
+
 LONG_STREAM = {"inputs": "a", "parameters": {"max_new_tokens": 200}}
 
 
@@ -558,6 +602,7 @@ KINDS: dict[str, Callable[[random.Random], Case]] = {
         wrong_shapes,
         broken_http,
         cancelled_stream,
+        slow_connections,
     )
 }
 
