@@ -230,6 +230,17 @@ OPENAI_PATHS = (
 )
 
 
+# ...and on Anthropic's routes in Anthropic's (matched first: their paths are under /v1/ too).
+ANTHROPIC_PATHS = (
+    r"^(/v1/messages(/.*)?|/"
+    + SERVICE.replace(".", r"\.")
+    + "/("
+    + "|".join(sorted(rpc for rpc, kind in KINDS.items() if kind.startswith("anthropic")))
+    + "))$"
+)
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
+
+
 def _error_text(error: str, payload_limit: int) -> str:
     return error.format(
         limit=payload_limit, headers_kb=GATEWAY_MAX_REQUEST_HEADERS_KB, headers_count=GATEWAY_MAX_HEADERS_COUNT
@@ -254,6 +265,13 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
             }
         }
 
+    def anthropic_body(error: str, status: int) -> dict[str, Any]:
+        kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"json_format": {"type": "error", "error": {"type": kind, "message": error}}}
+
+    def path_filter(regex: str) -> dict[str, Any]:
+        return {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": regex}}}}}
+
     path_regex = {"safe_regex": {"regex": OPENAI_PATHS}}
     openai_path = {"header_filter": {"header": {"name": ":path", "string_match": path_regex}}}
     # Envoy's 503 when no engine could be reached (UF) or none is healthy (UH): no engine saw the
@@ -271,6 +289,7 @@ def _local_reply_config(payload_limit: int) -> dict[str, Any]:
 
     mappers = []
     for on_path, body in (
+        ([path_filter(ANTHROPIC_PATHS)], lambda error, error_type, status: anthropic_body(error, status)),
         ([openai_path], openai_body),
         ([], lambda error, error_type, status: json_body(error, error_type)),
     ):

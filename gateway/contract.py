@@ -25,7 +25,9 @@ HTTP_BODY = ".google.api.HttpBody"
 #   json    proto3 JSON -> TGI's JSON;  stream  SSE events, errors in-band;
 #   health  errors become TGI's 503 "unhealthy";  raw  passed through (Prometheus text);
 #   openai  proto3 JSON -> OpenAI's JSON, errors in OpenAI's shape;
-#   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape.
+#   openai_stream  OpenAI's SSE chunks ending in `data: [DONE]`, errors in OpenAI's shape;
+#   anthropic  proto3 JSON -> Anthropic's JSON, errors in Anthropic's shape;
+#   anthropic_stream  Anthropic's SSE events (`event: <type>` lines), errors in Anthropic's shape.
 KINDS = {
     "Generate": "json",
     "CompatGenerate": "json",
@@ -42,8 +44,11 @@ KINDS = {
     "ChatCompletionStream": "openai_stream",
     "Completion": "openai",
     "CompletionStream": "openai_stream",
+    "Messages": "anthropic",
+    "MessagesStream": "anthropic_stream",
+    "CountMessageTokens": "anthropic",
 }
-STREAM_KINDS = ("stream", "openai_stream")
+STREAM_KINDS = ("stream", "openai_stream", "anthropic_stream")
 # Top-level fields TGI prints as null when they have no value (proto3 leaves them out).
 NULLS = {"Info": ("model_sha", "model_pipeline_tag", "sha", "docker_label")}
 

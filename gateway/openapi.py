@@ -71,6 +71,7 @@ STREAMED_BY_BODY = {
     "/invocations": "GenerateStream",
     "/v1/chat/completions": "ChatCompletionStream",
     "/v1/completions": "CompletionStream",
+    "/v1/messages": "MessagesStream",
 }
 OPENAI_ERRORS = {
     "400": "Invalid request",
@@ -80,6 +81,15 @@ OPENAI_ERRORS = {
     "429": "Model is overloaded",
     "500": "Generation error",
     "503": "The server is unavailable",
+}
+
+ANTHROPIC_ERRORS = {
+    "400": "Invalid request (invalid_request_error)",
+    "401": "Missing or wrong API key: `x-api-key` or `Authorization: Bearer` (--api-key)",
+    "413": "Request too large",
+    "429": "Model is overloaded (rate_limit_error)",
+    "500": "Generation error (api_error)",
+    "503": "The server is unavailable (overloaded_error)",
 }
 
 
@@ -193,6 +203,18 @@ def _error_schemas() -> dict[str, Any]:
             "required": ["error", "error_type"],
             "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
         },
+        "AnthropicErrorResponse": {
+            "type": "object",
+            "required": ["type", "error"],
+            "properties": {
+                "type": {"type": "string", "enum": ["error"]},
+                "error": {
+                    "type": "object",
+                    "required": ["type", "message"],
+                    "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                },
+            },
+        },
         "OpenAIErrorResponse": {
             "type": "object",
             "required": ["error"],
@@ -223,7 +245,8 @@ def _operation(
     route: RestRoute, method, comments: str | None, schemas: _Schemas, stream_outputs: dict[str, str]
 ) -> dict[str, Any]:
     openai = route.kind.startswith("openai") or route.path.startswith("/v1/")
-    operation: dict[str, Any] = {"tags": ["OpenAI" if openai else "TGI"], "summary": route.rpc}
+    tag = "Anthropic" if route.kind.startswith("anthropic") else ("OpenAI" if openai else "TGI")
+    operation: dict[str, Any] = {"tags": [tag], "summary": route.rpc}
     if comments:
         operation["description"] = comments
     path, parameters = _openapi_path(route)
@@ -258,7 +281,14 @@ def _responses(
             }
         return responses
     schema = schemas.unwrapped(method.output_type, route.unwrap) if route.unwrap else schemas.ref(method.output_type)
-    if route.streams:
+    anthropic = route.kind.startswith("anthropic")
+    if route.streams and anthropic:
+        ok = {
+            "description": "Server-sent events: each an `event:` line naming the event's `type` and a `data:` line, "
+            "one JSON object of this schema; errors arrive as an `error` event",
+            "content": {"text/event-stream": {"schema": schema}},
+        }
+    elif route.streams:
         ok = {
             "description": "Server-sent events, each `data:` line one JSON object of this schema"
             + (", ending with `data: [DONE]`" if openai else "; errors arrive as a last event"),
@@ -269,8 +299,9 @@ def _responses(
         if route.path in STREAMED_BY_BODY:  # `"stream": true`: the stream RPC's events
             ok["description"] = 'OK; with `"stream": true` in the body, server-sent events of the stream route'
             ok["content"]["text/event-stream"] = {"schema": schemas.ref(stream_outputs[STREAMED_BY_BODY[route.path]])}
-    errors = OPENAI_ERRORS if openai else TGI_ERRORS
-    error_schema = {"$ref": f"#/components/schemas/{'OpenAIErrorResponse' if openai else 'ErrorResponse'}"}
+    errors = ANTHROPIC_ERRORS if anthropic else (OPENAI_ERRORS if openai else TGI_ERRORS)
+    error_name = "AnthropicErrorResponse" if anthropic else ("OpenAIErrorResponse" if openai else "ErrorResponse")
+    error_schema = {"$ref": f"#/components/schemas/{error_name}"}
     responses = {"200": ok}
     for status, description in errors.items():
         responses[status] = {"description": description, "content": {"application/json": {"schema": error_schema}}}
@@ -305,7 +336,7 @@ def document(descriptor_set: descriptor_pb2.FileDescriptorSet | None = None) -> 
         "openapi": "3.0.3",
         "info": {
             "title": "inference-service REST API",
-            "description": "TGI's and OpenAI's REST routes, served by Envoy in front of the gRPC API "
+            "description": "TGI's, OpenAI's and Anthropic's REST routes, served by Envoy in front of the gRPC API "
             "(textgen.v1.TextGeneration). Generated from the proto.",
             "version": "1",
         },

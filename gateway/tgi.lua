@@ -17,6 +17,8 @@
 --     GenerateStream (Envoy can't route on a body), and OpenAI's `POST /v1/chat/completions` and
 --     `/v1/completions` to their stream RPCs;
 --   * OpenAI's routes get OpenAI's JSON, SSE chunks ending in `data: [DONE]` and error objects;
+--   * Anthropic's routes get Anthropic's JSON, SSE events named by `event:` lines and error objects,
+--     and `POST /v1/messages` with `"stream": true` goes to MessagesStream;
 --     `GET /` and `GET /ping` are /health; OPTIONS requests never reach the server.
 --
 -- Why rewriting text is safe: the patterns below all contain a quote followed by `:` or a quote
@@ -24,7 +26,7 @@
 -- match the JSON structure, never the text of a prompt or a token.
 --
 -- Routes tell the filter what they hold through route metadata: `kind` ("json", "stream",
--- "health", "raw", "openai", "openai_stream"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
+-- "health", "raw", "openai", "openai_stream", "anthropic", "anthropic_stream"), `unwrap` (a field name) and `nulls` (top-level fields TGI prints as null, comma
 -- separated).
 
 -- Kept equal to the proto's 64-bit integer and float response fields by a unit test.
@@ -224,6 +226,43 @@ local function openai_event(json)
   return "data: " .. openai_json(json) .. "\n\n"
 end
 
+-- Anthropic ----------------------------------------------------------------------------------
+-- Anthropic's routes: proto3 JSON leaves an unset `stop_reason`/`stop_sequence` out, and these rules
+-- put Anthropic's nulls back by the fields around them (a message is ..., content, stop_reason,
+-- stop_sequence, usage; a message_delta's delta ends with them).
+local ANTHROPIC_KINDS = {anthropic = true, anthropic_stream = true}
+local ANTHROPIC_NULLS = {
+  {'"content":%[%],"usage":', '"content":[],"stop_reason":null,"stop_sequence":null,"usage":'},
+  {'("stop_reason":"[%w_]*"),"usage":', '%1,"stop_sequence":null,"usage":'},
+  {'("stop_reason":"[%w_]*")}', '%1,"stop_sequence":null}'},
+}
+-- Error kinds (and gRPC codes of errors without one) -> Anthropic's HTTP status and error type.
+local ANTHROPIC_ERROR_STATUS = {
+  validation = 400, template_error = 400, tool_error = 400, invalid_argument = 400, not_found = 404,
+  unauthorized = 401, unauthenticated = 401, overloaded = 429, resource_exhausted = 429, generation = 500,
+  internal = 500, unavailable = 503, cancelled = 503,
+}
+local ANTHROPIC_ERROR_TYPE = {[400] = "invalid_request_error", [401] = "authentication_error",
+                              [403] = "permission_error", [404] = "not_found_error", [413] = "request_too_large",
+                              [415] = "invalid_request_error", [429] = "rate_limit_error",
+                              [503] = "overloaded_error", [529] = "overloaded_error"}
+
+local function anthropic_error_json(message_json, status)
+  local error_type = ANTHROPIC_ERROR_TYPE[status] or (status < 500 and "invalid_request_error" or "api_error")
+  return '{"type":"error","error":{"type":' .. json_string(error_type) .. ',"message":' .. message_json .. '}}'
+end
+
+local function anthropic_json(text)
+  for _, rule in ipairs(ANTHROPIC_NULLS) do text = text:gsub(rule[1], rule[2]) end
+  return text
+end
+
+-- Each event under its SSE name (the event's `type`, printed first); errors come ready-made.
+local function anthropic_event(json)
+  local name = json:match('^{"type":"([%w_]+)"') or "message"
+  return "event: " .. name .. "\ndata: " .. anthropic_json(json) .. "\n\n"
+end
+
 -- Errors ----------------------------------------------------------------------------------------
 local function percent_decoded(text)
   return (text:gsub("%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
@@ -240,6 +279,9 @@ local function shape_grpc_error(handle, kind, grpc_status)
   if OPENAI_KINDS[kind] then  -- OpenAI's status codes and error object, streams included
     status = OPENAI_ERROR_STATUS[error_type] or status
     body = openai_error_json(json_string(message), error_type, status)
+  elseif ANTHROPIC_KINDS[kind] then  -- Anthropic's status codes and error object, streams included
+    status = ANTHROPIC_ERROR_STATUS[error_type] or status
+    body = anthropic_error_json(json_string(message), status)
   elseif status == 401 then  -- TGI's auth layer answers before any route: a bare 401, streams included
     body, content_type = "", nil
   elseif kind == "stream" then  -- TGI: 200 and the error as the stream's only event
@@ -274,13 +316,13 @@ local function wants_stream(text)
   end
 end
 
-local OPENAI_STREAMABLE = {["/v1/chat/completions"] = true, ["/v1/completions"] = true}
+local OPENAI_STREAMABLE = {["/v1/chat/completions"] = true, ["/v1/completions"] = true, ["/v1/messages"] = true}
 
 -- Prefix routing (`launch --routing prefix`; the config sets PREFIX_ROUTING before this source):
 -- the generation routes get a header hashing the first PREFIX_BYTES bytes of the prompt (TGI's
 -- `inputs`, OpenAI's `messages` or `prompt`, as JSON text), which Envoy's ring hash maps to a replica.
 local GENERATION_PATHS = {["/"] = true, ["/generate"] = true, ["/generate_stream"] = true, ["/invocations"] = true,
-                          ["/v1/chat/completions"] = true, ["/v1/completions"] = true}
+                          ["/v1/chat/completions"] = true, ["/v1/completions"] = true, ["/v1/messages"] = true}
 local PREFIX_BYTES = 256
 
 local function prefix_hash(text)
@@ -327,6 +369,7 @@ end
 local function wrong_content_type_answer(handle, kind, message)
   local body = error_json(message, "validation")
   if OPENAI_KINDS[kind] then body = openai_error_json(json_string(message), "validation", 415) end
+  if ANTHROPIC_KINDS[kind] then body = anthropic_error_json(json_string(message), 415) end
   handle:body(true):setBytes(body)
   local headers = handle:headers()
   strip_grpc_headers(headers)
@@ -394,12 +437,17 @@ function envoy_on_response(handle)
   end
   if kind == "stream" then return shape_stream(handle, tgi_sse_event) end
   if kind == "openai_stream" then return shape_stream(handle, openai_event) end
-  if kind ~= "json" and kind ~= "openai" then return end
+  if kind == "anthropic_stream" then return shape_stream(handle, anthropic_event) end
+  if kind ~= "json" and kind ~= "openai" and kind ~= "anthropic" then return end
   local body = handle:body()
   if body == nil then return end
   local text = body:getBytes(0, body:length())
   if kind == "openai" then
     body:setBytes(openai_json(text))
+    return
+  end
+  if kind == "anthropic" then
+    body:setBytes(anthropic_json(text))
     return
   end
   text = tgi_json(text)

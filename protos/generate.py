@@ -23,11 +23,18 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-PROTO_FILES = ["textgen/v1/generate.proto"]
+PROTO_FILES = ["textgen/v1/generate.proto", "textgen/v1/anthropic.proto"]
 SERVER_OUT = Path("protos")
 CLIENT_OUT = Path("clients/python/textgen_client/_proto")
 DESCRIPTOR_SET = Path("protos/textgen/textgen.pb")
-CLIENT_FILES = ["textgen/v1/generate_pb2.py", "textgen/v1/generate_pb2.pyi"]
+CLIENT_FILES = [
+    "textgen/v1/generate_pb2.py",
+    "textgen/v1/generate_pb2.pyi",
+    "textgen/v1/anthropic_pb2.py",
+    "textgen/v1/anthropic_pb2.pyi",
+]
+# The client imports its own copies of our modules, not the server's `textgen.v1`.
+CLIENT_IMPORT = ("from textgen.v1 import", "from textgen_client._proto.textgen.v1 import")
 
 
 def _include_dirs() -> list[str]:
@@ -73,7 +80,8 @@ def generate(out_root: Path) -> list[Path]:
         for name in CLIENT_FILES:
             target = out_root / CLIENT_OUT / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(Path(tmp) / name, target)
+            text = (Path(tmp) / name).read_text(encoding="utf-8")
+            target.write_text(text.replace(*CLIENT_IMPORT), encoding="utf-8")
     descriptor = out_root / DESCRIPTOR_SET
     _protoc([f"--descriptor_set_out={descriptor}", "--include_imports", "--include_source_info"])
     return sorted(p.relative_to(out_root) for p in out_root.rglob("*") if p.is_file())

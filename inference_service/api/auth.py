@@ -1,4 +1,5 @@
-"""`--api-key`: the generation calls require `authorization: Bearer <key>`, as TGI's routes do.
+"""`--api-key`: the generation calls require `authorization: Bearer <key>`, as TGI's routes do, or
+`x-api-key: <key>` (Anthropic's header; the key exactly).
 
 TGI guards generation and tokenization only (`/`, `/invocations`, `/generate`, `/generate_stream`,
 `/tokenize`, `/v1/chat/completions`, `/v1/completions`); health, info, metrics and the model list
@@ -31,20 +32,30 @@ GUARDED_METHODS = frozenset(
         "ChatCompletionStream",
         "Completion",
         "CompletionStream",
+        "Messages",
+        "MessagesStream",
+        "CountMessageTokens",
     )
 )
 
 
+_KEY_HEADERS = ("authorization", "x-api-key")
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED to a guarded call whose `authorization` is not `Bearer <key>`."""
+    """Answers UNAUTHENTICATED to a guarded call with neither `authorization: Bearer <key>` nor
+    `x-api-key: <key>`."""
 
     def __init__(self, api_key: str):
         self._expected = f"bearer {api_key}".lower().encode()
+        self._key = api_key.encode()
 
     def authorized(self, metadata: Any) -> bool:
-        value = next((v for k, v in (metadata or ()) if k == "authorization"), "")
-        value = value.decode() if isinstance(value, bytes) else value
-        return hmac.compare_digest(value.lower().encode(), self._expected)
+        values = {k: v.decode() if isinstance(v, bytes) else v for k, v in (metadata or ()) if k in _KEY_HEADERS}
+        bearer = hmac.compare_digest(values.get("authorization", "").lower().encode(), self._expected)
+        # Anthropic's header: the key itself
+        key = "x-api-key" in values and hmac.compare_digest(values["x-api-key"].encode(), self._key)
+        return bearer or key
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails

@@ -1,6 +1,7 @@
 """The TextGeneration servicer: one gRPC service composed of its API surfaces.
 
-TGI's routes (`tgi.TgiRoutes`) and OpenAI's (`openai.OpenAIRoutes`) share one `Backend` (the engine
+TGI's routes (`tgi.TgiRoutes`), OpenAI's (`openai.OpenAIRoutes`) and Anthropic's
+(`anthropic.AnthropicRoutes`) share one `Backend` (the engine
 and its front end once loaded, and the request observer); the servicer hands each RPC to its
 surface and answers the service's own calls here (info, health, metrics, the OpenAPI document, docs,
 the model list).
@@ -16,6 +17,7 @@ import prometheus_client
 from google.api import httpbody_pb2
 
 from inference_service.api import convert, docs
+from inference_service.api.anthropic import AnthropicRoutes
 from inference_service.api.backend import Backend
 from inference_service.api.errors import unary_errors
 from inference_service.api.openai import OpenAIRoutes
@@ -58,6 +60,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         self.ChatCompletion, self.ChatCompletionStream = openai.ChatCompletion, openai.ChatCompletionStream
         self.Completion, self.CompletionStream = openai.Completion, openai.CompletionStream
         self.GetModel = openai.GetModel
+        anthropic = AnthropicRoutes(self._backend)
+        self.Messages, self.MessagesStream = anthropic.Messages, anthropic.MessagesStream
+        self.CountMessageTokens = anthropic.CountMessageTokens
 
     def attach(self, engine: AsyncEngine, front_end: FrontEnd) -> None:
         self._backend.attach(engine, front_end)

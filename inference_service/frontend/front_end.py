@@ -13,7 +13,8 @@ import random
 from typing import Any
 
 from inference_service.errors import ModelLoadError
-from inference_service.frontend import openai, tgi
+from inference_service.frontend import anthropic, openai, tgi
+from inference_service.frontend.anthropic import MessagesPlan
 from inference_service.frontend.chat_template import ChatTemplate, load_template_file
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
 from inference_service.frontend.parameters import GenerateRequest, TokenSpan
@@ -21,6 +22,7 @@ from inference_service.frontend.validation import ValidatedRequest, Validator, t
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sampling_params import EngineRequest
+from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
 
 
@@ -109,6 +111,23 @@ class FrontEnd:
             validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
             choices += self._choices(validated.engine_request, plan.num_choices, seed_requested)
         return choices
+
+    # -- Anthropic ------------------------------------------------------------------------
+    async def messages(self, request: apb.MessagesRequest, *, stream: bool) -> tuple[MessagesPlan, list[EngineRequest]]:
+        """Anthropic's Messages request, as the chat request it means: one engine request."""
+        plan = anthropic.messages_plan(request)
+        return plan, await asyncio.to_thread(self._chat_choices, plan.chat, False, stream)
+
+    async def count_message_tokens(self, request: apb.MessagesRequest) -> int:
+        """The prompt tokens of a Messages request as the template renders it (tools included)."""
+        plan = anthropic.messages_plan(request, count_only=True)
+        return await asyncio.to_thread(self._count_chat_prompt, plan.chat)
+
+    def _count_chat_prompt(self, plan: ChatPlan) -> int:
+        prompt = self.chat_template.render(
+            plan.messages, tools=plan.tools, tool_prompt=plan.tool_prompt, variables=plan.template_variables
+        )
+        return len(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def _choices(self, request: EngineRequest, num_choices: int, seed_requested: bool) -> list[EngineRequest]:
         """`n` copies of a request, choice i seeded `seed + i` (or freshly when unseeded)."""

@@ -233,7 +233,16 @@ def test_api_key_help_names_every_guarded_call_and_route():
     guarded, open_part = flag.help.split("Open without it")
     names = re.findall(r"\b[A-Z][A-Za-z]+\b", guarded)
     assert {method.rsplit("/", 1)[-1] for method in GUARDED_METHODS} <= set(names)
-    routes = ("/generate", "/generate_stream", "/tokenize", "/invocations", "/v1/chat/completions", "/v1/completions")
+    routes = (
+        "/generate",
+        "/generate_stream",
+        "/tokenize",
+        "/invocations",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    )
     for path in routes:
         assert path in guarded and path not in open_part
 

@@ -75,6 +75,9 @@ def test_routes_are_tgis_and_openais():
         ("POST", "/v1/chat/completions/stream"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/completions/stream"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/messages/stream"),
+        ("POST", "/v1/messages/count_tokens"),
     }
     assert routes["POST", "/"].unwrap == "responses" and routes["POST", "/tokenize"].unwrap == "tokens"
     sagemaker = routes["POST", "/invocations"]
@@ -83,6 +86,7 @@ def test_routes_are_tgis_and_openais():
         "GenerateStream",
         "ChatCompletionStream",
         "CompletionStream",
+        "MessagesStream",
     ]
     assert routes["GET", "/v1/models/{id=**}"].path_match() == {"prefix": "/v1/models/"}
     assert routes["GET", "/v1/models"].path_match() == {"path": "/v1/models"}

@@ -30,7 +30,13 @@ def test_every_route_with_its_schemas_and_errors():
         assert "200" in operation["responses"]
         if route.method == "POST":
             assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-        openai_route = route.kind.startswith("openai") or route.path.startswith("/v1/")
+        anthropic_route = route.kind.startswith("anthropic")
+        openai_route = not anthropic_route and (route.kind.startswith("openai") or route.path.startswith("/v1/"))
+        if anthropic_route:
+            assert operation["tags"] == ["Anthropic"]
+            assert operation["responses"]["400"]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/AnthropicErrorResponse"
+            }
         if route.kind in ("json", "stream") and not openai_route:
             assert operation["responses"]["422"]["content"]["application/json"]["schema"] == {
                 "$ref": "#/components/schemas/ErrorResponse"

@@ -10,7 +10,9 @@ import grpc
 from google.api import httpbody_pb2
 
 from textgen_client import _channel, _convert
+from textgen_client._anthropic_methods import AnthropicMethods
 from textgen_client._openai_methods import OpenAIMethods
+from textgen_client._proto.textgen.v1 import anthropic_pb2 as apb
 from textgen_client._proto.textgen.v1 import generate_pb2 as pb
 from textgen_client._retry import NO_RETRY, RetryPolicy, is_retryable
 from textgen_client._tracing import trace_metadata
@@ -95,6 +97,21 @@ class _Methods:
             request_serializer=pb.CompletionRequest.SerializeToString,
             response_deserializer=pb.CompletionResponse.FromString,
         )
+        self.messages = channel.unary_unary(
+            _SERVICE + "Messages",
+            request_serializer=apb.MessagesRequest.SerializeToString,
+            response_deserializer=apb.MessagesResponse.FromString,
+        )
+        self.messages_stream = channel.unary_stream(
+            _SERVICE + "MessagesStream",
+            request_serializer=apb.MessagesRequest.SerializeToString,
+            response_deserializer=apb.MessagesStreamEvent.FromString,
+        )
+        self.count_message_tokens = channel.unary_unary(
+            _SERVICE + "CountMessageTokens",
+            request_serializer=apb.MessagesRequest.SerializeToString,
+            response_deserializer=apb.MessageTokensCount.FromString,
+        )
 
 
 class _StreamEnd:
@@ -114,7 +131,7 @@ class _StreamEnd:
         return response
 
 
-class AsyncClient(OpenAIMethods):
+class AsyncClient(OpenAIMethods, AnthropicMethods):
     """asyncio client of a textgen server: `await client.generate(...)`,
     `async for response in client.generate_stream(...)`.
 

@@ -230,6 +230,9 @@ class Client:
     complete = _blocking(AsyncClient.complete)
     complete_stream = _blocking_stream(AsyncClient.complete_stream)
     model = _blocking(AsyncClient.model)
+    messages = _blocking(AsyncClient.messages)
+    messages_stream = _blocking_stream(AsyncClient.messages_stream)
+    count_message_tokens = _blocking(AsyncClient.count_message_tokens)
 
     @property
     def target(self) -> str:

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
+from textgen.v1 import anthropic_pb2 as textgen_dot_v1_dot_anthropic__pb2
 from textgen.v1 import generate_pb2 as textgen_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -112,6 +113,21 @@ class TextGenerationStub:
                 '/textgen.v1.TextGeneration/CompletionStream',
                 request_serializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
                 response_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+                _registered_method=True)
+        self.Messages = channel.unary_unary(
+                '/textgen.v1.TextGeneration/Messages',
+                request_serializer=textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_anthropic__pb2.MessagesResponse.FromString,
+                _registered_method=True)
+        self.MessagesStream = channel.unary_stream(
+                '/textgen.v1.TextGeneration/MessagesStream',
+                request_serializer=textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_anthropic__pb2.MessagesStreamEvent.FromString,
+                _registered_method=True)
+        self.CountMessageTokens = channel.unary_unary(
+                '/textgen.v1.TextGeneration/CountMessageTokens',
+                request_serializer=textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_anthropic__pb2.MessageTokensCount.FromString,
                 _registered_method=True)
 
 
@@ -235,6 +251,31 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Messages(self, request, context):
+        """Anthropic's Messages API (messages in anthropic.proto): the chat template renders `system`,
+        `messages` and `tools`. REST: `POST /v1/messages`; with `"stream": true` in the body the
+        gateway calls MessagesStream on the same route.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MessagesStream(self, request, context):
+        """Anthropic's stream events in order: message_start, ping, then per content block
+        content_block_start, content_block_delta..., content_block_stop, and message_delta
+        (stop_reason, usage), message_stop; a ping while nothing else is sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CountMessageTokens(self, request, context):
+        """The prompt tokens a Messages request would use (`max_tokens` not needed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +353,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.CompletionStream,
                     request_deserializer=textgen_dot_v1_dot_generate__pb2.CompletionRequest.FromString,
                     response_serializer=textgen_dot_v1_dot_generate__pb2.CompletionResponse.SerializeToString,
+            ),
+            'Messages': grpc.unary_unary_rpc_method_handler(
+                    servicer.Messages,
+                    request_deserializer=textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_anthropic__pb2.MessagesResponse.SerializeToString,
+            ),
+            'MessagesStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.MessagesStream,
+                    request_deserializer=textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_anthropic__pb2.MessagesStreamEvent.SerializeToString,
+            ),
+            'CountMessageTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountMessageTokens,
+                    request_deserializer=textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_anthropic__pb2.MessageTokensCount.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -722,6 +778,87 @@ class TextGeneration:
             '/textgen.v1.TextGeneration/CompletionStream',
             textgen_dot_v1_dot_generate__pb2.CompletionRequest.SerializeToString,
             textgen_dot_v1_dot_generate__pb2.CompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Messages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/Messages',
+            textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.SerializeToString,
+            textgen_dot_v1_dot_anthropic__pb2.MessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MessagesStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/MessagesStream',
+            textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.SerializeToString,
+            textgen_dot_v1_dot_anthropic__pb2.MessagesStreamEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountMessageTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/CountMessageTokens',
+            textgen_dot_v1_dot_anthropic__pb2.MessagesRequest.SerializeToString,
+            textgen_dot_v1_dot_anthropic__pb2.MessageTokensCount.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ below onto these RPCs. Optional scalars are `optional` so that "absent" differs 
 from collections import abc as _abc
 from google.api import httpbody_pb2 as _httpbody_pb2
 from grpc import aio as _aio
+from textgen.v1 import anthropic_pb2 as _anthropic_pb2
 from textgen.v1 import generate_pb2 as _generate_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -88,6 +89,18 @@ class TextGenerationStub:
     """
     CompletionStream: _grpc.UnaryStreamMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]
     """Text completion chunks as they are generated; choices of several prompts interleave."""
+    Messages: _grpc.UnaryUnaryMultiCallable[_anthropic_pb2.MessagesRequest, _anthropic_pb2.MessagesResponse]
+    """Anthropic's Messages API (messages in anthropic.proto): the chat template renders `system`,
+    `messages` and `tools`. REST: `POST /v1/messages`; with `"stream": true` in the body the
+    gateway calls MessagesStream on the same route.
+    """
+    MessagesStream: _grpc.UnaryStreamMultiCallable[_anthropic_pb2.MessagesRequest, _anthropic_pb2.MessagesStreamEvent]
+    """Anthropic's stream events in order: message_start, ping, then per content block
+    content_block_start, content_block_delta..., content_block_stop, and message_delta
+    (stop_reason, usage), message_stop; a ping while nothing else is sent.
+    """
+    CountMessageTokens: _grpc.UnaryUnaryMultiCallable[_anthropic_pb2.MessagesRequest, _anthropic_pb2.MessageTokensCount]
+    """The prompt tokens a Messages request would use (`max_tokens` not needed)."""
 
 @_typing.type_check_only
 class TextGenerationAsyncStub(TextGenerationStub):
@@ -143,6 +156,18 @@ class TextGenerationAsyncStub(TextGenerationStub):
     """
     CompletionStream: _aio.UnaryStreamMultiCallable[_generate_pb2.CompletionRequest, _generate_pb2.CompletionResponse]  # type: ignore[assignment]
     """Text completion chunks as they are generated; choices of several prompts interleave."""
+    Messages: _aio.UnaryUnaryMultiCallable[_anthropic_pb2.MessagesRequest, _anthropic_pb2.MessagesResponse]  # type: ignore[assignment]
+    """Anthropic's Messages API (messages in anthropic.proto): the chat template renders `system`,
+    `messages` and `tools`. REST: `POST /v1/messages`; with `"stream": true` in the body the
+    gateway calls MessagesStream on the same route.
+    """
+    MessagesStream: _aio.UnaryStreamMultiCallable[_anthropic_pb2.MessagesRequest, _anthropic_pb2.MessagesStreamEvent]  # type: ignore[assignment]
+    """Anthropic's stream events in order: message_start, ping, then per content block
+    content_block_start, content_block_delta..., content_block_stop, and message_delta
+    (stop_reason, usage), message_stop; a ping while nothing else is sent.
+    """
+    CountMessageTokens: _aio.UnaryUnaryMultiCallable[_anthropic_pb2.MessagesRequest, _anthropic_pb2.MessageTokensCount]  # type: ignore[assignment]
+    """The prompt tokens a Messages request would use (`max_tokens` not needed)."""
 
 class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
     """Text generation with continuous batching. Errors are gRPC status codes whose details carry a
@@ -285,5 +310,35 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generate_pb2.CompletionResponse], _abc.AsyncIterator[_generate_pb2.CompletionResponse]]:
         """Text completion chunks as they are generated; choices of several prompts interleave."""
+
+    @_abc_1.abstractmethod
+    def Messages(
+        self,
+        request: _anthropic_pb2.MessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_anthropic_pb2.MessagesResponse, _abc.Awaitable[_anthropic_pb2.MessagesResponse]]:
+        """Anthropic's Messages API (messages in anthropic.proto): the chat template renders `system`,
+        `messages` and `tools`. REST: `POST /v1/messages`; with `"stream": true` in the body the
+        gateway calls MessagesStream on the same route.
+        """
+
+    @_abc_1.abstractmethod
+    def MessagesStream(
+        self,
+        request: _anthropic_pb2.MessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_anthropic_pb2.MessagesStreamEvent], _abc.AsyncIterator[_anthropic_pb2.MessagesStreamEvent]]:
+        """Anthropic's stream events in order: message_start, ping, then per content block
+        content_block_start, content_block_delta..., content_block_stop, and message_delta
+        (stop_reason, usage), message_stop; a ping while nothing else is sent.
+        """
+
+    @_abc_1.abstractmethod
+    def CountMessageTokens(
+        self,
+        request: _anthropic_pb2.MessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_anthropic_pb2.MessageTokensCount, _abc.Awaitable[_anthropic_pb2.MessageTokensCount]]:
+        """The prompt tokens a Messages request would use (`max_tokens` not needed)."""
 
 def add_TextGenerationServicer_to_server(servicer: TextGenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
