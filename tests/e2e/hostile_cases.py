@@ -33,7 +33,7 @@ JSON = {"Content-Type": "application/json"}
 SERVER_FAULT_CODES = {"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "?"}
 _GRPC_CODES = {code.value[0]: code.name for code in grpc.StatusCode}
 # In-band SSE error types a hostile stream may end with (a refusal, not a failure mid-generation).
-STREAM_ERROR_TYPES = {"validation", "overloaded"}
+STREAM_ERROR_TYPES = {"validation", "overloaded", "invalid_request_error", "overloaded_error"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +180,10 @@ def stream_errors(body: bytes) -> list[str]:
     """The error types of an SSE body's error events."""
     types = []
     for event in body.decode(errors="replace").split("\n\n"):
-        if event.startswith("data: {"):
+        data = [line for line in event.split("\n") if line.startswith("data: {")]  # Anthropic's: event + data
+        if data:
             with contextlib.suppress(ValueError):
-                document = json.loads(event[len("data: ") :])
+                document = json.loads(data[0][len("data: ") :])
                 error = document.get("error")
                 if error is not None:
                     types.append(
@@ -222,6 +223,11 @@ def chat(**fields) -> dict:
     return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
 
 
+def message(**fields) -> dict:
+    """Anthropic's Messages shape."""
+    return {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
 def generate(**parameters) -> dict:
     return {"inputs": "Hello", "parameters": {"max_new_tokens": 3, **parameters}}
 
@@ -230,10 +236,13 @@ def post(path: str, body: dict | bytes, headers: dict | None = None) -> Callable
     return lambda target: rest(target, path, body, headers)
 
 
+OPENAI_ROUTES = ["/v1/chat/completions", "/v1/completions"]
+
+
 def tiny_temperature(rng: random.Random) -> Case:
     """Temperatures that overflowed the logits (and failed every row sampled in that step)."""
     value = rng.choice([1e-45, 5e-324, 1e-40, 1e-38, 1e-30, rng.uniform(0, 1e-20)])
-    route = rng.choice(["/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "grpc"])
+    route = rng.choice(["/generate", "/generate_stream", *OPENAI_ROUTES, "/v1/messages", "grpc"])
     if route == "grpc":
         request = pb.GenerateRequest(
             inputs="Hello", parameters=pb.GenerateParameters(max_new_tokens=3, temperature=value, do_sample=True)
@@ -241,6 +250,8 @@ def tiny_temperature(rng: random.Random) -> Case:
         return Case("tiny_temperature", f"grpc-{value:g}", lambda t: grpc_call(t, "Generate", request))
     if route.startswith("/v1/chat"):
         body = chat(temperature=value, stream=rng.random() < 0.5)
+    elif route == "/v1/messages":
+        body = message(temperature=value, stream=rng.random() < 0.5)
     elif route == "/v1/completions":
         body = {"prompt": "Hello", "max_tokens": 3, "temperature": value}
     else:
@@ -293,6 +304,9 @@ def echoed_input(rng: random.Random) -> Case:
         "stop": ("/generate", generate(stop=[value])),
         "stream_role": ("/v1/chat/completions", chat(stream=True, messages=[{"role": value, "content": "hi"}])),
         "completion_prompt_type": ("/v1/completions", {"prompt": [{"x": value}], "max_tokens": 3}),
+        "messages_role": ("/v1/messages", message(messages=[{"role": value, "content": "hi"}])),
+        "messages_block_type": ("/v1/messages", message(messages=[{"role": "user", "content": [{"type": value}]}])),
+        "messages_tool_choice": ("/v1/messages", message(tool_choice={"type": "tool", "name": value})),
     }
     name = rng.choice(sorted(bodies))
     path, body = bodies[name]
@@ -381,7 +395,7 @@ def malformed_protobuf(rng: random.Random) -> Case:
 
 def json_as_grpc(rng: random.Random) -> Case:
     """A JSON body sent with gRPC's content type to a REST route (415), or to a gRPC path."""
-    path = rng.choice(["/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/health"])
+    path = rng.choice(["/generate", "/generate_stream", "/v1/chat/completions", "/v1/messages", "/health"])
     content_type = rng.choice(["application/grpc", "application/grpc+proto", "application/grpc-web"])
     if rng.random() < 0.3:
         path = "/textgen.v1.TextGeneration/" + rng.choice(GRPC_METHODS)
@@ -421,6 +435,8 @@ def huge_limits(rng: random.Random) -> Case:
         "completion_logprobs": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": huge}),
         "chat_stop_list": ("/v1/chat/completions", chat(stop=["a"] * rng.randint(5, 5000))),
         "seed": ("/generate", generate(seed=huge, do_sample=True)),
+        "messages_max_tokens": ("/v1/messages", message(max_tokens=huge)),
+        "messages_stop_list": ("/v1/messages", message(stop_sequences=["a"] * rng.randint(5, 5000))),
         "long_input": ("/generate", {"inputs": "hello " * rng.randint(600, 20_000), "parameters": {}}),
     }
     if rng.random() < 0.25:  # the same over gRPC directly, as large as the field's type lets it be
@@ -500,6 +516,8 @@ def wrong_shapes(rng: random.Random) -> Case:
         "truncated_json": ("/generate", b'{"inputs":"hi","parameters":{'),
         "unknown_path": ("/" + "a" * rng.randint(10, 3000), generate()),
         "tokenize_bad": ("/tokenize", {"inputs": {"a": 1}}),
+        "messages_no_max_tokens": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+        "messages_content_number": ("/v1/messages", message(messages=[{"role": "user", "content": 7}])),
     }
     name = rng.choice(sorted(bodies))
     path, body = bodies[name]
