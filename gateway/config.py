@@ -321,6 +321,8 @@ def _http_filters(descriptor: bytes, payload_limit: int, lua_source: str) -> lis
                 # Route on the REST path (the routes above), not on the gRPC path it becomes.
                 "match_incoming_request_route": True,
                 "ignore_unknown_query_parameters": True,
+                # Path variables fully decoded (`%2F` and `%25` too): a model id reaches the server as named.
+                "url_unescape_spec": "ALL_CHARACTERS",
                 # The payload limit (413); answers get the buffer they need (see RESPONSE_BUFFER_LIMIT).
                 "max_request_body_size": payload_limit,
                 "max_response_body_size": RESPONSE_BUFFER_LIMIT,

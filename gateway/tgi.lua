@@ -193,6 +193,7 @@ local OPENAI_NULLS = {
   {'("finish_reason":"[%w_]*"),"delta":', '%1,"logprobs":null,"delta":'},
   {'("finish_reason":"[%w_]*"),"text":', '%1,"logprobs":null,"text":'},
   {'("role":"assistant"),"tool_calls":%[{', '%1,"content":null,"tool_calls":[{'},
+  {'("role":"assistant"),"reasoning_content":', '%1,"content":null,"reasoning_content":'},
 }
 -- Error kinds -> OpenAI's HTTP status (what its SDK turns into typed exceptions) and error type.
 local OPENAI_ERROR_STATUS = {

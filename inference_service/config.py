@@ -23,6 +23,10 @@ QUANTIZE_SCHEMES = (
     "compressed-tensors",
     "gguf",
 )
+# vLLM's --reasoning-parser and --tool-call-parser names we know (frontend/reasoning.py and
+# frontend/tool_parsers.py implement them); unset, the chat template decides.
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "mistral", "seed_oss", "none")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "json", "none")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -45,6 +49,8 @@ class ModelConfig:
     quantize: str | None = None  # a scheme of worker/weights/schemes.py; None: as the checkpoint is stored
     # The name the API gives the model (/info, /v1/models, responses); None: loader.served_name's default.
     served_model_name: str | None = None
+    reasoning_parser: str | None = None  # a name of REASONING_PARSERS; None: from the chat template
+    tool_call_parser: str | None = None  # a name of TOOL_CALL_PARSERS; None: from the chat template
 
     def __post_init__(self) -> None:
         _require(
@@ -63,6 +69,14 @@ class ModelConfig:
         _require(
             self.quantize is None or self.quantize in QUANTIZE_SCHEMES,
             f"--quantize must be one of {', '.join(QUANTIZE_SCHEMES)}, not {self.quantize!r}",
+        )
+        _require(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}",
+        )
+        _require(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not {self.tool_call_parser!r}",
         )
 
 

@@ -144,6 +144,22 @@ MODEL_FLAGS = (
         default_text="the model's",
     ),
     Flag(
+        "--reasoning-parser",
+        "model.reasoning_parser",
+        "How the model writes its thoughts, split from the answer into `reasoning_content` "
+        "(vLLM's names): deepseek_r1, qwen3, glm45 (<think>...</think>), mistral ([THINK]...[/THINK]), "
+        "seed_oss, or none.",
+        default_text="qwen3 when the chat template mentions <think>, else none",
+    ),
+    Flag(
+        "--tool-call-parser",
+        "model.tool_call_parser",
+        "The model's own tool-call format, read back into `tool_calls` and followed by the tool grammar "
+        "(vLLM's names): hermes (<tool_call>{...}</tool_call>), llama3_json, mistral ([TOOL_CALLS][...]), "
+        "json (one JSON object a line), or none (same as json).",
+        default_text="from the chat template: hermes, llama3_json or mistral when it writes that format, else json",
+    ),
+    Flag(
         "--quantize",
         "model.quantize",
         "Weight quantization: bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, eetq or fp8 quantize while "

@@ -9,7 +9,6 @@ last `done` chunk that the gateway writes as `data: [DONE]`.
 from __future__ import annotations
 
 import time
-import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -142,7 +141,7 @@ class OpenAIRoutes:
 
     @unary_errors
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.ModelCard:
-        info, asked = self._backend.engine().info, urllib.parse.unquote(request.id)  # SDKs send `/` as %2F
+        info, asked = self._backend.engine().info, request.id  # the gateway decoded the path (`%2F`, `%25`)
         if asked != info.model_id:
             raise NotFoundError(f"The model {quoted(asked)} does not exist: this server serves '{info.model_id}'")
         return convert.model_card(info)

@@ -2,23 +2,28 @@
 
 Pure functions and small per-choice stream readers; no I/O. Conventions:
 - logprobs are raw (before penalties and temperature); -inf is written as -9999.0, as OpenAI does;
-- a special token (the final EOS) is neither content nor a logprob entry;
+- a special token is never content; the final EOS is not a logprob entry either;
+- a reasoning model's thoughts (`plan.reasoning`) go to `reasoning_content` (and `reasoning`), and
+  only the answer after them is read for tool calls (in the model's format, `plan.tool_syntax`);
+- a stream sends no empty delta;
 - `finish_reason` is "stop" for the end of text or a stop sequence, "length", or "tool_calls".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from inference_service import __version__
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
-from inference_service.frontend.openai_tools import ToolCallStream, parse_tool_calls
+from inference_service.frontend.reasoning import ReasoningStream, split_reasoning
+from inference_service.frontend.tool_parsers import ToolParser, parse_tool_calls, tool_parser
 from inference_service.outputs import FinishReason, GenerateResult, RequestOutput, Token
 from textgen.v1 import generate_pb2 as pb
 
 SYSTEM_FINGERPRINT = f"{__version__}-native"
+TokenBytes = Callable[[int], bytes]
 MIN_LOGPROB = -9999.0
 
 
@@ -26,20 +31,41 @@ def _logprob(value: float) -> float:
     return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
 
 
-def _top(token: Token) -> pb.TopLogprob:
-    return pb.TopLogprob(token=token.text, logprob=_logprob(token.logprob), bytes=token.text.encode())
+def _text_and_bytes(token: Token, token_bytes: TokenBytes | None) -> tuple[str, bytes]:
+    """A token that is part of a UTF-8 character has no text of its own: as OpenAI, its bytes are
+    shown escaped (`\\xe6\\x97`) and given in `bytes` (a text's tokens' bytes join into its bytes)."""
+    if token_bytes is not None and not token.special:
+        raw = token_bytes(token.id)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            return "".join(f"\\x{byte:02x}" for byte in raw), raw
+    return token.text, token.text.encode()
 
 
-def chat_logprobs(tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]]) -> pb.ChoiceLogprobs:
+def _top(token: Token, token_bytes: TokenBytes | None = None) -> pb.TopLogprob:
+    text, raw = _text_and_bytes(token, token_bytes)
+    return pb.TopLogprob(token=text, logprob=_logprob(token.logprob), bytes=raw)
+
+
+def chat_logprobs(
+    tokens: Sequence[Token],
+    top_tokens: Sequence[Sequence[Token]],
+    reason: FinishReason | None,
+    token_bytes: TokenBytes | None = None,
+) -> pb.ChoiceLogprobs:
+    """`reason`: how the output ended, when these tokens end it (an ending EOS is left out);
+    `token_bytes`: id → the token's bytes, for tokens that are part of a character."""
+    last = len(tokens) - 1 if reason == FinishReason.EOS_TOKEN else -1
     content = [
         pb.TokenLogprob(
-            token=token.text,
+            token=_text_and_bytes(token, token_bytes)[0],
             logprob=_logprob(token.logprob),
-            bytes=token.text.encode(),
-            top_logprobs=[_top(t) for t in (top_tokens[i] if i < len(top_tokens) else ())],
+            bytes=_text_and_bytes(token, token_bytes)[1],
+            top_logprobs=[_top(t, token_bytes) for t in (top_tokens[i] if i < len(top_tokens) else ())],
         )
         for i, token in enumerate(tokens)
-        if not token.special
+        if not (token.special and i == last)
     ]
     return pb.ChoiceLogprobs(content=content)
 
@@ -81,17 +107,25 @@ def chat_response(
 ) -> pb.ChatCompletionResponse:
     choices = []
     for index, result in enumerate(results):
-        calls = parse_tool_calls(result.generated_text) if plan.tool_calls is not None else None
+        text, thoughts, calls = result.generated_text, None, list[dict]()
+        if plan.reasoning is not None:
+            thoughts, text = split_reasoning(plan.reasoning, plan.reasoning_inside, text)
+        if plan.tool_calls is not None:
+            content, calls = parse_tool_calls(plan.tool_syntax, text, plan.tool_calls.schemas)
+            text = content.strip() if calls else text  # no call: the text as written
         message = pb.ChatCompletionMessage(role="assistant")
-        if calls:
-            message.tool_calls.extend(_tool_call(call) for call in calls)
-        else:
-            message.content = result.generated_text
+        message.tool_calls.extend(_tool_call(call) for call in calls)
+        if text or (thoughts is None and not calls):
+            message.content = text
+        if thoughts:
+            message.reasoning_content = message.reasoning = thoughts
         choice = pb.ChatCompletionChoice(
             index=index, finish_reason=finish_reason(result.finish_reason, bool(calls)), message=message
         )
         if plan.logprobs:
-            choice.logprobs.CopyFrom(chat_logprobs(result.tokens, result.top_tokens))
+            choice.logprobs.CopyFrom(
+                chat_logprobs(result.tokens, result.top_tokens, result.finish_reason, plan.token_bytes)
+            )
         choices.append(choice)
     return pb.ChatCompletionResponse(
         id=header.id,
@@ -124,20 +158,23 @@ def _visible_text(output: RequestOutput) -> str:
 
 @dataclass
 class ChatChoiceStream:
-    """One choice's outputs as chunk choices: the role first, then content or tool-call deltas; the
-    final text (stop sequence removed) decides the last delta."""
+    """One choice's outputs as chunk choices: the role first, then thoughts, content or tool-call
+    deltas; the final text (stop sequence removed) decides the last delta."""
 
     index: int
     plan: ChatPlan
     _fed: str = ""
     _started: bool = False
-    _tools: ToolCallStream | None = None
+    _reasoning: ReasoningStream | None = None
+    _tools: ToolParser | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.plan.reasoning is not None:
+            self._reasoning = ReasoningStream(self.plan.reasoning, self.plan.reasoning_inside)
         if self.plan.tool_calls is not None:
-            self._tools = ToolCallStream()
+            self._tools = tool_parser(self.plan.tool_syntax, self.plan.tool_calls.schemas)
 
     def choices(self, output: RequestOutput) -> list[pb.ChatCompletionChunkChoice]:
         text = _visible_text(output)
@@ -147,36 +184,52 @@ class ChatChoiceStream:
         delta = pb.ChatCompletionDelta()
         if not self._started:
             delta.role, self._started = "assistant", True
-        self._add(delta, text)
+        for item in self._pieces(text, output.finished):
+            _add(delta, item)
+        if delta.role and not (delta.HasField("content") or delta.tool_calls or delta.HasField("reasoning_content")):
+            delta.content = ""
         choice = pb.ChatCompletionChunkChoice(index=self.index, delta=delta)
         if self.plan.logprobs:
-            choice.logprobs.CopyFrom(chat_logprobs(output.tokens, output.top_tokens))
+            choice.logprobs.CopyFrom(
+                chat_logprobs(output.tokens, output.top_tokens, output.finish_reason, self.plan.token_bytes)
+            )
         if output.finish_reason is not None:
             self.num_prompt_tokens, self.num_generated_tokens = output.num_prompt_tokens, output.num_generated_tokens
-            called = self._tools is not None and self._tools.mode == "calls"
+            called = self._tools is not None and self._tools.called
             choice.finish_reason = finish_reason(output.finish_reason, called)
-        elif not text and delta.role == "" and not self.plan.logprobs:
-            return []
+        elif not (delta.ByteSize() or choice.logprobs.content):
+            return []  # nothing to tell yet (e.g. a marker or a call's name still incomplete)
         return [choice]
 
-    def _add(self, delta: pb.ChatCompletionDelta, text: str) -> None:
+    def _pieces(self, text: str, finished: bool) -> list[tuple]:
+        """Thoughts as ("reasoning", text), the answer as content or tool-call items."""
+        pieces: list[tuple] = [("content", text)]
+        if self._reasoning is not None:
+            pieces = self._reasoning.feed(text) + (self._reasoning.finish() if finished else [])
         if self._tools is None:
-            if text or delta.role:
-                delta.content = text
-            return
-        for item in self._tools.feed(text):
-            if item[0] == "content":
-                delta.content = delta.content + item[1]
-            elif item[0] == "call":
-                _, index, call_id, name = item
-                delta.tool_calls.append(
-                    pb.ToolCall(
-                        index=index, id=call_id, type="function", function=pb.FunctionCall(name=name, arguments="")
-                    )
-                )
-            else:
-                _, index, piece = item
-                delta.tool_calls.append(pb.ToolCall(index=index, function=pb.FunctionCall(arguments=piece)))
+            return pieces
+        items: list[tuple] = []
+        for piece in pieces:
+            items += self._tools.feed(piece[1]) if piece[0] == "content" else [piece]
+        return items + (self._tools.finish() if finished else [])
+
+
+def _add(delta: pb.ChatCompletionDelta, item: tuple) -> None:
+    kind = item[0]
+    if kind == "content":
+        if item[1]:
+            delta.content = delta.content + item[1]
+    elif kind == "reasoning":
+        delta.reasoning_content = delta.reasoning_content + item[1]
+        delta.reasoning = delta.reasoning_content
+    elif kind == "call":
+        _, index, call_id, name = item
+        delta.tool_calls.append(
+            pb.ToolCall(index=index, id=call_id, type="function", function=pb.FunctionCall(name=name, arguments=""))
+        )
+    else:
+        _, index, piece = item
+        delta.tool_calls.append(pb.ToolCall(index=index, function=pb.FunctionCall(arguments=piece)))
 
 
 # -- text completions ------------------------------------------------------------------------------

@@ -127,7 +127,13 @@ class ApiServer:
         """Load, warm up and start the engine (off the event loop), then report SERVING."""
         logger.info("loading model %s", self._engine_config.model.model_id)
         engine = await run_in_daemon_thread(self._load_engine, self._engine_config)
-        front_end = FrontEnd.for_engine(engine, self._engine_config.model.chat_template)
+        model = self._engine_config.model
+        front_end = FrontEnd.for_engine(
+            engine,
+            model.chat_template,
+            reasoning_parser=model.reasoning_parser,
+            tool_call_parser=model.tool_call_parser,
+        )
         self.observability.attach(engine)
         engine.start()
         self.engine, self.front_end = engine, front_end

@@ -13,11 +13,12 @@ import random
 from typing import Any
 
 from inference_service.errors import ModelLoadError
-from inference_service.frontend import anthropic, openai, tgi
+from inference_service.frontend import anthropic, openai, reasoning, tgi, tool_parsers
 from inference_service.frontend.anthropic import MessagesPlan
 from inference_service.frontend.chat_template import ChatTemplate, load_template_file
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
 from inference_service.frontend.parameters import GenerateRequest, TokenSpan
+from inference_service.frontend.token_bytes import token_bytes_reader
 from inference_service.frontend.validation import ValidatedRequest, Validator, tokenize
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import GrammarCompiler
@@ -36,24 +37,44 @@ class FrontEnd:
         grammar_compiler: GrammarCompiler | None = None,
         chat_template: str | None = None,
         rng: random.Random | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ):
         self.info = info
         self.tokenizer = tokenizer
         self.chat_template = ChatTemplate(tokenizer, chat_template)
+        # The model's own formats: named by the flags, else recognised in its chat template.
+        self.reasoning = reasoning.reasoning_syntax(reasoning_parser, self.chat_template.source)
+        self.tool_syntax = tool_parsers.tool_syntax(tool_call_parser, self.chat_template.source)
+        self.token_bytes = token_bytes_reader(tokenizer)
         self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler)
         self.has_fill_in_middle = openai.has_fill_in_middle(tokenizer)
         self._rng = rng or random.SystemRandom()
 
     @classmethod
-    def for_engine(cls, engine: Any, chat_template_file: str | None = None) -> FrontEnd:
-        """The front end of a loaded `AsyncEngine` (`--chat-template FILE` replaces the tokenizer's)."""
+    def for_engine(
+        cls,
+        engine: Any,
+        chat_template_file: str | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> FrontEnd:
+        """The front end of a loaded `AsyncEngine` (`--chat-template FILE` replaces the tokenizer's;
+        the parsers are `--reasoning-parser` and `--tool-call-parser`, None to follow the template)."""
         template = None
         if chat_template_file:
             try:
                 template = load_template_file(chat_template_file)
             except (OSError, ValueError) as error:
                 raise ModelLoadError(f"--chat-template: {error}") from error
-        return cls(engine.info, engine.tokenizer, engine.grammar_compiler, template)
+        return cls(
+            engine.info,
+            engine.tokenizer,
+            engine.grammar_compiler,
+            template,
+            reasoning_parser=reasoning_parser,
+            tool_call_parser=tool_call_parser,
+        )
 
     # -- TGI ------------------------------------------------------------------------------
     async def validate(self, request: GenerateRequest, *, stream: bool) -> ValidatedRequest:
@@ -78,7 +99,8 @@ class FrontEnd:
     # -- OpenAI ---------------------------------------------------------------------------
     async def chat(self, request: pb.ChatCompletionRequest, *, stream: bool) -> tuple[ChatPlan, list[EngineRequest]]:
         """The conversation rendered by the chat template, validated; one request per choice."""
-        plan = openai.chat_plan(request)
+        plan = openai.chat_plan(request, self.tool_syntax, self.reasoning)
+        plan.token_bytes = self.token_bytes
         return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
 
     def _chat_choices(self, plan: ChatPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
@@ -89,6 +111,12 @@ class FrontEnd:
             tool_prompt=plan.tool_prompt,
             variables=plan.template_variables,
         )
+        if plan.reasoning is not None:  # the thoughts come first, free of any grammar
+            plan.reasoning_inside = reasoning.starts_inside(plan.reasoning, prompt)
+            if plan.parameters.grammar is not None and not reasoning.prompt_closed(plan.reasoning, prompt):
+                plan.parameters.grammar = reasoning.grammar_after_thoughts(
+                    plan.parameters.grammar, plan.reasoning, plan.reasoning_inside
+                )
         generate = GenerateRequest(
             inputs=prompt, parameters=plan.parameters, add_special_tokens=False, strip_stop=True
         )  # the template already wrote the special tokens

@@ -17,6 +17,7 @@ validator's `prepare` then checks the engine's limits. Mapping, explicitly (`def
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ from inference_service.errors import ValidationError, quoted
 from inference_service.frontend import defaults, openai_tools
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters
 from inference_service.frontend.plain_json import plain_json, value_to_python
+from inference_service.frontend.reasoning import ReasoningSyntax
+from inference_service.frontend.tool_parsers import ToolSyntax
 from textgen.v1 import generate_pb2 as pb
 
 MAX_CHOICES = 16  # n x prompts in one call
@@ -53,6 +56,10 @@ class ChatPlan:
     documents: list[dict[str, Any]] = field(default_factory=list)
     tool_prompt: str | None = None
     template_variables: dict[str, Any] = field(default_factory=dict)
+    tool_syntax: ToolSyntax = openai_tools.DEFAULT_SYNTAX  # how calls are written and read back
+    reasoning: ReasoningSyntax | None = None  # thoughts to split from the answer
+    reasoning_inside: bool = False  # the prompt opened the thoughts (known once rendered)
+    token_bytes: Callable[[int], bytes] | None = None  # id → its bytes (logprobs of part of a character)
 
 
 @dataclass
@@ -154,8 +161,13 @@ def _message(message: pb.ChatMessage) -> dict[str, Any]:
     return converted
 
 
-def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
-    """Raises ValidationError (or ToolError) for what the engine's validation does not check."""
+def chat_plan(
+    request: pb.ChatCompletionRequest,
+    tool_syntax: ToolSyntax = openai_tools.DEFAULT_SYNTAX,
+    reasoning: ReasoningSyntax | None = None,
+) -> ChatPlan:
+    """Raises ValidationError (or ToolError) for what the engine's validation does not check.
+    `tool_syntax` and `reasoning`: the model's formats (`--tool-call-parser`, `--reasoning-parser`)."""
     _check(len(request.messages) > 0, "`messages` must not be empty")
     _check(not request.HasField("top_logprobs") or request.logprobs, "`top_logprobs` needs `logprobs` set to true")
     max_tokens = (
@@ -172,7 +184,7 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     tool_calls = openai_tools.tool_call_format(tools, tool_choice, parallel)
     response_grammar = response_format_grammar(request.response_format) if request.HasField("response_format") else None
-    parameters.grammar = openai_tools.combined_grammar(tool_calls, response_grammar)
+    parameters.grammar = openai_tools.combined_grammar(tool_calls, response_grammar, tool_syntax)
     return ChatPlan(
         messages=[_message(m) for m in request.messages],
         parameters=parameters,
@@ -185,6 +197,8 @@ def chat_plan(request: pb.ChatCompletionRequest) -> ChatPlan:
         documents=[plain_json(json_format.MessageToDict(d)) for d in request.documents],
         tool_prompt=request.tool_prompt if request.HasField("tool_prompt") else None,
         template_variables=value_to_python(request.chat_template_kwargs) or {},
+        tool_syntax=tool_syntax,
+        reasoning=reasoning,
     )
 
 

@@ -8,6 +8,10 @@ way a call can start, so the text can be read back while it streams:
 - `auto`: the output is calls, or text that does not start with `{` (the response format's JSON
   when one is given);
 - `none`, or no tools: no grammar from tools.
+With a known native format (`--tool-call-parser`, `tool_parsers.ToolSyntax`) the grammar writes calls
+in that format instead (Hermes' `<tool_call>` blocks, Llama's `parameters`, Mistral's `[TOOL_CALLS]`
+list), and `tool_parsers` reads them back; `parse_tool_calls` and `ToolCallStream` here read only the
+JSON-lines format.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_service.errors import ECHO_CHARS, ToolError, quoted, shortened
+from inference_service.frontend.tool_parsers import SYNTAXES, ToolSyntax
 from inference_service.sample.grammar import GrammarSpec, lark_json
 
 _CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
-_FREE_TEXT = r"/[^{\s][\s\S]*/"
+DEFAULT_SYNTAX = SYNTAXES["json"]
 
 
 @dataclass(frozen=True)
@@ -62,22 +67,30 @@ def tool_call_format(tools: list[dict[str, Any]], tool_choice: Any, parallel: bo
     return ToolCallFormat(schemas, parallel=parallel, text_allowed=tool_choice == "auto")
 
 
-def combined_grammar(calls: ToolCallFormat | None, response_grammar: dict[str, Any] | None) -> Any:
-    """The grammar of the whole output: TGI's grammar dict, a Lark GrammarSpec, or None."""
+def combined_grammar(
+    calls: ToolCallFormat | None, response_grammar: dict[str, Any] | None, syntax: ToolSyntax = DEFAULT_SYNTAX
+) -> Any:
+    """The grammar of the whole output: TGI's grammar dict, a Lark GrammarSpec, or None. Calls are
+    written in `syntax` (the model's own format when known, else one JSON object a line)."""
     if calls is None:
         return response_grammar
-    rules = ['calls: call ("\\n" call)*' if calls.parallel else "calls: call"]
+    separator = json.dumps(syntax.separator)
+    rules = [f"calls: call ({separator} call)*" if calls.parallel else "calls: call"]
+    if syntax.list_open or syntax.list_close:
+        rules[0] = rules[0].replace("calls: ", f"calls: {json.dumps(syntax.list_open)} ", 1)
+        rules[0] += f" {json.dumps(syntax.list_close)}"
     alternatives = []
     for i, (name, schema) in enumerate(sorted(calls.schemas.items())):
-        head = json.dumps(f'{{"name": {json.dumps(name)}, "arguments": ')
+        head = json.dumps(f'{syntax.call_open}{{"name": {json.dumps(name)}, "{syntax.arguments_key}": ')
         alternatives.append(f"call{i}")
-        rules.append(f'call{i}: {head} args{i} "}}"')
+        rules.append(f"call{i}: {head} args{i} {json.dumps('}' + syntax.call_close)}")
         rules.append(f"args{i}: {lark_json(schema)}")
     rules.append("call: " + " | ".join(alternatives))
     start = "calls"
     if calls.text_allowed:
         if response_grammar is None:
-            start, text_rule = "calls | TEXT", f"TEXT: {_FREE_TEXT}"
+            free_text = f"/[^{re.escape(syntax.not_text_start)}\\s][\\s\\S]*/"
+            start, text_rule = "calls | TEXT", f"TEXT: {free_text}"
         elif response_grammar.get("type") in ("json", "json_object"):
             schema = response_grammar["value"]
             schema = json.loads(schema) if isinstance(schema, str) else schema

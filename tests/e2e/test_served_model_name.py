@@ -39,3 +39,18 @@ def test_every_surface_says_the_served_name(named_gateway, tiny_chat_engine_conf
     events = named_gateway.curl("/v1/chat/completions", body={**chat, "stream": True}).split("\n\n")
     chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
     assert chunks and {chunk["model"] for chunk in chunks} == {NAME}
+
+
+def test_a_model_name_with_percent_and_slash_through_the_openai_sdk(tiny_chat_engine_config, start_gateway):
+    import openai
+
+    name = "team/50%25-sale%"  # literally: a `%` before hex digits, and a lone one
+    model = dataclasses.replace(tiny_chat_engine_config.model, served_model_name=name)
+    server = GrpcServerThread(dataclasses.replace(tiny_chat_engine_config, model=model))
+    try:
+        client = openai.OpenAI(base_url=start_gateway(server).url + "/v1", api_key="unused", max_retries=0)
+        assert client.models.retrieve(name).id == name  # the SDK sends team%2F50%2525-sale%25
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("team/50%-sale%")
+    finally:
+        server.stop(timeout_s=1.0)

@@ -143,3 +143,38 @@ def test_json_schema_and_tools_over_grpc(tiny_chat_grpc_server):
     (call,) = choice.message.tool_calls
     assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+def test_chat_logprobs_leave_out_only_a_final_eos(tiny_chat_grpc_server):
+    tokenizer = tiny_chat_grpc_server.front_end.tokenizer
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")  # special, but not an end of text
+    stub = tiny_chat_grpc_server.stub
+    request = chat(temperature=0, max_tokens=3, logprobs=True, logit_bias={str(special): 100.0})
+    (choice,) = stub.ChatCompletion(request, timeout=60).choices
+    assert choice.finish_reason == "length" and choice.message.content == ""  # special tokens are never text
+    assert [e.token for e in choice.logprobs.content] == ["<|im_start|>"] * 3  # but they are logprob entries
+    streamed = [e.token for c in stub.ChatCompletionStream(request, timeout=60) for e in c.choices[0].logprobs.content]
+    assert streamed == ["<|im_start|>"] * 3
+
+    ended = chat(temperature=0, max_tokens=3, logprobs=True, logit_bias={str(tokenizer.eos_token_id): 100.0})
+    (choice,) = stub.ChatCompletion(ended, timeout=60).choices
+    assert choice.finish_reason == "stop" and list(choice.logprobs.content) == []  # the final EOS is left out
+    assert all(not c.choices[0].logprobs.content for c in stub.ChatCompletionStream(ended, timeout=60))
+
+
+def test_chat_logprobs_of_part_of_a_character_show_its_bytes(tiny_chat_grpc_server):
+    tokenizer = tiny_chat_grpc_server.front_end.tokenizer
+    first_byte = "日".encode()[0]  # 0xe6: GPT-2's byte alphabet writes it as "æ"
+    token_id = tokenizer.convert_tokens_to_ids(chr(first_byte))
+    request = chat(temperature=0, max_tokens=2, logprobs=True, top_logprobs=2, logit_bias={str(token_id): 100.0})
+    (choice,) = tiny_chat_grpc_server.stub.ChatCompletion(request, timeout=60).choices
+    assert len(choice.logprobs.content) == 2
+    for entry in choice.logprobs.content:
+        assert entry.token == "\\xe6" and list(entry.bytes) == [first_byte]
+    alternatives = [top for entry in choice.logprobs.content for top in entry.top_logprobs]  # raw: before the bias
+    for top in alternatives:
+        raw = bytes(top.bytes)
+        try:
+            assert top.token == raw.decode()
+        except UnicodeDecodeError:
+            assert top.token == "".join(f"\\x{byte:02x}" for byte in raw)

@@ -28,6 +28,8 @@ SAMPLES = {
     "--num-threads": ("3", 3),
     "--huggingface-hub-cache": ("/tmp/hub", "/tmp/hub"),
     "--chat-template": ("chat.jinja", "chat.jinja"),
+    "--reasoning-parser": ("deepseek_r1", "deepseek_r1"),
+    "--tool-call-parser": ("hermes", "hermes"),
     "--quantize": ("eetq", "eetq"),
     "--served-model-name": ("acme/chat", "acme/chat"),
     "--max-concurrent-requests": ("7", 7),

@@ -963,9 +963,14 @@ class ChatMessage(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     name: _builtins.str
     tool_call_id: _builtins.str
+    reasoning_content: _builtins.str
+    """An earlier reply's thoughts, as returned (vLLM's names); given to the template, which may use them."""
+    reasoning: _builtins.str
     @_builtins.property
     def content(self) -> _struct_pb2.Value: ...
     @_builtins.property
@@ -978,17 +983,27 @@ class ChatMessage(_message.Message):
         name: _builtins.str | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str | None = ...,
+        reasoning_content: _builtins.str | None = ...,
+        reasoning: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "tool_call_id", b"tool_call_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning: _TypeAlias = _typing.Literal["reasoning"]  # noqa: Y015
+    _WhichOneofArgType__reasoning: _TypeAlias = _typing.Literal["_reasoning", b"_reasoning"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_content: _TypeAlias = _typing.Literal["reasoning_content"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_content: _TypeAlias = _typing.Literal["_reasoning_content", b"_reasoning_content"]  # noqa: Y015
     _WhichOneofReturnType__tool_call_id: _TypeAlias = _typing.Literal["tool_call_id"]  # noqa: Y015
     _WhichOneofArgType__tool_call_id: _TypeAlias = _typing.Literal["_tool_call_id", b"_tool_call_id"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning) -> _WhichOneofReturnType__reasoning | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_content) -> _WhichOneofReturnType__reasoning_content | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_call_id) -> _WhichOneofReturnType__tool_call_id | None: ...
 
@@ -1539,8 +1554,15 @@ class ChatCompletionMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     content: _builtins.str
+    reasoning_content: _builtins.str
+    """A reasoning model's thoughts (`<think>...</think>`, split by --reasoning-parser), left out when
+    there were none; `reasoning` is the same text under vLLM's newer name.
+    """
+    reasoning: _builtins.str
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
     def __init__(
@@ -1549,14 +1571,25 @@ class ChatCompletionMessage(_message.Message):
         role: _builtins.str = ...,
         content: _builtins.str | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        reasoning_content: _builtins.str | None = ...,
+        reasoning: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "content", b"content"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "content", b"content", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "content", b"content", "role", b"role", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "content", b"content", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__content: _TypeAlias = _typing.Literal["content"]  # noqa: Y015
     _WhichOneofArgType__content: _TypeAlias = _typing.Literal["_content", b"_content"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning: _TypeAlias = _typing.Literal["reasoning"]  # noqa: Y015
+    _WhichOneofArgType__reasoning: _TypeAlias = _typing.Literal["_reasoning", b"_reasoning"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_content: _TypeAlias = _typing.Literal["reasoning_content"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_content: _TypeAlias = _typing.Literal["_reasoning_content", b"_reasoning_content"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__content) -> _WhichOneofReturnType__content | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning) -> _WhichOneofReturnType__reasoning | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_content) -> _WhichOneofReturnType__reasoning_content | None: ...
 
 Global___ChatCompletionMessage: _TypeAlias = ChatCompletionMessage  # noqa: Y015
 
@@ -1663,8 +1696,13 @@ class ChatCompletionDelta(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     content: _builtins.str
+    reasoning_content: _builtins.str
+    """The next piece of the thoughts (see ChatCompletionMessage); `reasoning` repeats it."""
+    reasoning: _builtins.str
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
     def __init__(
@@ -1673,17 +1711,27 @@ class ChatCompletionDelta(_message.Message):
         role: _builtins.str | None = ...,
         content: _builtins.str | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        reasoning_content: _builtins.str | None = ...,
+        reasoning: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_role", b"_role", "content", b"content", "role", b"role"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_role", b"_role", "content", b"content", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_role", b"_role", "content", b"content", "role", b"role", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_content", b"_content", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_role", b"_role", "content", b"content", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__content: _TypeAlias = _typing.Literal["content"]  # noqa: Y015
     _WhichOneofArgType__content: _TypeAlias = _typing.Literal["_content", b"_content"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning: _TypeAlias = _typing.Literal["reasoning"]  # noqa: Y015
+    _WhichOneofArgType__reasoning: _TypeAlias = _typing.Literal["_reasoning", b"_reasoning"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_content: _TypeAlias = _typing.Literal["reasoning_content"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_content: _TypeAlias = _typing.Literal["_reasoning_content", b"_reasoning_content"]  # noqa: Y015
     _WhichOneofReturnType__role: _TypeAlias = _typing.Literal["role"]  # noqa: Y015
     _WhichOneofArgType__role: _TypeAlias = _typing.Literal["_role", b"_role"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__content) -> _WhichOneofReturnType__content | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning) -> _WhichOneofReturnType__reasoning | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_content) -> _WhichOneofReturnType__reasoning_content | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__role) -> _WhichOneofReturnType__role | None: ...
 
