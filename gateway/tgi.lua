@@ -377,17 +377,26 @@ end
 -- Envoy answers a gRPC request in gRPC's shape, so the request is marked and the answer rewritten.
 local WRONG_CONTENT_TYPE = "Unsupported Media Type: this route takes JSON (Content-Type: application/json); " ..
                            "application/grpc is for gRPC calls, which go to /textgen.v1.TextGeneration/<method>"
+-- gRPC's content type over HTTP/1 (no gRPC client sends that, and its answer cannot carry trailers)
+-- reached the engine as bytes that are no gRPC frame: a reset, read as "unreachable" too.
+local GRPC_NEEDS_HTTP2 = "Unsupported Media Type: gRPC calls need HTTP/2; the REST routes take JSON " ..
+                         "(Content-Type: application/json)"
 local LUA_FILTER = "envoy.filters.http.lua"
 
-local function refuse_grpc_content_type(handle)
-  handle:streamInfo():dynamicMetadata():set(LUA_FILTER, "wrong_content_type", true)
-  handle:respond({[":status"] = "415"}, WRONG_CONTENT_TYPE)
+local function over_http1(handle)
+  local protocol = handle:streamInfo():protocol()
+  return protocol ~= nil and protocol:find("^HTTP/1") ~= nil
 end
 
-local function wrong_content_type_answer(handle, kind)
-  local body = error_json(WRONG_CONTENT_TYPE, "validation")
-  if OPENAI_KINDS[kind] then body = openai_error_json(json_string(WRONG_CONTENT_TYPE), "validation", 415) end
-  if ANTHROPIC_KINDS[kind] then body = anthropic_error_json(json_string(WRONG_CONTENT_TYPE), 415) end
+local function refuse_grpc_content_type(handle, message)
+  handle:streamInfo():dynamicMetadata():set(LUA_FILTER, "wrong_content_type", message)
+  handle:respond({[":status"] = "415"}, message)
+end
+
+local function wrong_content_type_answer(handle, kind, message)
+  local body = error_json(message, "validation")
+  if OPENAI_KINDS[kind] then body = openai_error_json(json_string(message), "validation", 415) end
+  if ANTHROPIC_KINDS[kind] then body = anthropic_error_json(json_string(message), 415) end
   handle:body(true):setBytes(body)
   local headers = handle:headers()
   strip_grpc_headers(headers)
@@ -399,9 +408,14 @@ function envoy_on_request(handle)
   local headers = handle:headers()
   local method, path = headers:get(":method"), (headers:get(":path") or ""):match("^[^?]*")
   local content_type = headers:get("content-type")
-  if content_type ~= nil and content_type:lower():find("^application/grpc") and handle:metadata():get("kind") then
-    refuse_grpc_content_type(handle)
-    return
+  if content_type ~= nil and content_type:lower():find("^application/grpc") then
+    if handle:metadata():get("kind") then
+      refuse_grpc_content_type(handle, WRONG_CONTENT_TYPE)
+      return
+    elseif over_http1(handle) then
+      refuse_grpc_content_type(handle, GRPC_NEEDS_HTTP2)
+      return
+    end
   end
   if method == "OPTIONS" then  -- a preflight the cors filter did not answer: not an allowed origin
     handle:respond({[":status"] = "200"}, "")
@@ -432,9 +446,11 @@ end
 function envoy_on_response(handle)
   local metadata = handle:metadata()
   local kind, field, nulls = metadata:get("kind"), metadata:get("unwrap"), metadata:get("nulls")
-  if kind == nil then return end  -- not a transcoded route (404, 405)
   local marks = handle:streamInfo():dynamicMetadata():get(LUA_FILTER)
-  if marks ~= nil and marks.wrong_content_type then return wrong_content_type_answer(handle, kind) end
+  if marks ~= nil and marks.wrong_content_type then
+    return wrong_content_type_answer(handle, kind, marks.wrong_content_type)
+  end
+  if kind == nil then return end  -- not a transcoded route (404, 405)
   local headers = handle:headers()
   local grpc_status = headers:get("grpc-status")
   if grpc_status ~= nil and grpc_status ~= "0" then return shape_grpc_error(handle, kind, grpc_status) end

@@ -1,0 +1,393 @@
+"""One request can never hurt another: hostile requests of every kind in tests/e2e/hostile_cases.py
+sent to `inference-service launch` (the real Envoy in front, gRPC to the engine directly too) while
+innocent requests run beside them. Each hostile request gets a typed answer (no 5xx: overload is a
+429; no gRPC status meaning a server bug; short error messages), and every innocent request's whole
+output is token for token what it is alone (greedy decoding). Afterwards every KV block is free.
+
+`make test` runs a few cases of each kind and a few hundred idle and slow connections. The soak,
+
+    pytest -m soak -s tests/e2e/test_hostile.py
+
+sends HOSTILE_SOAK_CASES (default 3000) cases drawn over all kinds by a seeded generator, four at a
+time, beside three innocent request loops, and reports (in benchmarks/results/hostile_soak.{json,md})
+the innocent requests' latency against their idle latency and the server's and Envoy's memory
+before and after. It asserts every answer and output, and no KV block or memory growth; latency is
+reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.e2e.hostile_cases import JSON, KINDS, Target, cases, mixed_specs, problems, send_spec
+from tests.launched import Launched
+from textgen.v1 import generate_pb2 as pb
+from textgen.v1 import generate_pb2_grpc
+
+SEEDS_PER_KIND = 6
+SOAK_CASES = int(os.environ.get("HOSTILE_SOAK_CASES", "3000"))
+SOAK_WORKERS = 4
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
+READY = r"ready: TGI REST API on http://127\.0\.0\.1:(\d+), gRPC API on port (\d+)"
+MEMORY_GROWTH_LIMIT = 1.25  # after/before RSS once warm: allocator slack, not a leak per request
+
+
+class Server:
+    """`inference-service launch` on the tiny model with a chat template, and its two ports."""
+
+    def __init__(self, run: Launched):
+        self.run = run
+        ready = run.wait_for(READY)
+        self.target = Target(gateway_port=int(ready.group(1)), grpc_port=int(ready.group(2)))
+        self.envoy_pid = int(run.wait_for(r"Envoy (\d+): REST on port").group(1))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.target.grpc_port}")
+        self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+
+    def stats(self):
+        return self.stub.Info(pb.InfoRequest(), timeout=10).stats
+
+    def wait_idle(self, timeout: float = 30):
+        """Engine stats once nothing runs or waits and every KV block is free (or the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks):
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def health(self) -> int:
+        import http.client
+
+        connection = http.client.HTTPConnection("127.0.0.1", self.target.gateway_port, timeout=30)
+        try:
+            connection.request("GET", "/health")
+            return connection.getresponse().status
+        finally:
+            connection.close()
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, envoy_installed, tmp_path_factory):
+    from tests.conftest import CHATML_TEMPLATE
+
+    template = tmp_path_factory.mktemp("hostile") / "chatml.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    run = Launched(tiny_model_dir, "--chat-template", str(template), "--prometheus-port", "0")
+    try:
+        yield Server(run)
+    finally:
+        run.stop()
+
+
+# -- the innocent requests ---------------------------------------------------------------------------
+def chat_stream(server: Server) -> tuple:
+    """A greedy chat stream through Envoy: its content, finish reason and that it ended with [DONE]."""
+    import http.client
+
+    body = {
+        "messages": [{"role": "user", "content": "the quick brown fox"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+    }
+    connection = http.client.HTTPConnection("127.0.0.1", server.target.gateway_port, timeout=60)
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), JSON)
+        response = connection.getresponse()
+        text = response.read().decode()
+    finally:
+        connection.close()
+    events = text.split("\n\n")[:-1]
+    chunks = [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    return response.status, content, finish, events[-1] if events else None
+
+
+def tgi_generate(server: Server) -> tuple:
+    """A greedy /generate through Envoy: its token ids and text."""
+    import http.client
+
+    body = {"inputs": "birds sing", "parameters": {"max_new_tokens": 30, "details": True}}
+    connection = http.client.HTTPConnection("127.0.0.1", server.target.gateway_port, timeout=60)
+    try:
+        connection.request("POST", "/generate", json.dumps(body), JSON)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+    finally:
+        connection.close()
+    return response.status, answer.get("generated_text"), [t["id"] for t in answer["details"]["tokens"]]
+
+
+def grpc_stream(server: Server) -> tuple:
+    """A greedy GenerateStream to the engine directly: its token ids."""
+    request = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_tokens=40))
+    return tuple(message.token.id for message in server.stub.GenerateStream(request, timeout=60))
+
+
+BYSTANDERS: dict[str, Callable[[Server], tuple]] = {
+    "chat_stream": chat_stream,
+    "tgi_generate": tgi_generate,
+    "grpc_stream": grpc_stream,
+}
+
+
+@pytest.fixture(scope="module")
+def alone(server) -> dict[str, tuple]:
+    """Each innocent request's output with nothing else running."""
+    outputs = {name: run(server) for name, run in BYSTANDERS.items()}
+    status, content, finish, last = outputs["chat_stream"]
+    assert (status, finish, last) == (200, ["length"], "data: [DONE]") and content
+    assert outputs["tgi_generate"][0] == 200 and len(outputs["tgi_generate"][2]) == 30
+    assert len(outputs["grpc_stream"]) == 40
+    return outputs
+
+
+class Bystanders:
+    """The innocent requests, each in a loop on its own thread until stopped: every output is
+    compared with its output alone, and every run's latency kept."""
+
+    def __init__(self, server: Server, alone: dict[str, tuple]):
+        self.server, self.alone = server, alone
+        self.latencies: dict[str, list[float]] = {name: [] for name in BYSTANDERS}
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(name,), daemon=True) for name in BYSTANDERS]
+
+    def __enter__(self) -> Bystanders:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+
+    def _loop(self, name: str) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                output = BYSTANDERS[name](self.server)
+            except Exception as error:  # noqa: BLE001 - a bystander's failure is what this records
+                self.failures.append(f"{name}: {type(error).__name__}: {str(error)[:300]}")
+            else:
+                self.latencies[name].append(time.monotonic() - started)
+                if output != self.alone[name]:
+                    self.failures.append(f"{name}: {str(output)[:300]} != alone {str(self.alone[name])[:300]}")
+            if self._stop.is_set():  # the run that was going when stopped overlapped to the end
+                return
+
+    def check(self) -> None:
+        assert self.failures == [], self.failures[:5]
+        assert all(self.latencies.values()), "a bystander never completed a run"
+
+
+def send_all(server: Server, batch, workers: int) -> tuple[Counter, list[str]]:
+    """Send the cases `workers` at a time; (count of answers by status, what was wrong)."""
+    statuses: Counter = Counter()
+    wrong: list[str] = []
+
+    def send(case):
+        answer = case.send(server.target)
+        return case, answer
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for case, answer in pool.map(send, batch):
+            statuses[f"{case.kind} {answer.via} {answer.status}"] += 1
+            wrong += [f"{case}: {problem}" for problem in problems(answer)]
+    return statuses, wrong
+
+
+def assert_nothing_held(server: Server) -> None:
+    stats = server.wait_idle()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
+    assert server.health() == 200
+
+
+# -- the fast subset (`make test`) -----------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_hostile_requests_beside_innocent_ones(server, alone, kind):
+    with Bystanders(server, alone) as bystanders:
+        statuses, wrong = send_all(server, cases(kind, range(SEEDS_PER_KIND)), workers=2)
+    assert (wrong, bystanders.failures) == ([], []), (wrong, bystanders.failures[:5])
+    bystanders.check()
+    assert_nothing_held(server)
+
+
+PARTIAL_HEADERS = b"POST /generate HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+
+
+def test_idle_and_slow_connections_beside_innocent_ones(server, alone):
+    """300 connections held open (silent, stuck in their headers, stuck in their body) while the
+    innocent requests run; each held one ends with a 408 or is closed."""
+    held: list[socket.socket] = []
+    try:
+        for i in range(300):
+            sock = socket.create_connection(("127.0.0.1", server.target.gateway_port), timeout=60)
+            held.append(sock)
+            if i % 3 == 1:
+                sock.sendall(PARTIAL_HEADERS)
+            elif i % 3 == 2:
+                sock.sendall(PARTIAL_HEADERS + b"Content-Length: 100\r\n\r\n{")
+        with Bystanders(server, alone) as bystanders:
+            time.sleep(1.0)
+        bystanders.check()
+        assert min(len(runs) for runs in bystanders.latencies.values()) >= 1
+    finally:
+        for sock in held:
+            sock.close()
+    assert_nothing_held(server)
+
+
+# -- the soak -------------------------------------------------------------------------------------
+def summary(latencies: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {
+        name: {
+            "runs": len(values),
+            "median_s": round(statistics.median(values), 4),
+            "p95_s": round(sorted(values)[int(0.95 * (len(values) - 1))], 4),
+        }
+        for name, values in latencies.items()
+    }
+
+
+def send_in_processes(server: Server, specs, pool) -> tuple[Counter, list[str]]:
+    """`send_all`, with the cases made and sent by worker processes."""
+    statuses: Counter = Counter()
+    wrong: list[str] = []
+    for name, kind, answer in pool.map(send_spec, specs, [server.target] * len(specs), chunksize=8):
+        statuses[f"{kind} {answer.via} {answer.status}"] += 1
+        wrong += [f"{name}: {problem}" for problem in problems(answer)]
+    return statuses, wrong
+
+
+@pytest.mark.soak
+def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
+    import multiprocessing
+
+    # The innocent requests' latency beside each other only, the load they make themselves.
+    with Bystanders(server, alone) as idle_bystanders:
+        time.sleep(15)
+    idle_bystanders.check()
+    idle = summary(idle_bystanders.latencies)
+    pids = {"server": server.run.process.pid, "envoy": server.envoy_pid}
+    specs = mixed_specs(SOAK_CASES, seed=25)
+    quarters = [specs[i * len(specs) // 4 : (i + 1) * len(specs) // 4] for i in range(4)]
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC channels
+    with concurrent.futures.ProcessPoolExecutor(SOAK_WORKERS, mp_context=context) as pool:
+        # Warm: every kind a few times (first grammar compiles, first allocations); then memory.
+        warm = [(kind, seed) for kind in KINDS for seed in range(3)]
+        statuses, wrong = send_in_processes(server, warm, pool)
+        assert wrong == [], wrong
+        assert_nothing_held(server)
+        rss = [{name: rss_bytes(pid) for name, pid in pids.items()}]
+        statuses = Counter()
+        started = time.monotonic()
+        with Bystanders(server, alone) as bystanders:
+            for quarter in quarters:
+                counted, found = send_in_processes(server, quarter, pool)
+                statuses += counted
+                wrong += found
+                rss.append({name: rss_bytes(pid) for name, pid in pids.items()})
+        elapsed = time.monotonic() - started
+    stats = server.wait_idle()
+    loaded = summary(bystanders.latencies)
+
+    results = {
+        "cases": len(specs),
+        "seconds": round(elapsed, 1),
+        "cases_by_kind": dict(sorted(Counter(kind for kind, _ in specs).items())),
+        "answers": dict(sorted(statuses.items())),
+        "wrong_answers": len(wrong),
+        "bystander_runs": sum(len(v) for v in bystanders.latencies.values()),
+        "bystander_failures": len(bystanders.failures),
+        "bystander_latency_idle": idle,
+        "bystander_latency_beside_hostile": loaded,
+        "median_latency_ratio": {
+            name: round(loaded[name]["median_s"] / idle[name]["median_s"], 2) for name in BYSTANDERS
+        },
+        "kv_blocks_free_after": f"{stats.num_free_blocks}/{stats.num_total_blocks}",
+        "rss_mib_after_warmup_then_each_quarter": {
+            name: [round(point[name] / 2**20, 1) for point in rss] for name in pids
+        },
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "hostile_soak.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "hostile_soak.md").write_text(markdown(results))
+    print("\n" + markdown(results))
+
+    assert (wrong, bystanders.failures) == ([], []), (wrong[:20], bystanders.failures[:5])
+    bystanders.check()
+    assert_nothing_held(server)
+    for name in pids:  # no growth once warm: the last half adds at most allocator slack
+        assert rss[-1][name] <= rss[2][name] * MEMORY_GROWTH_LIMIT, (
+            name,
+            results["rss_mib_after_warmup_then_each_quarter"],
+        )
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Hostile-input soak",
+        "",
+        "`pytest -m soak -s tests/e2e/test_hostile.py`: hostile requests of every kind in tests/e2e/hostile_cases.py",
+        f"({SOAK_WORKERS} at a time, from worker processes) beside three innocent request loops (a greedy chat",
+        "stream and a /generate through Envoy, a gRPC stream to the engine), on the tiny model.",
+        "",
+        f"{results['cases']} hostile cases in {results['seconds']} s beside {results['bystander_runs']} innocent "
+        f"runs: {results['wrong_answers']} wrong answers, {results['bystander_failures']} innocent failures; "
+        f"KV blocks free after: {results['kv_blocks_free_after']}.",
+        "",
+        "Innocent latency: idle is the three loops beside each other alone.",
+        "",
+        "| innocent request | idle median (s) | beside hostile median (s) | beside hostile p95 (s) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for name, ratio in results["median_latency_ratio"].items():
+        idle, loaded = results["bystander_latency_idle"][name], results["bystander_latency_beside_hostile"][name]
+        lines.append(f"| {name} | {idle['median_s']} | {loaded['median_s']} | {loaded['p95_s']} | {ratio} |")
+    memory = results["rss_mib_after_warmup_then_each_quarter"]
+    lines += ["", "RSS (MiB) once warm, then after each quarter of the cases: " + str(memory), ""]
+    lines += ["Answers (kind, transport, status): " + ", ".join(f"{k}: {v}" for k, v in results["answers"].items())]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("path", ["/textgen.v1.TextGeneration/Generate", "/health"])
+def test_grpcs_content_type_over_http1_gets_415_not_unreachable(server, path):
+    """gRPC over HTTP/1.1 (or to a route that takes no POST) reached the engine as bytes that are
+    no gRPC frame: the reset came back as UNAVAILABLE "unreachable", a status clients retry."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.target.gateway_port, timeout=30)
+    try:
+        connection.request("POST", path, b'{"inputs":"hi"}', {"Content-Type": "application/grpc"})
+        response = connection.getresponse()
+        body = json.loads(response.read())
+    finally:
+        connection.close()
+    assert (response.status, response.getheader("content-type")) == (415, "application/json")
+    assert response.getheader("grpc-status") is None
+    assert body["error_type"] == "validation" and "gRPC calls need HTTP/2" in body["error"], body
