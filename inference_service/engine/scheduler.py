@@ -56,6 +56,28 @@ class _Chunk:
     num_new: int
 
 
+class _StepPlan:
+    """The chunks of one step, in step order (decodes, then prefills), and its budget left."""
+
+    def __init__(self, budget: int):
+        self.chunks: dict[str, _Chunk] = {}
+        self.left = budget
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.chunks[request.request_id] = _Chunk(request, num_new)
+        self.left -= num_new + len(request.draft_token_ids)
+
+    def grow(self, chunk: _Chunk, extra: int) -> None:
+        chunk.num_new += extra
+        self.left -= extra
+
+    def drop(self, request: Request) -> None:
+        """Take a preempted request out (before its guesses are forgotten)."""
+        chunk = self.chunks.pop(request.request_id, None)
+        if chunk is not None:
+            self.left += chunk.num_new + len(request.draft_token_ids)
+
+
 def _pending(request: Request) -> int:
     """Known tokens the request has not computed yet: 1 for a decode, more while prefilling."""
     return request.num_tokens - request.num_computed_tokens
@@ -105,44 +127,44 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan: dict[str, _Chunk] = {}  # in step order: decodes, then prefill chunks
+        plan = _StepPlan(self.max_batch_prefill_tokens)
         preempted: list[str] = []
         slice_size = max(1, self.max_batch_prefill_tokens // PREFILL_SLICES)
 
         # 1. Decodes (and their guesses), oldest first.
         for request in list(self.running):
-            if self._left(plan) <= 0:
+            if plan.left <= 0:
                 break
             if request.status is not RequestStatus.RUNNING or _pending(request) != 1:
                 continue  # preempted a moment ago, or still prefilling: pass 2
-            with_drafts = self._allocate_with_drafts(request, 1, self._left(plan)) is not None
+            with_drafts = self._allocate_with_drafts(request, 1, plan.left) is not None
             if not with_drafts and not self._allocate_or_preempt(request, 1, plan, preempted):
                 break  # the request preempted itself: nothing newer is left
-            plan[request.request_id] = _Chunk(request, 1)
+            plan.add(request, 1)
 
         # 2a. A slice each for the running prefills, oldest first...
         for request in list(self.running):
-            if self._left(plan) <= 0:
+            if plan.left <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING or request.request_id in plan:
+            if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
                 continue
             request.draft_token_ids = []  # guesses ride on decodes only
-            num_new = min(_pending(request), slice_size, self._left(plan))
+            num_new = min(_pending(request), slice_size, plan.left)
             if not self._allocate_or_preempt(request, num_new, plan, preempted):
                 break
-            plan[request.request_id] = _Chunk(request, num_new)
+            plan.add(request, num_new)
 
         # 2b. ...then for waiting requests, admitted FIFO. Admitting new work while preempting
         # would only thrash the pool.
         admitted: list[str] = []
         index = 0
-        while not preempted and index < len(self.waiting) and self._left(plan) > 0 and self._has_seat():
+        while not preempted and index < len(self.waiting) and plan.left > 0 and self._has_seat():
             request = self.waiting[index]
             hit = self.prefix.lookup(request)
             if hit.wait:  # its prefix is being computed this very moment: reuse it in a step or two
                 index += 1
                 continue
-            num_new = min(request.num_tokens - hit.num_tokens, slice_size, self._left(plan))
+            num_new = min(request.num_tokens - hit.num_tokens, slice_size, plan.left)
             if self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids) is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]
@@ -153,27 +175,21 @@ class Scheduler:
                 request.timings.num_cached_tokens = hit.num_tokens
             self.prefix.admitted(request, hit)
             admitted.append(request.request_id)
-            plan[request.request_id] = _Chunk(request, num_new)
+            plan.add(request, num_new)
 
         # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption).
-        for chunk in sorted(plan.values(), key=lambda c: _pending(c.request) - c.num_new):
-            extra = min(_pending(chunk.request) - chunk.num_new, self._left(plan))
+        for chunk in sorted(plan.chunks.values(), key=lambda c: _pending(c.request) - c.num_new):
+            extra = min(_pending(chunk.request) - chunk.num_new, plan.left)
             request = chunk.request
             end = request.num_computed_tokens + chunk.num_new + extra
             if extra > 0 and self.kv.allocate_slots(request.request_id, end) is not None:
-                chunk.num_new += extra
+                plan.grow(chunk, extra)
 
-        scheduled = [
-            self._schedule_one(c.request, c.num_new, self.kv.block_table(c.request.request_id)) for c in plan.values()
-        ]
-        for item in plan.values():
-            item.request.timings.batch_sizes.append(len(scheduled))
+        chunks = plan.chunks.values()
+        scheduled = [self._schedule_one(chunk.request, chunk.num_new) for chunk in chunks]
+        for chunk in chunks:
+            chunk.request.timings.batch_sizes.append(len(scheduled))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
-
-    def _left(self, plan: dict[str, _Chunk]) -> int:
-        """What is left of the step's token budget (guesses count)."""
-        used = sum(c.num_new + len(c.request.draft_token_ids) for c in plan.values())
-        return self.max_batch_prefill_tokens - used
 
     def _has_seat(self) -> bool:
         return self.max_batch_size is None or len(self.running) < self.max_batch_size
@@ -198,16 +214,14 @@ class Scheduler:
         request.draft_token_ids = []
         return None
 
-    def _allocate_or_preempt(
-        self, request: Request, num_new: int, plan: dict[str, _Chunk], preempted: list[str]
-    ) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan, preempted: list[str]) -> bool:
         """Room for the request's next `num_new` tokens, preempting the newest running requests
         (dropping them from this step's plan) until it fits; False if it had to preempt itself."""
         while True:
             if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is not None:
                 return True
             victim = self.running[-1]
-            plan.pop(victim.request_id, None)
+            plan.drop(victim)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
@@ -225,7 +239,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_one(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         if request.timings.first_scheduled is None:
@@ -239,7 +253,7 @@ class Scheduler:
             num_computed_tokens=start,
             num_new_tokens=num_new + len(drafts),
             token_ids=request.token_ids(start, end) + drafts,
-            block_ids=block_ids,
+            block_ids=self.kv.block_table(request.request_id),
             sample=end == request.num_tokens,
             prompt_logprobs=wants_prompt_logprobs,
             num_draft_tokens=len(drafts),
