@@ -64,8 +64,10 @@ def main() -> None:
     parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, help="default: the device's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.quick:
-        args.model_id, args.long_tokens, args.runs, args.delay = tiny_model.TINY_MODEL_ID, 400, 1, 0.2
+    if args.quick:  # a smoke run: the tiny model (unless another is named), a prompt of 400 tokens
+        args.long_tokens, args.runs, args.delay = 400, 1, 0.01
+        if args.model_id == DEMO_MODEL_ID:
+            args.model_id = tiny_model.TINY_MODEL_ID
 
     engine, _ = common.load_engine(
         tiny_model.resolve(args.model_id), max_batch_prefill_tokens=args.max_batch_prefill_tokens
