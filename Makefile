@@ -107,3 +107,4 @@ bench-quick: setup
 	$(PY) benchmarks/serve_bench.py --quick
 	$(PY) benchmarks/prefix_cache_bench.py --quick
 	$(PY) benchmarks/speculation_bench.py --quick
+	$(PY) benchmarks/bystander_latency.py --quick

@@ -48,9 +48,11 @@ logger = logging.getLogger(__name__)
 
 # transformers' attention for the fallback runner: exact, with no mask of ours to build.
 FALLBACK_ATTENTION = "eager"
-# A step's token budget when --max-batch-prefill-tokens is not given. On a CPU a 512-token chunk
-# already takes about a second, so bigger budgets only delay the running decodes.
-DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 4096}
+# A step's token budget when --max-batch-prefill-tokens is not given. A step is what every running
+# stream and every new arrival waits for: on a CPU a 128-token chunk of a long prompt takes about a
+# second (more deep into it: attention grows with the context), and smaller chunks cost a CPU
+# little prefill throughput, its matmuls being compute-bound already.
+DEFAULT_PREFILL_TOKENS = {"cpu": 128, "cuda": 4096}
 # Share of memory the KV cache takes when --kv-cache-memory is not given.
 DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 

@@ -1,11 +1,26 @@
-"""Continuous batching with a token budget per step.
+"""Continuous batching with a token budget per step, fair to short requests beside long ones.
 
 There are no prefill or decode phases: each request has `num_computed_tokens` and
 `num_tokens`, and every step hands out a token budget so that the first catches up with the
-second. Running requests go first (a decode costs one token), then waiting requests are
-admitted FIFO; a prompt longer than the remaining budget is prefilled in chunks over several
-steps. When the KV pool runs dry, the newest running request is preempted: its blocks are
-freed and it is recomputed later from its prompt and the tokens it already generated.
+second. A prompt longer than its share of the budget is prefilled in chunks over several steps.
+
+How a step's budget is shared (Sarathi / vLLM v1 style), so that one request never holds back
+another:
+
+1. **Decodes first.** Every running request that has one token to compute (plus its speculative
+   guesses) gets it, oldest first: a long prefill never stalls the streams already generating.
+2. **Prefill chunks in two passes.** The requests still prefilling (running ones oldest first, then
+   waiting ones admitted FIFO) first get a slice each, at most a quarter of the step's budget
+   (`PREFILL_SLICES`): a short prompt that arrives while a long one is being prefilled is admitted
+   and prefilled in the very next step, and the long one still moves on by its slice every step, so
+   neither starves. What is left then tops up the requests closest to the end of their prefill
+   (shortest remaining first), so a lone long prompt still uses the whole budget.
+
+The budget bounds how long a step takes, and so how long a new arrival waits for the step in
+progress; it is sized per device (engine.builder: small on CPU).
+
+When the KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
+recomputed later from its prompt and the tokens it already generated.
 
 A running request may carry speculative guesses (`draft_token_ids`, engine.speculation): they run
 after its known tokens when the budget and the pool allow it without preempting anyone, and are
@@ -20,12 +35,52 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
 from inference_service.outputs import ScheduledRequest, SchedulerOutput
+
+# A request still prefilling first gets at most this share of a step's budget (1/PREFILL_SLICES):
+# the rest stays for the others, and tops up the prefills afterwards if nobody else wants it.
+PREFILL_SLICES = 4
+
+
+@dataclass
+class _Chunk:
+    """One request's share of a step: its next `num_new` known tokens (its guesses ride along)."""
+
+    request: Request
+    num_new: int
+
+
+class _StepPlan:
+    """The chunks of one step, in step order (decodes, then prefills), and its budget left."""
+
+    def __init__(self, budget: int):
+        self.chunks: dict[str, _Chunk] = {}
+        self.left = budget
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.chunks[request.request_id] = _Chunk(request, num_new)
+        self.left -= num_new + len(request.draft_token_ids)
+
+    def grow(self, chunk: _Chunk, extra: int) -> None:
+        chunk.num_new += extra
+        self.left -= extra
+
+    def drop(self, request: Request) -> None:
+        """Take a preempted request out (before its guesses are forgotten)."""
+        chunk = self.chunks.pop(request.request_id, None)
+        if chunk is not None:
+            self.left += chunk.num_new + len(request.draft_token_ids)
+
+
+def _pending(request: Request) -> int:
+    """Known tokens the request has not computed yet: 1 for a decode, more while prefilling."""
+    return request.num_tokens - request.num_computed_tokens
 
 
 class Scheduler:
@@ -72,36 +127,45 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_batch_prefill_tokens
-        scheduled: list[ScheduledRequest] = []
+        plan = _StepPlan(self.max_batch_prefill_tokens)
         preempted: list[str] = []
+        slice_size = max(1, self.max_batch_prefill_tokens // PREFILL_SLICES)
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = self._allocate_with_drafts(request, num_new, budget)
-            if block_ids is None:
-                block_ids = self._allocate_or_preempt(request, num_new, preempted)
-            if block_ids is None:  # the request preempted itself: nothing newer is left
+        # 1. Decodes (and their guesses), oldest first.
+        for request in list(self.running):
+            if plan.left <= 0:
                 break
-            item = self._schedule_one(request, num_new, block_ids)
-            scheduled.append(item)
-            budget -= item.num_new_tokens
-            index += 1
+            if request.status is not RequestStatus.RUNNING or _pending(request) != 1:
+                continue  # preempted a moment ago, or still prefilling: pass 2
+            with_drafts = self._allocate_with_drafts(request, 1, plan.left) is not None
+            if not with_drafts and not self._allocate_or_preempt(request, 1, plan, preempted):
+                break  # the request preempted itself: nothing newer is left
+            plan.add(request, 1)
 
-        # Admitting new work while preempting would only thrash the pool.
+        # 2a. A slice each for the running prefills, oldest first...
+        for request in list(self.running):
+            if plan.left <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
+                continue
+            request.draft_token_ids = []  # guesses ride on decodes only
+            num_new = min(_pending(request), slice_size, plan.left)
+            if not self._allocate_or_preempt(request, num_new, plan, preempted):
+                break
+            plan.add(request, num_new)
+
+        # 2b. ...then for waiting requests, admitted FIFO. Admitting new work while preempting
+        # would only thrash the pool.
         admitted: list[str] = []
         index = 0
-        while not preempted and index < len(self.waiting) and budget > 0 and self._has_seat():
+        while not preempted and index < len(self.waiting) and plan.left > 0 and self._has_seat():
             request = self.waiting[index]
             hit = self.prefix.lookup(request)
             if hit.wait:  # its prefix is being computed this very moment: reuse it in a step or two
                 index += 1
                 continue
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
-            block_ids = self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
-            if block_ids is None:
+            num_new = min(request.num_tokens - hit.num_tokens, slice_size, plan.left)
+            if self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids) is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]
             self.running.append(request)
@@ -111,13 +175,20 @@ class Scheduler:
                 request.timings.num_cached_tokens = hit.num_tokens
             self.prefix.admitted(request, hit)
             admitted.append(request.request_id)
-            scheduled.append(self._schedule_one(request, num_new, block_ids))
-            budget -= num_new
+            plan.add(request, num_new)
 
-        scheduled_ids = {item.request_id for item in scheduled}
-        for request in self.running:
-            if request.request_id in scheduled_ids:
-                request.timings.batch_sizes.append(len(scheduled))
+        # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption).
+        for chunk in sorted(plan.chunks.values(), key=lambda c: _pending(c.request) - c.num_new):
+            extra = min(_pending(chunk.request) - chunk.num_new, plan.left)
+            request = chunk.request
+            end = request.num_computed_tokens + chunk.num_new + extra
+            if extra > 0 and self.kv.allocate_slots(request.request_id, end) is not None:
+                plan.grow(chunk, extra)
+
+        chunks = plan.chunks.values()
+        scheduled = [self._schedule_one(chunk.request, chunk.num_new) for chunk in chunks]
+        for chunk in chunks:
+            chunk.request.timings.batch_sizes.append(len(scheduled))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
 
     def _has_seat(self) -> bool:
@@ -143,16 +214,18 @@ class Scheduler:
         request.draft_token_ids = []
         return None
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan, preempted: list[str]) -> bool:
+        """Room for the request's next `num_new` tokens, preempting the newest running requests
+        (dropping them from this step's plan) until it fits; False if it had to preempt itself."""
         while True:
-            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            if block_ids is not None:
-                return block_ids
+            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is not None:
+                return True
             victim = self.running[-1]
+            plan.drop(victim)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
-                return None
+                return False
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -166,7 +239,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_one(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         if request.timings.first_scheduled is None:
@@ -180,7 +253,7 @@ class Scheduler:
             num_computed_tokens=start,
             num_new_tokens=num_new + len(drafts),
             token_ids=request.token_ids(start, end) + drafts,
-            block_ids=block_ids,
+            block_ids=self.kv.block_table(request.request_id),
             sample=end == request.num_tokens,
             prompt_logprobs=wants_prompt_logprobs,
             num_draft_tokens=len(drafts),

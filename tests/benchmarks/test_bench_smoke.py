@@ -159,3 +159,10 @@ def test_fallback_bench_quick(tmp_path):
     for row in rows:
         assert row["engine_tok_s"] > 0 and row["transformers_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["engine_tok_s"] / row["transformers_tok_s"])
+
+
+def test_bystander_latency_quick(tmp_path, tiny_model_dir):
+    result = run_script("bystander_latency.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
+    assert "beside ÷ alone" in result.stdout
+    data = json.loads((tmp_path / "bystander_latency.json").read_text())
+    assert len(data["alone_s"]) == len(data["beside_s"]) == 1 and data["ratio"] > 0

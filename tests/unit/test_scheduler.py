@@ -29,26 +29,69 @@ def _finish_done(scheduler: Scheduler, requests: dict[str, Request]) -> None:
             scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
 
 
-def test_running_decodes_go_first_and_waiting_are_admitted_fifo():
+def test_decodes_go_first_and_prefills_share_the_budget():
     kv = KVCacheManager(num_blocks=64, block_size=4)
     scheduler = Scheduler(kv, max_batch_prefill_tokens=10)
     requests = {r.request_id: r for r in (_request("a", 6), _request("b", 3), _request("c", 5))}
     for request in requests.values():
         scheduler.add(request)
     plan = _run_step(scheduler, requests)
-    # a takes 6, b takes 3, c gets the last token of the budget as the start of a chunk
+    # a slice each (10 // 4 = 2 tokens), FIFO; the 4 left top up the prompts closest to done: b, then c
     assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [
-        ("a", 6, True),
+        ("a", 2, False),
         ("b", 3, True),
-        ("c", 1, False),
+        ("c", 5, True),
     ]
     plan = _run_step(scheduler, requests)
+    # decodes first, then the rest of a's prompt
     assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in plan.scheduled] == [
-        ("a", 6, 1),
         ("b", 3, 1),
-        ("c", 1, 4),
+        ("c", 5, 1),
+        ("a", 2, 4),
     ]
-    assert plan.scheduled[2].sample and plan.scheduled[2].token_ids == [2, 3, 4, 5]
+    assert plan.scheduled[2].sample and plan.scheduled[2].token_ids == [3, 4, 5, 6]
+
+
+def test_a_short_request_is_not_held_up_by_a_long_prefill():
+    kv = KVCacheManager(num_blocks=128, block_size=4)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=16)
+    requests = {"long": _request("long", 200), "short": _request("short", 3, max_new=4)}
+    scheduler.add(requests["long"])
+    for _ in range(2):
+        plan = _run_step(scheduler, requests)
+        assert [(s.request_id, s.num_new_tokens) for s in plan.scheduled] == [("long", 16)]  # alone: all of it
+    scheduler.add(requests["short"])
+    plan = _run_step(scheduler, requests)
+    # the short prompt is prefilled whole in the next step; the long one goes on with the rest
+    assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [
+        ("long", 13, False),
+        ("short", 3, True),
+    ]
+    while requests["short"].num_output_tokens < 4:
+        plan = _run_step(scheduler, requests)
+        # the short one decodes every step, first; the long prefill takes the rest of the budget
+        assert [(s.request_id, s.num_new_tokens) for s in plan.scheduled] == [("short", 1), ("long", 15)]
+    assert requests["long"].num_output_tokens == 0
+
+
+def test_a_long_prefill_moves_on_beside_a_flood_of_short_prompts():
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=16)
+    requests = {"long": _request("long", 100)}
+    scheduler.add(requests["long"])
+    count = 0
+    while requests["long"].num_output_tokens == 0:
+        for _ in range(4):  # more prompt tokens arrive each step than the budget holds
+            request = _request(f"s{count}", 6, max_new=1)
+            requests[request.request_id] = request
+            scheduler.add(request)
+            count += 1
+        before = requests["long"].num_computed_tokens
+        plan = _run_step(scheduler, requests)
+        _finish_done(scheduler, requests)
+        assert requests["long"].num_computed_tokens - before >= min(4, 100 - before)  # its slice, at least
+        assert plan.num_tokens <= 16
+    assert count <= 4 * 25
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode():
