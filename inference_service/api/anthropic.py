@@ -2,7 +2,9 @@
 CountMessageTokens.
 
 The front end turns a request into the chat plan OpenAI's chat route uses; this module turns the
-engine's result back into Anthropic's shapes: content blocks (`text`, `tool_use`), `stop_reason`
+engine's result back into Anthropic's shapes: content blocks (`thinking`, `text`, `tool_use`, in that
+order: a reasoning model's thoughts are split off as the chat route splits them, and tool calls are
+read in the model's own format), `stop_reason`
 ("end_turn", "max_tokens", "stop_sequence", "tool_use") with the `stop_sequence` that matched, and
 usage. A stream is message_start, ping, each block's start/deltas/stop, message_delta,
 message_stop; heartbeats are pings. Errors as `streaming` says (a status before the first event,
@@ -23,7 +25,8 @@ from inference_service.api.backend import Backend
 from inference_service.api.errors import unary_errors
 from inference_service.api.streaming import engine_events, stream_errors
 from inference_service.frontend.anthropic import MessagesPlan
-from inference_service.frontend.openai_tools import ToolCallStream, parse_tool_calls
+from inference_service.frontend.reasoning import ReasoningStream, split_reasoning
+from inference_service.frontend.tool_parsers import ToolParser, parse_tool_calls, tool_parser
 from inference_service.outputs import FinishReason, GenerateResult, RequestOutput
 from textgen.v1 import anthropic_pb2 as apb
 
@@ -82,21 +85,28 @@ def _input(arguments: str) -> struct_pb2.Struct:
 
 
 def _content(text: str, plan: MessagesPlan) -> tuple[list[apb.AnthropicContentBlock], bool]:
-    """The reply's blocks and whether it called tools. Hook for the reasoning splitter: a
-    `thinking` block (type "thinking", `thinking` text) goes first, before these."""
-    calls = parse_tool_calls(text) if plan.chat.tool_calls is not None else None
-    if calls:
-        blocks = [
-            apb.AnthropicContentBlock(
-                type="tool_use",
-                id=_tool_use_id(call["id"]),
-                name=call["function"]["name"],
-                input=_input(call["function"]["arguments"]),
-            )
-            for call in calls
-        ]
-        return blocks, True
-    return ([apb.AnthropicContentBlock(type="text", text=text)] if text else []), False
+    """The reply's blocks (thoughts, text, tool calls) and whether it called tools."""
+    chat, blocks = plan.chat, []
+    if chat.reasoning is not None:
+        thoughts, text = split_reasoning(chat.reasoning, chat.reasoning_inside, text)
+        if thoughts:
+            blocks.append(apb.AnthropicContentBlock(type="thinking", thinking=thoughts, signature=""))
+    calls: list[dict] = []
+    if chat.tool_calls is not None:
+        content, calls = parse_tool_calls(chat.tool_syntax, text, chat.tool_calls.schemas)
+        text = content.strip() if calls else text  # no call: the text as written
+    if text:
+        blocks.append(apb.AnthropicContentBlock(type="text", text=text))
+    blocks += [
+        apb.AnthropicContentBlock(
+            type="tool_use",
+            id=_tool_use_id(call["id"]),
+            name=call["function"]["name"],
+            input=_input(call["function"]["arguments"]),
+        )
+        for call in calls
+    ]
+    return blocks, bool(calls)
 
 
 def messages_response(result: GenerateResult, plan: MessagesPlan, model: str) -> apb.MessagesResponse:
@@ -119,7 +129,8 @@ class MessageEvents:
     """One reply's outputs as Anthropic's content-block events; `finish` closes the message."""
 
     plan: MessagesPlan
-    _tools: ToolCallStream | None = None
+    _reasoning: ReasoningStream | None = None
+    _tools: ToolParser | None = None
     _fed: str = ""  # the text given to the blocks so far
     _raw: str = ""  # the generated text, stop sequence included
     _block: str | None = None  # the open block's type
@@ -127,8 +138,11 @@ class MessageEvents:
     events: list[apb.MessagesStreamEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.plan.chat.tool_calls is not None:
-            self._tools = ToolCallStream()
+        chat = self.plan.chat
+        if chat.reasoning is not None:
+            self._reasoning = ReasoningStream(chat.reasoning, chat.reasoning_inside)
+        if chat.tool_calls is not None:
+            self._tools = tool_parser(chat.tool_syntax, chat.tool_calls.schemas)
 
     def read(self, output: RequestOutput) -> list[apb.MessagesStreamEvent]:
         self.events = []
@@ -137,19 +151,38 @@ class MessageEvents:
         if output.finished and output.generated_text is not None:  # the stop sequence is not sent
             text = output.generated_text[len(self._fed) :] if output.generated_text.startswith(self._fed) else ""
         self._fed += text
-        if self._tools is None:
-            self._text(text)
-        else:
-            for item in self._tools.feed(text):
-                if item[0] == "content":
-                    self._text(item[1])
-                elif item[0] == "call":
-                    self._start("tool_use", id=_tool_use_id(item[2]), name=item[3], input=struct_pb2.Struct())
-                else:
-                    self._delta(apb.AnthropicDelta(type="input_json_delta", partial_json=item[2]))
+        for item in self._pieces(text, output.finished):
+            if item[0] == "reasoning":
+                self._thinking(item[1])
+            elif item[0] == "content":
+                self._text(item[1])
+            elif item[0] == "call":
+                self._start("tool_use", id=_tool_use_id(item[2]), name=item[3], input=struct_pb2.Struct())
+            else:
+                self._delta(apb.AnthropicDelta(type="input_json_delta", partial_json=item[2]))
         if output.finish_reason is not None:
             self._finish(output)
         return self.events
+
+    def _pieces(self, text: str, finished: bool) -> list[tuple]:
+        """Thoughts as ("reasoning", text), the answer as content or tool-call items (as the chat
+        route's stream reads them)."""
+        pieces: list[tuple] = [("content", text)]
+        if self._reasoning is not None:
+            pieces = self._reasoning.feed(text) + (self._reasoning.finish() if finished else [])
+        if self._tools is None:
+            return pieces
+        items: list[tuple] = []
+        for piece in pieces:
+            items += self._tools.feed(piece[1]) if piece[0] == "content" else [piece]
+        return items + (self._tools.finish() if finished else [])
+
+    def _thinking(self, text: str) -> None:
+        if not text:
+            return
+        if self._block != "thinking":
+            self._start("thinking", thinking="", signature="")
+        self._delta(apb.AnthropicDelta(type="thinking_delta", thinking=text))
 
     def _text(self, text: str) -> None:
         if not text:
@@ -174,7 +207,7 @@ class MessageEvents:
 
     def _finish(self, output: RequestOutput) -> None:
         self._stop()
-        called = self._tools is not None and self._tools.mode == "calls"
+        called = self._tools is not None and self._tools.called
         reason, sequence = stop_reason(output.finish_reason, called, self._raw, self._fed, self.plan)
         usage = apb.AnthropicUsage(input_tokens=output.num_prompt_tokens, output_tokens=output.num_generated_tokens)
         delta = apb.AnthropicDelta(stop_reason=reason, stop_sequence=sequence)

@@ -11,7 +11,8 @@ rendering. Mapping, explicitly:
   are OpenAI's auto/required/named function/none; `disable_parallel_tool_use` is one call at most;
 - `max_tokens` (required) is `max_new_tokens`; `stop_sequences` are stops; `temperature` (in [0, 1],
   absent is 1), `top_p` and `top_k` keep their meanings;
-- `thinking` sets the template's `enable_thinking` switch (templates without one ignore it);
+- `thinking` sets the template's `enable_thinking` switch (templates without one ignore it); the
+  model's thoughts (`--reasoning-parser`) come back as a `thinking` block whether asked for or not;
 - `output_config.format` (a JSON schema) is OpenAI's `response_format` json_schema.
 """
 
@@ -26,7 +27,10 @@ from google.protobuf import json_format
 from inference_service.errors import ToolError, ValidationError, quoted
 from inference_service.frontend import openai
 from inference_service.frontend.openai import ChatPlan
+from inference_service.frontend.openai_tools import DEFAULT_SYNTAX
 from inference_service.frontend.plain_json import value_to_python
+from inference_service.frontend.reasoning import ReasoningSyntax
+from inference_service.frontend.tool_parsers import ToolSyntax
 from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
 
@@ -45,8 +49,8 @@ class MessagesPlan:
 
     chat: ChatPlan
     stop_sequences: list[str]
-    # Whether the caller asked for thinking (`thinking.type` "enabled"). The reasoning splitter
-    # (the model's `<think>` text → `thinking` blocks) reads this; until then thoughts stay text.
+    # Whether the caller asked for thinking (`thinking.type` "enabled"); the thoughts are split by
+    # the chat plan's `reasoning` syntax either way (a model that thinks unasked still thinks).
     thinking: bool = False
 
 
@@ -225,7 +229,14 @@ def chat_request(request: apb.MessagesRequest, *, count_only: bool = False) -> p
     return converted
 
 
-def messages_plan(request: apb.MessagesRequest, *, count_only: bool = False) -> MessagesPlan:
-    """Raises ValidationError (or ToolError) in Anthropic's terms, then what `chat_plan` checks."""
-    chat = openai.chat_plan(chat_request(request, count_only=count_only))
+def messages_plan(
+    request: apb.MessagesRequest,
+    tool_syntax: ToolSyntax = DEFAULT_SYNTAX,
+    reasoning: ReasoningSyntax | None = None,
+    *,
+    count_only: bool = False,
+) -> MessagesPlan:
+    """Raises ValidationError (or ToolError) in Anthropic's terms, then what `chat_plan` checks.
+    `tool_syntax` and `reasoning`: the model's formats, as for the chat route."""
+    chat = openai.chat_plan(chat_request(request, count_only=count_only), tool_syntax, reasoning)
     return MessagesPlan(chat=chat, stop_sequences=list(request.stop_sequences), thinking=bool(_thinking(request)))

@@ -143,12 +143,12 @@ class FrontEnd:
     # -- Anthropic ------------------------------------------------------------------------
     async def messages(self, request: apb.MessagesRequest, *, stream: bool) -> tuple[MessagesPlan, list[EngineRequest]]:
         """Anthropic's Messages request, as the chat request it means: one engine request."""
-        plan = anthropic.messages_plan(request)
+        plan = anthropic.messages_plan(request, self.tool_syntax, self.reasoning)
         return plan, await asyncio.to_thread(self._chat_choices, plan.chat, False, stream)
 
     async def count_message_tokens(self, request: apb.MessagesRequest) -> int:
         """The prompt tokens of a Messages request as the template renders it (tools included)."""
-        plan = anthropic.messages_plan(request, count_only=True)
+        plan = anthropic.messages_plan(request, self.tool_syntax, self.reasoning, count_only=True)
         return await asyncio.to_thread(self._count_chat_prompt, plan.chat)
 
     def _count_chat_prompt(self, plan: ChatPlan) -> int:

@@ -1,4 +1,4 @@
-"""OpenAI tool calling: the grammar a call must follow, and reading calls back from the text.
+"""OpenAI tool calling: the grammar a call must follow.
 
 A call is written as one JSON line, `{"name": "<function>", "arguments": <arguments object>}`;
 several calls (with `parallel_tool_calls`) are one a line. The grammar (a Lark grammar for the
@@ -10,23 +10,20 @@ way a call can start, so the text can be read back while it streams:
 - `none`, or no tools: no grammar from tools.
 With a known native format (`--tool-call-parser`, `tool_parsers.ToolSyntax`) the grammar writes calls
 in that format instead (Hermes' `<tool_call>` blocks, Llama's `parameters`, Mistral's `[TOOL_CALLS]`
-list), and `tool_parsers` reads them back; `parse_tool_calls` and `ToolCallStream` here read only the
-JSON-lines format.
+list). `tool_parsers` reads calls back, in every format (the JSON lines above included).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from inference_service.errors import ECHO_CHARS, ToolError, quoted, shortened
 from inference_service.frontend.tool_parsers import SYNTAXES, ToolSyntax
 from inference_service.sample.grammar import GrammarSpec, lark_json
 
-_CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 DEFAULT_SYNTAX = SYNTAXES["json"]
 
 
@@ -99,105 +96,3 @@ def combined_grammar(
             raise ToolError("with tools, `response_format` can only be a JSON schema")
         rules.append(text_rule)
     return GrammarSpec(kind="lark", value="\n".join([f"start: {start}", *rules]))
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
-    """The calls written in `text` as OpenAI's tool_calls; None when it is not calls."""
-    if not text.lstrip().startswith("{"):
-        return None
-    calls = []
-    for line in text.strip().split("\n"):
-        try:
-            call = json.loads(line)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        calls.append(
-            {
-                "id": new_call_id(),
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
-                },
-            }
-        )
-    return calls
-
-
-@dataclass
-class ToolCallStream:
-    """Reads streamed text into OpenAI's deltas: content, or tool-call header and argument pieces.
-
-    `feed(text)` returns ("content", text) items, or ("call", index, id, name) when a call's name
-    is complete and ("arguments", index, piece) for its arguments; the wrapper's `}` and the line
-    breaks between calls are never part of the arguments.
-    """
-
-    mode: str | None = None  # None until the first non-blank character, then "content" or "calls"
-    _buffer: str = ""
-    _num_calls: int = 0
-    _in_arguments: bool = False
-    _started: bool = False  # the arguments' first character was read
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
-    deltas: list[tuple] = field(default_factory=list)
-
-    def feed(self, text: str) -> list[tuple]:
-        self.deltas = []
-        if self.mode is None:
-            self._buffer += text
-            stripped = self._buffer.lstrip()
-            if not stripped:
-                return []
-            self.mode = "calls" if stripped.startswith("{") else "content"
-            text, self._buffer = self._buffer, ""
-        if self.mode == "content":
-            return [("content", text)] if text else []
-        for char in text:
-            self._read(char)
-        return self.deltas
-
-    def _read(self, char: str) -> None:
-        if not self._in_arguments:
-            self._buffer += char
-            match = _CALL_HEAD.search(self._buffer)
-            if match:
-                self.deltas.append(("call", self._num_calls, new_call_id(), json.loads(f'"{match.group(1)}"')))
-                self._buffer, self._in_arguments, self._depth = "", True, 0
-            return
-        if self._depth == 0 and char in " \n}" and not self._in_string and self._started:
-            self._in_arguments, self._started = False, False
-            self._num_calls += 1
-            return
-        self._started = True
-        self._track(char)
-        self._append_argument(char)
-
-    def _track(self, char: str) -> None:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-        elif char == '"':
-            self._in_string = True
-        elif char in "{[":
-            self._depth += 1
-        elif char in "}]":
-            self._depth -= 1
-
-    def _append_argument(self, char: str) -> None:
-        if self.deltas and self.deltas[-1][0] == "arguments" and self.deltas[-1][1] == self._num_calls:
-            kind, index, piece = self.deltas[-1]
-            self.deltas[-1] = (kind, index, piece + char)
-        else:
-            self.deltas.append(("arguments", self._num_calls, char))

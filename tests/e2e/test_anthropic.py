@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import anthropic
 import grpc
 import jsonschema
 import openai
 import pytest
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
+from inference_service.frontend import anthropic as messages_frontend
+from tests.conftest import GrpcServerThread
+from tests.e2e import test_openai_reasoning_tools as reasoning_tools
 from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
 
@@ -345,3 +349,101 @@ def test_overloaded_is_429_rate_limit_error_streams_included(start_grpc_server, 
         held.cancel()
     server.wait_idle(timeout=15)
     assert client.messages.create(model="m", messages=MESSAGES, max_tokens=2).usage.output_tokens >= 1
+
+
+# -- a reasoning model's thoughts and native tool calls --------------------------------------------
+# A Qwen3-like template (reasoning parser qwen3, tool-call parser hermes by default); a regex grammar
+# makes the tiny model write `<think>…</think>` then an answer, token by token.
+@pytest.fixture(scope="module")
+def thinking_gateway(tiny_engine_config, tmp_path_factory, start_gateway):
+    template = tmp_path_factory.mktemp("qwen-like-template") / "chat.jinja"
+    template.write_text(reasoning_tools.TEMPLATE)
+    model = dataclasses.replace(tiny_engine_config.model, chat_template=str(template))
+    server = GrpcServerThread(dataclasses.replace(tiny_engine_config, model=model))
+    yield start_gateway(server)
+    server.stop(timeout_s=1.0)
+
+
+@pytest.fixture
+def thinking_client(thinking_gateway) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=thinking_gateway.url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def think_then_answer(monkeypatch):
+    """Messages requests carry the regex grammar (Anthropic's API has no field for one): the grammar
+    is added to the chat request a Messages request becomes, as OpenAI's `response_format` would."""
+    original = messages_frontend.chat_request
+    grammar = {"response_format": {"type": "regex", "value": reasoning_tools.THINK_THEN_ANSWER}}
+
+    def with_grammar(request, **options):
+        converted = original(request, **options)
+        converted.MergeFrom(json_format.ParseDict(grammar, pb.ChatCompletionRequest()))
+        return converted
+
+    monkeypatch.setattr(messages_frontend, "chat_request", with_grammar)
+
+
+def raw_messages_text(gateway, request: dict) -> str:
+    """The engine's own text for a Messages request, before any parsing (same plan, same grammar)."""
+    server = gateway.server
+    parsed = json_format.ParseDict(request, apb.MessagesRequest())
+    _, choices = server.call(server.front_end.messages(parsed, stream=False))
+    return server.call(server.engine.generate(choices[0])).generated_text
+
+
+def test_thoughts_are_a_thinking_block_unary_and_streamed(thinking_gateway, thinking_client, think_then_answer):
+    arguments = {"model": "m", "messages": MESSAGES, "max_tokens": 80, "extra_body": GREEDY}
+    raw = raw_messages_text(thinking_gateway, {"messages": MESSAGES, "max_tokens": 80, **GREEDY})
+    assert re.fullmatch(reasoning_tools.THINK_THEN_ANSWER, raw)
+
+    message = thinking_client.messages.create(**arguments)
+    thinking, text = message.content
+    assert thinking.type == "thinking" and thinking.signature == "" and text.type == "text"
+    assert raw == f"<think>{thinking.thinking}</think>\n{text.text}" and thinking.thinking and text.text
+    assert message.stop_reason == "end_turn"
+
+    with thinking_client.messages.stream(**arguments) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [(e.index, e.content_block.type) for e in starts] == [(0, "thinking"), (1, "text")]
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1]
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    thoughts = [d.thinking for d in deltas if d.type == "thinking_delta"]
+    assert "".join(thoughts) == thinking.thinking and len(thoughts) > 1  # token by token, markers held back
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == text.text
+    assert not any("<" in (getattr(d, "thinking", None) or getattr(d, "text", None) or "") for d in deltas)
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == thinking.thinking
+
+
+def test_hermes_tool_call_is_a_tool_use_block(thinking_gateway, thinking_client):
+    arguments = {
+        "model": "m",
+        "messages": MESSAGES,
+        "max_tokens": 80,
+        "tools": [TIME_TOOL],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "disabled"},  # the template closes the thoughts: the call comes at once
+        "extra_body": GREEDY,
+    }
+    request = {key: value for key, value in arguments.items() if key not in ("model", "extra_body")}
+    raw = raw_messages_text(thinking_gateway, {**request, **GREEDY})
+    assert raw.startswith('<tool_call>\n{"name": "get_time", "arguments": ')  # the model wrote Hermes' format
+
+    message = thinking_client.messages.create(**arguments)
+    (call,) = message.content
+    assert message.stop_reason == "tool_use" and call.type == "tool_use" and call.name == "get_time"
+    jsonschema.validate(call.input, TIME_TOOL["input_schema"])
+    assert json.loads(raw.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))["arguments"] == call.input
+
+    with thinking_client.messages.stream(**arguments) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert (
+        len(starts) == 1 and starts[0].content_block.type == "tool_use" and starts[0].content_block.name == "get_time"
+    )
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert partial and json.loads("".join(partial)) == call.input
+    assert final.stop_reason == "tool_use" and final.content[0].input == call.input

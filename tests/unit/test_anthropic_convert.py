@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from inference_service.api import anthropic as anthropic_api
 from inference_service.errors import ToolError, ValidationError
 from inference_service.frontend import anthropic as anthropic_convert
+from inference_service.frontend import reasoning, tool_parsers
 from inference_service.outputs import FinishReason, RequestOutput, Token
 from textgen.v1 import anthropic_pb2 as apb
 
@@ -203,3 +204,42 @@ def test_unary_response_blocks_and_stop_reasons():
     )
     assert cut.stop_reason == "max_tokens" and [b.text for b in cut.content] == ["plain"]
     assert (cut.usage.input_tokens, cut.usage.output_tokens) == (4, 9)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_thoughts_text_and_a_native_call_stream_as_their_blocks(size):
+    plan = anthropic_convert.messages_plan(
+        request(tools=[TOOL]), tool_parsers.SYNTAXES["hermes"], reasoning.SYNTAXES["qwen3"]
+    )
+    text = (
+        '<think>\nhmm, cats</think>\n\nLooking.\n<tool_call>\n{"name": "lookup", "arguments": {"q": "c"}}\n</tool_call>'
+    )
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]  # markers cut across chunks
+    events = events_of(plan, pieces, FinishReason.EOS_TOKEN, text)
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["thinking", "text", "tool_use"] and starts[2].name == "lookup"
+    assert starts[0].thinking == "" and starts[0].HasField("signature")
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1, 2]
+    deltas = [e for e in events if e.type == "content_block_delta"]
+    assert {e.index: e.delta.type for e in deltas} == {0: "thinking_delta", 1: "text_delta", 2: "input_json_delta"}
+    assert "".join(e.delta.thinking for e in deltas if e.index == 0) == "hmm, cats"
+    assert "".join(e.delta.text for e in deltas if e.index == 1).strip() == "Looking."
+    assert json.loads("".join(e.delta.partial_json for e in deltas if e.index == 2)) == {"q": "c"}
+    assert events[-2].delta.stop_reason == "tool_use"
+
+    from inference_service.outputs import GenerateResult
+
+    fields = {"num_generated_tokens": 9, "num_prompt_tokens": 4, "seed": None, "top_tokens": [], "prefill_tokens": []}
+    result = GenerateResult(
+        generated_text=text, finish_reason=FinishReason.EOS_TOKEN, tokens=[Token(1, text, -0.1, False)], **fields
+    )
+    unary = anthropic_api.messages_response(result, plan, "m")
+    thinking, said, call = unary.content
+    assert (thinking.type, thinking.thinking, thinking.signature) == ("thinking", "hmm, cats", "")
+    assert (said.type, said.text) == ("text", "Looking.") and call.type == "tool_use" and call.name == "lookup"
+    assert json_format.MessageToDict(call.input) == {"q": "c"} and unary.stop_reason == "tool_use"
+    # Thoughts cut short by the length limit are still thoughts: a thinking block alone.
+    cut = anthropic_api.messages_response(
+        GenerateResult(generated_text="<think>hm", finish_reason=FinishReason.LENGTH, tokens=[], **fields), plan, "m"
+    )
+    assert [(b.type, b.thinking) for b in cut.content] == [("thinking", "hm")] and cut.stop_reason == "max_tokens"

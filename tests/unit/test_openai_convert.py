@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from google.protobuf import json_format
 
 from inference_service.errors import TemplateError, ToolError, ValidationError
 from inference_service.frontend import openai as openai_convert
 from inference_service.frontend import openai_tools
-from inference_service.frontend.chat_template import ChatTemplate, tool_calls_text
+from inference_service.frontend.chat_template import ChatTemplate
 from inference_service.sample import grammar as grammar_module
 from textgen.v1 import generate_pb2 as pb
 
@@ -190,26 +188,3 @@ def test_tool_grammar_is_lark_with_each_functions_schema():
     with pytest.raises(ToolError):
         auto = openai_tools.tool_call_format([TOOL], "auto", True)
         openai_tools.combined_grammar(auto, {"type": "regex", "value": "a"})
-
-
-def test_calls_are_parsed_whole_and_while_streaming():
-    text = tool_calls_text(
-        [
-            {"function": {"name": "lookup", "arguments": '{"q": "a \\"}\\" b"}'}},
-            {"function": {"name": "lookup", "arguments": '{"q": "c"}'}},
-        ]
-    )
-    calls = openai_tools.parse_tool_calls(text)
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"q": 'a "}" b'}, {"q": "c"}]
-    assert openai_tools.parse_tool_calls("plain words") is None and openai_tools.parse_tool_calls("{broken") is None
-    for size in (1, 3, 7, len(text)):
-        stream, deltas = openai_tools.ToolCallStream(), []
-        for start in range(0, len(text), size):
-            deltas += stream.feed(text[start : start + size])
-        heads = [d for d in deltas if d[0] == "call"]
-        assert [(d[1], d[3]) for d in heads] == [(0, "lookup"), (1, "lookup")]
-        for index, call in enumerate(calls):
-            pieces = "".join(d[2] for d in deltas if d[0] == "arguments" and d[1] == index)
-            assert json.loads(pieces) == json.loads(call["function"]["arguments"])
-    stream = openai_tools.ToolCallStream()
-    assert stream.feed("  ") == [] and stream.feed("Hi") == [("content", "  Hi")] and stream.mode == "content"
