@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import random
 import statistics
 import sys
@@ -40,18 +41,20 @@ async def timed(engine: AsyncEngine, request) -> float:
     return time.perf_counter() - started
 
 
-async def measure(engine: AsyncEngine, bystander, long_request, args: argparse.Namespace) -> dict[str, list[float]]:
+async def measure(engine: AsyncEngine, bystander, long_requests, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Each run takes two long prompts of its own (fresh tokens: the prefix cache must not answer them)."""
     await timed(engine, bystander)  # warm-up
-    alone, beside = [], []
+    alone, beside, long_alone = [], [], []
     for _ in range(args.runs):
         alone.append(await timed(engine, bystander))
-        long_task = asyncio.create_task(engine.generate(long_request))
+        long_alone.append(await timed(engine, next(long_requests)))  # what the step budget costs a long prompt
+        long_task = asyncio.create_task(engine.generate(next(long_requests)))
         await asyncio.sleep(args.delay)  # the long prefill is under way
         beside.append(await timed(engine, bystander))
         long_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await long_task
-    return {"alone_s": alone, "beside_s": beside}
+    return {"alone_s": alone, "beside_s": beside, "long_alone_s": long_alone}
 
 
 def main() -> None:
@@ -73,12 +76,15 @@ def main() -> None:
         tiny_model.resolve(args.model_id), max_batch_prefill_tokens=args.max_batch_prefill_tokens
     )
     rng = random.Random(0)
-    long_prompt = [rng.randrange(3, engine.info.vocab_size) for _ in range(args.long_tokens)]
+    long_requests = (
+        common.validated([rng.randrange(3, engine.info.vocab_size) for _ in range(args.long_tokens)], 1)
+        for _ in itertools.count()
+    )
     bystander = common.validated(engine.tokenizer.encode(BYSTANDER), 1)
     async_engine = AsyncEngine(engine, max_concurrent_requests=8)
     async_engine.start()
     try:
-        times = asyncio.run(measure(async_engine, bystander, common.validated(long_prompt, 1), args))
+        times = asyncio.run(measure(async_engine, bystander, long_requests, args))
     finally:
         asyncio.run(async_engine.shutdown(timeout_s=5))
 
@@ -92,15 +98,24 @@ def main() -> None:
                 common.fmt(beside, 3),
                 ", ".join(common.fmt(t, 3) for t in times["beside_s"]),
             ],
+            [
+                f"the {args.long_tokens}-token prompt alone (prefill)",
+                common.fmt(statistics.median(times["long_alone_s"]), 3),
+                ", ".join(common.fmt(t, 3) for t in times["long_alone_s"]),
+            ],
         ],
     )
     budget = engine.info.max_batch_prefill_tokens
-    summary = f"beside ÷ alone: {common.ratio(beside, alone)} (step budget {budget} tokens)"
+    prefill_tps = args.long_tokens / statistics.median(times["long_alone_s"])
+    summary = (
+        f"beside ÷ alone: {common.ratio(beside, alone)} (step budget {budget} tokens); "
+        f"the long prompt alone prefills {prefill_tps:.0f} tokens/s"
+    )
     print(f"{common.machine_line(common.machine())}\n{common.command_line()}\n\n{table}\n\n{summary}")
     folder = common.output_dir(args.out, args.quick)
     common.write_json(
         folder / "bystander_latency.json",
-        {"args": vars(args), "step_budget": budget, **times, "ratio": beside / alone},
+        {"args": vars(args), "step_budget": budget, **times, "ratio": beside / alone, "prefill_tps": prefill_tps},
     )
 
 
