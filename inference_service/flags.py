@@ -316,9 +316,11 @@ SERVER_FLAGS = (
         "server.api_key",
         "Key that generation and tokenization need, sent as 'Authorization: Bearer <key>' (or Anthropic's "
         "'x-api-key: <key>'): TGI's REST /, /invocations, /generate, /generate_stream, /tokenize, OpenAI's "
-        "/v1/chat/completions, /v1/completions and Anthropic's /v1/messages, /v1/messages/count_tokens "
-        "(gRPC Generate, GenerateStream, CompatGenerate, Tokenize, ChatCompletion, ChatCompletionStream, "
-        "Completion, CompletionStream, Messages, MessagesStream, CountMessageTokens). Open without it, as in "
+        "/v1/chat/completions, /v1/completions, /v1/responses (and GET/DELETE /v1/responses/{id}) and "
+        "Anthropic's /v1/messages, /v1/messages/count_tokens (gRPC Generate, GenerateStream, CompatGenerate, "
+        "Tokenize, ChatCompletion, ChatCompletionStream, Completion, CompletionStream, CreateResponse, "
+        "CreateResponseStream, GetResponse, DeleteResponse, Messages, MessagesStream, CountMessageTokens). "
+        "Open without it, as in "
         "TGI: /health, /info, /metrics, /v1/models, /docs, "
         "/openapi.json (gRPC Health, Info, Metrics, ListModels, GetModel, the health service, reflection).",
         default_text="none: nothing is checked",

@@ -242,6 +242,7 @@ def test_api_key_help_names_every_guarded_call_and_route():
         "/invocations",
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
         "/v1/messages",
         "/v1/messages/count_tokens",
     )
