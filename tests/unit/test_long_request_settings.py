@@ -83,7 +83,7 @@ def test_only_refusals_before_admission_are_retryable():
 def test_envoys_own_503_is_marked_only_when_no_engine_was_reached():
     mappers = _manager(DEPLOY_CONFIG)["local_reply_config"]["mappers"]
     marked = [m for m in mappers if m.get("headers_to_add")]
-    assert len(marked) == 2  # TGI's and OpenAI's shape
+    assert len(marked) == 3  # TGI's, OpenAI's and Anthropic's shape
     for mapper in marked:
         filters = mapper["filter"]["and_filter"]["filters"]
         assert {"response_flag_filter": {"flags": ["UF", "UH"]}} in filters
