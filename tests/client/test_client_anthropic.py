@@ -9,17 +9,13 @@ import json
 import jsonschema
 import pytest
 
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen_client import AsyncClient, Client, ValidationError
 
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 TOOL = {
     "name": "get_time",
-    "input_schema": {
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
+    "input_schema": TIME_ZONE_PARAMETERS,
 }
 
 

@@ -12,6 +12,7 @@ import grpc
 import jsonschema
 import pytest
 
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen_client import AsyncClient, Client, NotFoundError, ValidationError
 from textgen_client.openai_types import ChatMessage
 
@@ -22,12 +23,7 @@ TOOL = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
+        "parameters": TIME_ZONE_PARAMETERS,
     },
 }
 # A short tool prompt and one call at most: the tiny model's context is 512 tokens.

@@ -9,17 +9,13 @@ import json
 import jsonschema
 import pytest
 
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen_client import AsyncClient, Client, NotFoundError, ValidationError
 
 TOOL = {
     "type": "function",
     "name": "get_time",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
+    "parameters": TIME_ZONE_PARAMETERS,
 }
 
 

@@ -18,6 +18,7 @@ from google.protobuf import json_format, struct_pb2
 from inference_service.frontend import anthropic as messages_frontend
 from tests.conftest import GrpcServerThread
 from tests.e2e import test_openai_reasoning_tools as reasoning_tools
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
 
@@ -39,12 +40,7 @@ WEATHER_TOOL = {
 }
 TIME_TOOL = {
     "name": "get_time",
-    "input_schema": {
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
+    "input_schema": TIME_ZONE_PARAMETERS,
 }
 SHORT_TOOL_PROMPT = {"tool_prompt": "Tools:"}  # TGI's field, sent as the SDK's extra_body
 # The SDK no longer has `temperature` (Anthropic's newer models refuse it); the API still takes it.

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen.v1 import generate_pb2 as pb
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "the quick brown fox"}]
@@ -35,12 +36,7 @@ TIME_TOOL = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
+        "parameters": TIME_ZONE_PARAMETERS,
     },
 }
 SHORT_TOOL_PROMPT = {"tool_prompt": "Tools:"}  # TGI's field, sent as the SDK's extra_body

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import GrpcServerThread
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen.v1 import generate_pb2 as pb
 
 # A Qwen3-like ChatML template: it renders `tools` itself, mentions <tool_call> (so --tool-call-parser
@@ -30,12 +31,7 @@ TIME_TOOL = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
+        "parameters": TIME_ZONE_PARAMETERS,
     },
 }
 

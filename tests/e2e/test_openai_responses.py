@@ -11,6 +11,7 @@ import openai
 import pytest
 from google.protobuf import json_format
 
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen.v1 import responses_pb2 as rpb
 
 # The tiny model's context is 512 tokens: small tools and TGI's short tool prompt (an extension).
@@ -27,12 +28,7 @@ WEATHER_TOOL = {
 TIME_TOOL = {
     "type": "function",
     "name": "get_time",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
+    "parameters": TIME_ZONE_PARAMETERS,
 }
 SHORT_TOOL_PROMPT = {"tool_prompt": "Tools:"}
 

@@ -7,6 +7,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen.v1 import generate_pb2 as pb
 
 
@@ -121,12 +122,7 @@ def test_json_schema_and_tools_over_grpc(tiny_chat_grpc_server):
     reply = stub.ChatCompletion(chat(temperature=0, max_tokens=20, response_format=response_format), timeout=60)
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
-    parameters = {
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    }
+    parameters = TIME_ZONE_PARAMETERS
     tool = pb.Tool(
         type="function",
         function=pb.FunctionDefinition(

@@ -12,6 +12,7 @@ from inference_service.errors import GenerationError
 from inference_service.frontend import openai_tools
 from inference_service.frontend.tool_parsers import SYNTAXES, parse_tool_calls, tool_parser, tool_syntax
 from inference_service.sample.grammar import GrammarSpec
+from tests.tool_schemas import TIME_ZONE_PARAMETERS
 
 NAMES = ("get_weather", "get_time")
 
@@ -166,12 +167,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_time",
-            "parameters": {
-                "type": "object",
-                "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                "required": ["zone"],
-                "additionalProperties": False,
-            },
+            "parameters": TIME_ZONE_PARAMETERS,
         },
     },
     {
