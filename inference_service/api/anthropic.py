@@ -24,9 +24,10 @@ from google.protobuf import struct_pb2
 from inference_service.api.backend import Backend
 from inference_service.api.errors import unary_errors
 from inference_service.api.streaming import engine_events, stream_errors
+from inference_service.frontend.answer_stream import AnswerStream
 from inference_service.frontend.anthropic import MessagesPlan
-from inference_service.frontend.reasoning import ReasoningStream, split_reasoning
-from inference_service.frontend.tool_parsers import ToolParser, parse_tool_calls, tool_parser
+from inference_service.frontend.reasoning import split_reasoning
+from inference_service.frontend.tool_parsers import parse_tool_calls
 from inference_service.outputs import FinishReason, GenerateResult, RequestOutput
 from textgen.v1 import anthropic_pb2 as apb
 
@@ -129,8 +130,7 @@ class MessageEvents:
     """One reply's outputs as Anthropic's content-block events; `finish` closes the message."""
 
     plan: MessagesPlan
-    _reasoning: ReasoningStream | None = None
-    _tools: ToolParser | None = None
+    _answer: AnswerStream = field(init=False)
     _fed: str = ""  # the text given to the blocks so far
     _raw: str = ""  # the generated text, stop sequence included
     _block: str | None = None  # the open block's type
@@ -138,11 +138,7 @@ class MessageEvents:
     events: list[apb.MessagesStreamEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        chat = self.plan.chat
-        if chat.reasoning is not None:
-            self._reasoning = ReasoningStream(chat.reasoning, chat.reasoning_inside)
-        if chat.tool_calls is not None:
-            self._tools = tool_parser(chat.tool_syntax, chat.tool_calls.schemas)
+        self._answer = AnswerStream.for_plan(self.plan.chat)
 
     def read(self, output: RequestOutput) -> list[apb.MessagesStreamEvent]:
         self.events = []
@@ -151,7 +147,7 @@ class MessageEvents:
         if output.finished and output.generated_text is not None:  # the stop sequence is not sent
             text = output.generated_text[len(self._fed) :] if output.generated_text.startswith(self._fed) else ""
         self._fed += text
-        for item in self._pieces(text, output.finished):
+        for item in self._answer.pieces(text, output.finished):
             if item[0] == "reasoning":
                 self._thinking(item[1])
             elif item[0] == "content":
@@ -163,19 +159,6 @@ class MessageEvents:
         if output.finish_reason is not None:
             self._finish(output)
         return self.events
-
-    def _pieces(self, text: str, finished: bool) -> list[tuple]:
-        """Thoughts as ("reasoning", text), the answer as content or tool-call items (as the chat
-        route's stream reads them)."""
-        pieces: list[tuple] = [("content", text)]
-        if self._reasoning is not None:
-            pieces = self._reasoning.feed(text) + (self._reasoning.finish() if finished else [])
-        if self._tools is None:
-            return pieces
-        items: list[tuple] = []
-        for piece in pieces:
-            items += self._tools.feed(piece[1]) if piece[0] == "content" else [piece]
-        return items + (self._tools.finish() if finished else [])
 
     def _thinking(self, text: str) -> None:
         if not text:
@@ -207,7 +190,7 @@ class MessageEvents:
 
     def _finish(self, output: RequestOutput) -> None:
         self._stop()
-        called = self._tools is not None and self._tools.called
+        called = self._answer.called
         reason, sequence = stop_reason(output.finish_reason, called, self._raw, self._fed, self.plan)
         usage = apb.AnthropicUsage(input_tokens=output.num_prompt_tokens, output_tokens=output.num_generated_tokens)
         delta = apb.AnthropicDelta(stop_reason=reason, stop_sequence=sequence)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inference_service import __version__
+from inference_service.frontend.answer_stream import AnswerStream
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
-from inference_service.frontend.reasoning import ReasoningStream, split_reasoning
-from inference_service.frontend.tool_parsers import ToolParser, parse_tool_calls, tool_parser
+from inference_service.frontend.reasoning import split_reasoning
+from inference_service.frontend.tool_parsers import parse_tool_calls
 from inference_service.outputs import FinishReason, GenerateResult, RequestOutput, Token
 from textgen.v1 import generate_pb2 as pb
 
@@ -165,16 +166,12 @@ class ChatChoiceStream:
     plan: ChatPlan
     _fed: str = ""
     _started: bool = False
-    _reasoning: ReasoningStream | None = None
-    _tools: ToolParser | None = None
+    _answer: AnswerStream = field(init=False)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.plan.reasoning is not None:
-            self._reasoning = ReasoningStream(self.plan.reasoning, self.plan.reasoning_inside)
-        if self.plan.tool_calls is not None:
-            self._tools = tool_parser(self.plan.tool_syntax, self.plan.tool_calls.schemas)
+        self._answer = AnswerStream.for_plan(self.plan)
 
     def choices(self, output: RequestOutput) -> list[pb.ChatCompletionChunkChoice]:
         text = _visible_text(output)
@@ -184,7 +181,7 @@ class ChatChoiceStream:
         delta = pb.ChatCompletionDelta()
         if not self._started:
             delta.role, self._started = "assistant", True
-        for item in self._pieces(text, output.finished):
+        for item in self._answer.pieces(text, output.finished):
             _add(delta, item)
         if delta.role and not (delta.HasField("content") or delta.tool_calls or delta.HasField("reasoning_content")):
             delta.content = ""
@@ -195,23 +192,11 @@ class ChatChoiceStream:
             )
         if output.finish_reason is not None:
             self.num_prompt_tokens, self.num_generated_tokens = output.num_prompt_tokens, output.num_generated_tokens
-            called = self._tools is not None and self._tools.called
+            called = self._answer.called
             choice.finish_reason = finish_reason(output.finish_reason, called)
         elif not (delta.ByteSize() or choice.logprobs.content):
             return []  # nothing to tell yet (e.g. a marker or a call's name still incomplete)
         return [choice]
-
-    def _pieces(self, text: str, finished: bool) -> list[tuple]:
-        """Thoughts as ("reasoning", text), the answer as content or tool-call items."""
-        pieces: list[tuple] = [("content", text)]
-        if self._reasoning is not None:
-            pieces = self._reasoning.feed(text) + (self._reasoning.finish() if finished else [])
-        if self._tools is None:
-            return pieces
-        items: list[tuple] = []
-        for piece in pieces:
-            items += self._tools.feed(piece[1]) if piece[0] == "content" else [piece]
-        return items + (self._tools.finish() if finished else [])
 
 
 def _add(delta: pb.ChatCompletionDelta, item: tuple) -> None:
