@@ -106,6 +106,8 @@ class PrefillToken:
     id: int
     text: str
     logprob: float | None  # None for the first prompt token
+    # The `top_n_tokens` most likely tokens at this position (none for the first prompt token).
+    top_tokens: list[Token] = field(default_factory=list)
 
 
 @dataclass

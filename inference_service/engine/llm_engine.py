@@ -58,6 +58,7 @@ class LiveRequest:
     pending: list[Token] = field(default_factory=list)  # held back: may be the start of a stop sequence
     pending_top: list[list[Token]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_n_tokens
     sent_prefill: bool = False
 
 
@@ -278,6 +279,13 @@ class LLMEngine:
         offset = first - item.num_computed_tokens
         logprobs = torch.log_softmax(logits[offset : end - item.num_computed_tokens], dim=-1)  # [m, V]
         live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
+        top_n = min(live.spec.sampling.top_n_tokens, logprobs.shape[-1])
+        if top_n > 0:
+            values, ids = logprobs.topk(top_n, dim=-1)
+            live.prompt_top.extend(
+                list(zip(row_ids, row_values, strict=True))
+                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+            )
 
     def _on_token(
         self, request_id: str, sampled: SamplerOutput, row: int, guess: Sequence[int] = ()
@@ -313,10 +321,7 @@ class LLMEngine:
         added = live.text.add(token_id, special)
         live.pending.append(Token(token_id, added.text, sampled.logprobs[row], special))
         live.pending_top.append(
-            [
-                Token(i, self._token_text(i), lp, self._is_special(i))
-                for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
-            ]
+            [self._top_token(i, lp) for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)]
         )
         grammar = live.sampling.grammar
         return self._finish_reason(request, token_id, added.stop_matched, grammar is not None and grammar.is_complete)
@@ -405,7 +410,14 @@ class LLMEngine:
     def _prefill_tokens(self, live: LiveRequest) -> list[PrefillToken]:
         ids = live.request.prompt_token_ids
         logprobs = [None, *live.prompt_logprobs]
-        return [PrefillToken(i, self._token_text(i), lp) for i, lp in zip(ids, logprobs, strict=False)]
+        tops = [[], *live.prompt_top]
+        return [
+            PrefillToken(i, self._token_text(i), lp, [self._top_token(t, tlp) for t, tlp in top])
+            for i, lp, top in zip(ids, logprobs, tops + [[]] * (len(ids) - len(tops)), strict=False)
+        ]
+
+    def _top_token(self, token_id: int, logprob: float) -> Token:
+        return Token(token_id, self._token_text(token_id), logprob, self._is_special(token_id))
 
     def _token_text(self, token_id: int) -> str:
         return decode(self.tokenizer, [token_id], skip_special_tokens=False)

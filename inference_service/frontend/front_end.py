@@ -128,15 +128,18 @@ class FrontEnd:
     ) -> tuple[CompletionPlan, list[EngineRequest]]:
         """Each prompt validated; `n` requests per prompt, prompt by prompt."""
         plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
-        return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"), stream)
+        plan.token_bytes = self.token_bytes
+        return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"))
 
-    def _completion_choices(self, plan: CompletionPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
+    def _completion_choices(self, plan: CompletionPlan, seed_requested: bool) -> list[EngineRequest]:
+        """Unary or streamed alike: a stream sends the echoed prompt's logprobs in its first chunk
+        (TGI's streams refuse `decoder_input_details`; OpenAI's have a place for them)."""
         choices = []
         for prompt in plan.prompts:
             generate = GenerateRequest(
                 inputs=openai.with_suffix(prompt, plan.suffix), parameters=plan.parameters, strip_stop=True
             )
-            validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
+            validated = self.validator.prepare(generate, do_sample=plan.do_sample)
             choices += self._choices(validated.engine_request, plan.num_choices, seed_requested)
         return choices
 

@@ -72,6 +72,7 @@ class CompletionPlan:
     echo: bool
     include_usage: bool
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    token_bytes: Callable[[int], bytes] | None = None  # id → its bytes (logprobs of part of a character)
 
 
 # -- shared parameters ---------------------------------------------------------------------------

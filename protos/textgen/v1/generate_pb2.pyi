@@ -2040,7 +2040,10 @@ Global___CompletionRequest: _TypeAlias = CompletionRequest  # noqa: Y015
 
 @_typing.final
 class CompletionLogprobs(_message.Message):
-    """The legacy logprobs object of a text completion."""
+    """The legacy logprobs object of a text completion: parallel lists, one entry per token. With `echo`
+    the prompt's tokens come first; the first prompt token's logprob and alternatives are null
+    (nothing before it predicts it), so both lists hold Values: a number or an object, or null.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -2051,17 +2054,21 @@ class CompletionLogprobs(_message.Message):
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
-    def token_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Value]:
+        """a number, or null"""
+
     @_builtins.property
-    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]: ...
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Value]:
+        """{token: logprob}, or null"""
+
     @_builtins.property
     def text_offset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[_builtins.str] | None = ...,
-        token_logprobs: _abc.Iterable[_builtins.float] | None = ...,
-        top_logprobs: _abc.Iterable[_struct_pb2.Struct] | None = ...,
+        token_logprobs: _abc.Iterable[_struct_pb2.Value] | None = ...,
+        top_logprobs: _abc.Iterable[_struct_pb2.Value] | None = ...,
         text_offset: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
