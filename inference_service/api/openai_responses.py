@@ -282,12 +282,7 @@ def _add_prompt_entries(
 
 
 def completion_choice(
-    index: int,
-    text: str,
-    result: GenerateResult | RequestOutput,
-    plan: CompletionPlan,
-    echoed: str,
-    offset: int,
+    index: int, text: str, result: GenerateResult | RequestOutput, plan: CompletionPlan, echoed: str, offset: int
 ) -> pb.CompletionChoice:
     """`echoed`: the prompt when this choice's first text is sent with `echo`, else ""; `offset`:
     characters of this choice's text sent before (logprobs' text offsets count the prompt too).

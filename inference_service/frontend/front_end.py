@@ -123,17 +123,15 @@ class FrontEnd:
         validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
         return self._choices(validated.engine_request, plan.num_choices, seed_requested)
 
-    async def completion(
-        self, request: pb.CompletionRequest, *, stream: bool
-    ) -> tuple[CompletionPlan, list[EngineRequest]]:
-        """Each prompt validated; `n` requests per prompt, prompt by prompt."""
+    async def completion(self, request: pb.CompletionRequest) -> tuple[CompletionPlan, list[EngineRequest]]:
+        """Each prompt validated; `n` requests per prompt, prompt by prompt. Unary and streamed
+        alike: a stream sends the echoed prompt's logprobs in its first chunk (TGI's streams refuse
+        `decoder_input_details`; OpenAI's have a place for them)."""
         plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
         plan.token_bytes = self.token_bytes
         return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"))
 
     def _completion_choices(self, plan: CompletionPlan, seed_requested: bool) -> list[EngineRequest]:
-        """Unary or streamed alike: a stream sends the echoed prompt's logprobs in its first chunk
-        (TGI's streams refuse `decoder_input_details`; OpenAI's have a place for them)."""
         choices = []
         for prompt in plan.prompts:
             generate = GenerateRequest(
