@@ -340,8 +340,9 @@ class CompletionChoiceStream:
         if output.finished and output.generated_text is not None:
             text = output.generated_text[len(self._sent) :] if output.generated_text.startswith(self._sent) else ""
         echoed = self.prompt if self.plan.echo and not self._echoed else ""
-        if not text and not echoed and output.finish_reason is None:
-            return []
+        scored = self.plan.logprobs is not None and any(not token.special for token in output.tokens)
+        if not (text or echoed or scored or output.finish_reason is not None):
+            return []  # nothing to tell yet; a token with no text of its own (part of a character) still has a logprob
         before = len(self._sent) + (len(self.prompt) if self.plan.echo and self._echoed else 0)  # text sent before
         choice = completion_choice(self.index, text, output, self.plan, echoed, before)
         self._sent, self._echoed = self._sent + text, True

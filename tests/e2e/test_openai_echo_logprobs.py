@@ -89,10 +89,16 @@ def test_a_stream_sends_the_prompts_logprobs_in_its_first_chunk(client, referenc
     assert first.logprobs.token_logprobs[0] is None and first.logprobs.top_logprobs[0] is None
     assert first.logprobs.token_logprobs[1:n] == pytest.approx(unary.token_logprobs[1:n], abs=1e-5)
     assert first.logprobs.top_logprobs[1:n] == [pytest.approx(top, abs=1e-5) for top in unary.top_logprobs[1:n]]
-    # Later chunks hold generated tokens only: no null, offsets past the prompt.
+    # Later chunks hold generated tokens only: no null, offsets past the prompt; all chunks together
+    # hold what the unary reply holds.
     later = [chunk.choices[0].logprobs for chunk in chunks[1:] if chunk.choices[0].logprobs]
     assert later and all(None not in lists.token_logprobs for lists in later)
     assert all(offset >= len(PROMPT) for lists in later for offset in lists.text_offset)
+    streamed = [first.logprobs, *later]
+    assert [t for lists in streamed for t in lists.tokens] == unary.tokens
+    assert [o for lists in streamed for o in lists.text_offset] == unary.text_offset
+    values = [v for lists in streamed for v in lists.token_logprobs]
+    assert values[0] is None and values[1:] == pytest.approx(unary.token_logprobs[1:], abs=1e-5)
 
 
 def test_grpc_gives_null_values_too(gateway, reference):
