@@ -70,6 +70,9 @@ def test_messages_create_stream_count_tokens_and_grpc_agree(claude, demo_gateway
     request = json_format.ParseDict({**arguments, "max_tokens": MAX_TOKENS, **GREEDY}, apb.MessagesRequest())
     stub = demo_gateway.server.stub
     assert [b.text for b in stub.Messages(request, timeout=TIMEOUT).content] == [block.text]
+    events = list(stub.MessagesStream(request, timeout=TIMEOUT))
+    assert [events[0].type, events[-1].type] == ["message_start", "message_stop"]
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == block.text
     assert stub.CountMessageTokens(request, timeout=TIMEOUT).input_tokens == counted.input_tokens
 
 
