@@ -4,6 +4,7 @@ No timing is asserted: these prove the scripts work, the numbers are for the ful
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,21 @@ def test_bystander_latency_quick(tmp_path, tiny_model_dir):
     assert "beside ÷ alone" in result.stdout
     data = json.loads((tmp_path / "bystander_latency.json").read_text())
     assert len(data["alone_s"]) == len(data["beside_s"]) == 1 and data["ratio"] > 0
+
+
+def test_step_overhead_counts_a_decode_step(tmp_path, tiny_model_dir):
+    counts = tmp_path / "counts.json"
+    run_script(
+        "step_overhead.py",
+        *("--model-id", str(tiny_model_dir), "--batch-size", "2", "--steps", "2", "--warmup-steps", "1"),
+        *("--json", str(counts)),
+    )
+    result = json.loads(counts.read_text())
+    assert result["batch_size"] == 2 and result["steps"] == 2
+    steps = [calls for where, calls in result["per_function"].items() if re.search(r"llm_engine.py:\d+\(step\)", where)]
+    assert steps == [1.0]  # per step, so the engine's own step() once
+    assert result["python_calls"] > 100 and result["torch_calls"] > 0 and result["aten_ops"] > 0
+    assert sum(result["per_aten_op"].values()) == result["aten_ops"]
+    assert any(name.startswith("aten.") and "float32[" in name for name in result["per_aten_op_operands"])
+    diff = run_script("step_overhead.py", "--diff", str(counts), str(counts)).stdout
+    assert "python_calls: " in diff and "(+0.0 per step)" in diff and "per_function: 0 changed" in diff
