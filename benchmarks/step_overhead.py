@@ -28,7 +28,6 @@ import cProfile
 import gc
 import importlib
 import json
-import pstats
 import re
 import sys
 from pathlib import Path
@@ -128,14 +127,28 @@ def _name(func) -> str:
     return f"{module}.{name}" if module and not name.startswith(module) else name
 
 
-def _where(key: tuple[str, int, str]) -> str:
-    """file:line(function), the file relative to the repository or to site-packages."""
-    filename, line, function = key
+def _calls_by_function(profiler: cProfile.Profile) -> tuple[collections.Counter[str], int]:
+    """Calls per function (file:line(name)) and the primitive (non-recursive) total. Summed over
+    the profiler's raw entries: `pstats` keys functions by that label and keeps only one of the
+    functions sharing it (every dataclass's generated `__init__` is `<string>:2(__init__)`)."""
+    calls: collections.Counter[str] = collections.Counter()
+    primitive = 0
+    for entry in profiler.getstats():
+        calls[_where(entry.code)] += entry.callcount
+        primitive += entry.callcount - entry.reccallcount
+    return calls, primitive
+
+
+def _where(code) -> str:
+    """file:line(function), the file relative to the repository or to site-packages; builtins by name."""
+    if isinstance(code, str):
+        return code
+    filename = code.co_filename
     if filename.startswith(str(ROOT) + "/"):
         filename = filename[len(str(ROOT)) + 1 :]
     elif "site-packages/" in filename:
         filename = filename.split("site-packages/", 1)[1]
-    return function if line == 0 and filename == "~" else f"{filename}:{line}({function})"
+    return f"{filename}:{code.co_firstlineno}({code.co_name})"
 
 
 def _drain_prefill(engine, batch_size: int, prompt_tokens: int, decode_tokens: int) -> None:
@@ -180,20 +193,20 @@ def count(engine, native: _NativeCalls, args: argparse.Namespace) -> dict:
         engine.step()
     if any(r != args.batch_size for r in rows):
         raise RuntimeError(f"a counted step did not decode the whole batch: {rows}")
-    stats = pstats.Stats(profiler)
-    per_function = {_where(key): value[1] / args.steps for key, value in stats.stats.items()}  # total calls
+    calls, primitive_calls = _calls_by_function(profiler)
+    per_function = {where: n / args.steps for where, n in calls.most_common()}
     per = args.steps
     return {
         "batch_size": args.batch_size,
         "steps": args.steps,
-        "python_calls": stats.total_calls / per,
-        "python_primitive_calls": stats.prim_calls / per,
+        "python_calls": sum(calls.values()) / per,
+        "python_primitive_calls": primitive_calls / per,
         "torch_calls": sum(functions.counts.values()) / per,
         "aten_ops": sum(dispatched.counts.values()) / per,
         "native_calls": sum(native.counts.values()) / per,
         "objects_kept": tracked / per,
         "blocks_kept": blocks / per,
-        "per_function": dict(sorted(per_function.items(), key=lambda kv: -kv[1])),
+        "per_function": per_function,
         "per_torch_call": {k: v / per for k, v in functions.counts.most_common()},
         "per_aten_op": {k: v / per for k, v in dispatched.counts.most_common()},
         "per_aten_op_operands": {k: v / per for k, v in dispatched.shaped.most_common()},
