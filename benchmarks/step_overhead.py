@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from benchmarks import common, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+_THIS_FILE = Path(__file__).resolve()
 
 
 class _FunctionCounter(TorchFunctionMode):
@@ -134,6 +135,8 @@ def _calls_by_function(profiler: cProfile.Profile) -> tuple[collections.Counter[
     calls: collections.Counter[str] = collections.Counter()
     primitive = 0
     for entry in profiler.getstats():
+        if not isinstance(entry.code, str) and Path(entry.code.co_filename).resolve() == _THIS_FILE:
+            continue  # this script's own wrappers (_NativeCalls)
         calls[_where(entry.code)] += entry.callcount
         primitive += entry.callcount - entry.reccallcount
     return calls, primitive
