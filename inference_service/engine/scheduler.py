@@ -17,7 +17,11 @@ another:
    (shortest remaining first), so a lone long prompt still uses the whole budget.
 
 The budget bounds how long a step takes, and so how long a new arrival waits for the step in
-progress; it is sized per device (engine.builder: small on CPU).
+progress; it is sized per device (engine.builder: small on CPU). Prefill chunks are counted in work,
+not tokens (`engine.step_cost`): a chunk deep into a long prompt attends over all the keys before it,
+so it gets fewer tokens for the same time. And a step that carries streams (decodes, or a short prompt
+that gives its first token in it) gives the prefill chunks only a small pool of work: a stream's
+next token waits for the weights' read plus a bounded prefill, not for a full budget of it.
 
 When the KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
 recomputed later from its prompt and the tokens it already generated.
@@ -41,6 +45,7 @@ from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
+from inference_service.engine.step_cost import StepCost
 from inference_service.outputs import ScheduledRequest, SchedulerOutput
 
 # A request still prefilling first gets at most this share of a step's budget (1/PREFILL_SLICES):
@@ -54,28 +59,48 @@ class _Chunk:
 
     request: Request
     num_new: int
+    work: float = 0.0  # what it takes from the prefill pool (a decode: nothing)
 
 
 class _StepPlan:
-    """The chunks of one step, in step order (decodes, then prefills), and its budget left."""
+    """The chunks of one step, in step order (decodes, then prefills), its token budget left, and the
+    work its prefill chunks may still take (`pool`, set once the decodes are in)."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, cost: StepCost):
         self.chunks: dict[str, _Chunk] = {}
         self.left = budget
+        self.cost = cost
+        self.pool = float(budget)
+        self.decode_work = 0.0
 
-    def add(self, request: Request, num_new: int) -> None:
-        self.chunks[request.request_id] = _Chunk(request, num_new)
-        self.left -= num_new + len(request.draft_token_ids)
+    def add_decode(self, request: Request) -> None:
+        self.chunks[request.request_id] = _Chunk(request, 1)
+        self.left -= 1 + len(request.draft_token_ids)
+        self.decode_work += self.cost.work(request.num_computed_tokens, 1 + len(request.draft_token_ids))
+
+    def add_prefill(self, request: Request, num_new: int) -> None:
+        work = self.cost.work(request.num_computed_tokens, num_new)
+        self.chunks[request.request_id] = _Chunk(request, num_new, work)
+        self.left -= num_new
+        self.pool -= work
 
     def grow(self, chunk: _Chunk, extra: int) -> None:
+        work = self.cost.work(chunk.request.num_computed_tokens + chunk.num_new, extra)
         chunk.num_new += extra
+        chunk.work += work
         self.left -= extra
+        self.pool -= work
+
+    def fit(self, start: int, pending: int, work: float) -> int:
+        """Tokens for a prefill chunk from `start`: within `work`, the pool and the token budget."""
+        return min(self.cost.fit(start, pending, min(work, self.pool)), self.left)
 
     def drop(self, request: Request) -> None:
         """Take a preempted request out (before its guesses are forgotten)."""
         chunk = self.chunks.pop(request.request_id, None)
         if chunk is not None:
             self.left += chunk.num_new + len(request.draft_token_ids)
+            self.pool += chunk.work
 
 
 def _pending(request: Request) -> int:
@@ -92,12 +117,14 @@ class Scheduler:
         max_batch_prefill_tokens: int,
         max_batch_size: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        cost: StepCost | None = None,
     ):
         self.kv = kv_cache_manager
         # Inert unless the KV cache manager was made with prefix caching.
         self.prefix = prefix_cache or PrefixCache(kv_cache_manager, cache_salt())
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_batch_size = max_batch_size
+        self.cost = cost or StepCost()  # the default counts tokens only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -127,9 +154,9 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.max_batch_prefill_tokens)
+        budget = self.max_batch_prefill_tokens
+        plan = _StepPlan(budget, self.cost)
         preempted: list[str] = []
-        slice_size = max(1, self.max_batch_prefill_tokens // PREFILL_SLICES)
 
         # 1. Decodes (and their guesses), oldest first.
         for request in list(self.running):
@@ -140,31 +167,36 @@ class Scheduler:
             with_drafts = self._allocate_with_drafts(request, 1, plan.left) is not None
             if not with_drafts and not self._allocate_or_preempt(request, 1, plan, preempted):
                 break  # the request preempted itself: nothing newer is left
-            plan.add(request, 1)
+            plan.add_decode(request)
+
+        # The prefills' pool: small when a stream waits on this step, else the whole budget.
+        if plan.chunks or self._short_arrival(budget // PREFILL_SLICES):
+            plan.pool = self.cost.stream_pool(budget, plan.decode_work)
+        slice_work = max(1.0, plan.pool / PREFILL_SLICES)
 
         # 2a. A slice each for the running prefills, oldest first...
         for request in list(self.running):
-            if plan.left <= 0:
+            if plan.left <= 0 or plan.pool <= 0:
                 break
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
                 continue
             request.draft_token_ids = []  # guesses ride on decodes only
-            num_new = min(_pending(request), slice_size, plan.left)
+            num_new = plan.fit(request.num_computed_tokens, _pending(request), slice_work)
             if not self._allocate_or_preempt(request, num_new, plan, preempted):
                 break
-            plan.add(request, num_new)
+            plan.add_prefill(request, num_new)
 
         # 2b. ...then for waiting requests, admitted FIFO. Admitting new work while preempting
         # would only thrash the pool.
         admitted: list[str] = []
         index = 0
-        while not preempted and index < len(self.waiting) and plan.left > 0 and self._has_seat():
+        while not preempted and index < len(self.waiting) and plan.left > 0 and plan.pool > 0 and self._has_seat():
             request = self.waiting[index]
             hit = self.prefix.lookup(request)
             if hit.wait:  # its prefix is being computed this very moment: reuse it in a step or two
                 index += 1
                 continue
-            num_new = min(request.num_tokens - hit.num_tokens, slice_size, plan.left)
+            num_new = plan.fit(hit.num_tokens, request.num_tokens - hit.num_tokens, slice_work)
             if self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids) is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]
@@ -175,14 +207,17 @@ class Scheduler:
                 request.timings.num_cached_tokens = hit.num_tokens
             self.prefix.admitted(request, hit)
             admitted.append(request.request_id)
-            plan.add(request, num_new)
+            plan.add_prefill(request, num_new)
 
         # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption).
         for chunk in sorted(plan.chunks.values(), key=lambda c: _pending(c.request) - c.num_new):
-            extra = min(_pending(chunk.request) - chunk.num_new, plan.left)
             request = chunk.request
+            rest = _pending(request) - chunk.num_new
+            if rest <= 0 or plan.left <= 0 or plan.pool <= 0:
+                continue
+            extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, plan.pool)
             end = request.num_computed_tokens + chunk.num_new + extra
-            if extra > 0 and self.kv.allocate_slots(request.request_id, end) is not None:
+            if self.kv.allocate_slots(request.request_id, end) is not None:
                 plan.grow(chunk, extra)
 
         chunks = plan.chunks.values()
@@ -190,6 +225,10 @@ class Scheduler:
         for chunk in chunks:
             chunk.request.timings.batch_sizes.append(len(scheduled))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
+
+    def _short_arrival(self, slice_work: int) -> bool:
+        """Whether the next request to admit is a prompt that gives its first token in this step."""
+        return bool(self.waiting) and self._has_seat() and self.cost.work(0, self.waiting[0].num_tokens) <= slice_work
 
     def _has_seat(self) -> bool:
         return self.max_batch_size is None or len(self.running) < self.max_batch_size
