@@ -19,9 +19,11 @@ another:
 The budget bounds how long a step takes, and so how long a new arrival waits for the step in
 progress; it is sized per device (engine.builder: small on CPU). Prefill chunks are counted in work,
 not tokens (`engine.step_cost`): a chunk deep into a long prompt attends over all the keys before it,
-so it gets fewer tokens for the same time. And a step that carries streams (decodes, or a short prompt
-that gives its first token in it) gives the prefill chunks only a small pool of work: a stream's
-next token waits for the weights' read plus a bounded prefill, not for a full budget of it.
+so it gets fewer tokens for the same time. And in a step that carries streams (decodes, or a short
+prompt that gives its first token in it), the chunks that leave part of their prompt for later share
+only a small pool of work: a stream's next token waits for the weights' read plus a bounded slice of
+a long prefill, not for a full budget of it. Chunks that end their prompt are not held to the pool:
+a burst of short prompts still fills the budget, and each gets its first token in one step.
 
 When the KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
 recomputed later from its prompt and the tokens it already generated.
@@ -37,6 +39,7 @@ computing right now is passed over until that is done.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,48 +62,77 @@ class _Chunk:
 
     request: Request
     num_new: int
-    work: float = 0.0  # what it takes from the prefill pool (a decode: nothing)
+    work: float = 0.0
+    decode: bool = False
+
+    @property
+    def leaves_prompt(self) -> bool:
+        """A prefill chunk that stops short of its prompt's end: nobody gets a token from it now."""
+        return not self.decode and self.num_new < _pending(self.request)
 
 
 class _StepPlan:
-    """The chunks of one step, in step order (decodes, then prefills), its token budget left, and the
-    work its prefill chunks may still take (`pool`, set once the decodes are in)."""
+    """The chunks of one step, in step order (decodes, then prefills), its tokens and work left, and
+    the pool that bounds the chunks leaving part of their prompt for later (`open_pool`)."""
 
     def __init__(self, budget: int, cost: StepCost):
         self.chunks: dict[str, _Chunk] = {}
         self.left = budget
+        self.budget = budget
         self.cost = cost
-        self.pool = float(budget)
-        self.decode_work = 0.0
+        self.pool = math.inf
+        self.pool_slice = math.inf
+
+    def open_pool(self, pool: float) -> None:
+        """A stream waits on this step: chunks that leave part of their prompt share `pool` (a slice
+        each first, as the budget is shared)."""
+        self.pool, self.pool_slice = pool, max(1.0, pool / PREFILL_SLICES)
+
+    @property
+    def work_left(self) -> float:
+        """The prefills' work left (decodes count as tokens only, as ever: they never wait for work)."""
+        return self.budget - sum(chunk.work for chunk in self.chunks.values() if not chunk.decode)
+
+    @property
+    def pool_left(self) -> float:
+        return self.pool - sum(chunk.work for chunk in self.chunks.values() if chunk.leaves_prompt)
+
+    @property
+    def decode_work(self) -> float:
+        return sum(chunk.work for chunk in self.chunks.values() if chunk.decode)
 
     def add_decode(self, request: Request) -> None:
-        self.chunks[request.request_id] = _Chunk(request, 1)
+        work = self.cost.work(request.num_computed_tokens, 1 + len(request.draft_token_ids))
+        self.chunks[request.request_id] = _Chunk(request, 1, work, decode=True)
         self.left -= 1 + len(request.draft_token_ids)
-        self.decode_work += self.cost.work(request.num_computed_tokens, 1 + len(request.draft_token_ids))
 
     def add_prefill(self, request: Request, num_new: int) -> None:
-        work = self.cost.work(request.num_computed_tokens, num_new)
-        self.chunks[request.request_id] = _Chunk(request, num_new, work)
+        self.chunks[request.request_id] = _Chunk(request, num_new, self.cost.work(request.num_computed_tokens, num_new))
         self.left -= num_new
-        self.pool -= work
 
     def grow(self, chunk: _Chunk, extra: int) -> None:
-        work = self.cost.work(chunk.request.num_computed_tokens + chunk.num_new, extra)
+        chunk.work += self.cost.work(chunk.request.num_computed_tokens + chunk.num_new, extra)
         chunk.num_new += extra
-        chunk.work += work
         self.left -= extra
-        self.pool -= work
 
-    def fit(self, start: int, pending: int, work: float) -> int:
-        """Tokens for a prefill chunk from `start`: within `work`, the pool and the token budget."""
-        return min(self.cost.fit(start, pending, min(work, self.pool)), self.left)
+    def fit(self, start: int, pending: int, work: float, top_up: bool = False) -> int:
+        """Tokens for a prefill chunk from `start` (0: none this step): within `work`, the step's
+        work and tokens left and, for a chunk that leaves part of its prompt, the pool."""
+        if self.left <= 0 or self.work_left <= 0:
+            return 0
+        num = self.cost.fit(start, pending, min(work, self.work_left))
+        if num < pending:
+            pool_left = self.pool_left
+            if pool_left <= 0:
+                return 0
+            num = min(num, self.cost.fit(start, pending, pool_left if top_up else min(pool_left, self.pool_slice)))
+        return min(num, self.left)
 
     def drop(self, request: Request) -> None:
         """Take a preempted request out (before its guesses are forgotten)."""
         chunk = self.chunks.pop(request.request_id, None)
         if chunk is not None:
             self.left += chunk.num_new + len(request.draft_token_ids)
-            self.pool += chunk.work
 
 
 def _pending(request: Request) -> int:
@@ -169,19 +201,21 @@ class Scheduler:
                 break  # the request preempted itself: nothing newer is left
             plan.add_decode(request)
 
-        # The prefills' pool: small when a stream waits on this step, else the whole budget.
+        # A stream waits on this step: the chunks that leave part of their prompt share a small pool.
         if plan.chunks or self._short_arrival(budget // PREFILL_SLICES):
-            plan.pool = self.cost.stream_pool(budget, plan.decode_work)
-        slice_work = max(1.0, plan.pool / PREFILL_SLICES)
+            plan.open_pool(self.cost.stream_pool(budget, plan.decode_work))
+        slice_work = budget / PREFILL_SLICES
 
         # 2a. A slice each for the running prefills, oldest first...
         for request in list(self.running):
-            if plan.left <= 0 or plan.pool <= 0:
+            if plan.left <= 0 or plan.work_left <= 0:
                 break
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
                 continue
             request.draft_token_ids = []  # guesses ride on decodes only
             num_new = plan.fit(request.num_computed_tokens, _pending(request), slice_work)
+            if num_new == 0:
+                continue  # the pool is spent: it moves on in the next step
             if not self._allocate_or_preempt(request, num_new, plan, preempted):
                 break
             plan.add_prefill(request, num_new)
@@ -190,13 +224,15 @@ class Scheduler:
         # would only thrash the pool.
         admitted: list[str] = []
         index = 0
-        while not preempted and index < len(self.waiting) and plan.left > 0 and plan.pool > 0 and self._has_seat():
+        while not preempted and index < len(self.waiting) and plan.left > 0 and plan.work_left > 0 and self._has_seat():
             request = self.waiting[index]
             hit = self.prefix.lookup(request)
             if hit.wait:  # its prefix is being computed this very moment: reuse it in a step or two
                 index += 1
                 continue
             num_new = plan.fit(hit.num_tokens, request.num_tokens - hit.num_tokens, slice_work)
+            if num_new == 0:
+                break  # FIFO: the pool is spent, nobody skips ahead of it
             if self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids) is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]
@@ -213,11 +249,11 @@ class Scheduler:
         for chunk in sorted(plan.chunks.values(), key=lambda c: _pending(c.request) - c.num_new):
             request = chunk.request
             rest = _pending(request) - chunk.num_new
-            if rest <= 0 or plan.left <= 0 or plan.pool <= 0:
+            if rest <= 0:
                 continue
-            extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, plan.pool)
+            extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, math.inf, top_up=True)
             end = request.num_computed_tokens + chunk.num_new + extra
-            if self.kv.allocate_slots(request.request_id, end) is not None:
+            if extra > 0 and self.kv.allocate_slots(request.request_id, end) is not None:
                 plan.grow(chunk, extra)
 
         chunks = plan.chunks.values()

@@ -57,6 +57,8 @@ class StepCost:
         whose work is within `work`."""
         if pending <= 1 or work <= 0:
             return min(pending, 1)
+        if math.isinf(work):
+            return pending
         if math.isinf(self.context_scale):
             num = int(work)
         else:  # n²/2C + n(1 + (s + ½)/C) = work, solved for n

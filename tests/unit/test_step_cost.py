@@ -119,3 +119,20 @@ def test_the_stream_pool_grows_with_the_decodes_work():
     assert COST.stream_pool(64, 2) == 8
     assert COST.stream_pool(64, 40) == 40
     assert StepCost().stream_pool(64, 2) == 64  # tokens only: the whole budget
+
+
+def test_short_prompts_beside_a_stream_still_fill_the_budget():
+    """The pool holds back chunks that leave their prompt for later, not prompts that end in the step."""
+    kv = KVCacheManager(num_blocks=512, block_size=4)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=64, cost=COST)
+    requests = {"stream": _request("stream", 3, max_new=30)}
+    scheduler.add(requests["stream"])
+    _run_step(scheduler, requests)
+    for index in range(5):
+        requests[f"s{index}"] = _request(f"s{index}", 10, max_new=1)
+        scheduler.add(requests[f"s{index}"])
+    plan = _run_step(scheduler, requests)
+    assert [(s.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled] == [
+        ("stream", 1, True),
+        *((f"s{index}", 10, True) for index in range(5)),
+    ]
