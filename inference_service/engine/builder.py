@@ -19,6 +19,7 @@ from inference_service import progress
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
+from inference_service.engine.step_cost import StepCost
 from inference_service.errors import ModelLoadError
 from inference_service.models import context, demo, loader
 from inference_service.models.prequantized import load_prequantized
@@ -125,6 +126,8 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
         config.scheduler.max_batch_size,
         grammar_compiler,
         speculator,
+        # Prefill chunks are counted in work: attention over a long context costs as much as the weights.
+        StepCost.for_hidden_size(getattr(loaded.model.config.get_text_config(), "hidden_size", None)),
     )
     logger.info(
         "engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "

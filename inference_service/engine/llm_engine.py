@@ -25,6 +25,7 @@ from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
+from inference_service.engine.step_cost import StepCost
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
 from inference_service.outputs import (
     EngineInfo,
@@ -83,6 +84,7 @@ class LLMEngine:
         max_batch_size: int | None,
         grammar_compiler: GrammarCompiler | None = None,
         speculator: Speculator | None = None,
+        step_cost: StepCost | None = None,
     ):
         self.info = info
         self.tokenizer = tokenizer
@@ -92,7 +94,7 @@ class LLMEngine:
         self.sampler = sampler
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=info.prefix_caching)
         self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
-        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache)
+        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache, step_cost)
         self.speculator = speculator  # None: one token per request and step
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.live: dict[str, LiveRequest] = {}
