@@ -1,0 +1,185 @@
+"""Tiny random vision-language models, saved with a tokenizer and the model's own processor as a
+model folder the server loads like any local model (no hub)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+_WORDS = "the quick brown fox jumps over a lazy dog what is in this image describe picture colour red blue cat"
+IMAGE_TOKEN = "<image>"
+# LLaVA-1.5's conversation format, as its processor's chat template writes it.
+LLAVA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% if message['role'] != 'user' %}</s>{% endif %} {% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def vision_tokenizer(extra_specials: tuple[str, ...] = (IMAGE_TOKEN,)):
+    """A byte-level BPE tokenizer trained here, BOS <s> added to each encoding, EOS </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(_WORDS.split(), k=rng.randint(3, 12))) for _ in range(300)]
+    specials = ["<s>", "</s>", "<pad>", *extra_specials]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=list(extra_specials),
+    )
+
+
+def save_llava(folder: str | Path, seed: int = 0) -> Path:
+    """A tiny random LLaVA-1.5 (CLIP vision tower, Llama text model) with its LlavaProcessor:
+    32x32 images in 8x8 patches, so 16 image tokens per image."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    folder = Path(folder)
+    tokenizer = vision_tokenizer()
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_token_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # spread the projector wide so image content moves the greedy choices
+        for parameter in model.model.multi_modal_projector.parameters():
+            parameter.normal_(0.0, 0.5)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, do_center_crop=True
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+    )
+    processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's ChatML, its images between vision markers.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_qwen2_vl(folder: str | Path, seed: int = 0, model_type: str = "qwen2_vl") -> Path:
+    """A tiny random Qwen2-VL (or Qwen2.5-VL) with its processor: 28x28-pixel patches merged 2x2,
+    images resized to 56x56, so 4 image tokens per image over a 2x2 grid of multimodal positions."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, Qwen2VLImageProcessorPil
+
+    folder = Path(folder)
+    tokenizer = vision_tokenizer(QWEN_SPECIALS)
+    tokenizer.eos_token = "<|im_end|>"
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_SPECIALS}
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2}
+    if model_type == "qwen2_5_vl":
+        vision.update({"intermediate_size": 64, "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56})
+    config = AutoConfig.for_model(
+        model_type,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    processor_class = AutoProcessor.from_config if False else None  # noqa: F841 — built by class below
+    from transformers import Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE)
+    processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
