@@ -62,7 +62,9 @@ def decode(data: bytes, max_size: int, source: str = "the image") -> LoadedImage
             image = opened.convert("RGB")
     except ValidationError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+    except UnidentifiedImageError:
+        raise ValidationError(f"{source} is not an image (PNG, JPEG, WebP or GIF)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:  # a truncated or broken file
         raise ValidationError(
             f"{source} is not an image (PNG, JPEG, WebP or GIF): {shortened(str(error), 120)}"
         ) from None
