@@ -51,7 +51,8 @@ def reference(llava_dir):
 
     model = AutoModelForImageTextToText.from_pretrained(llava_dir, attn_implementation="eager").eval()
 
-    def generate(request) -> list[int]:
+    def generate(request, with_logprobs: bool = False):
+        """Greedy tokens (and each one's raw logprob) on the processor outputs the engine ran."""
         ids = torch.tensor([request.prompt_token_ids])
         pixels = torch.cat([image.pixel_values for image in request.images])
         with torch.inference_mode():
@@ -61,8 +62,15 @@ def reference(llava_dir):
                 pixel_values=pixels,
                 max_new_tokens=request.stopping.max_new_tokens,
                 do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        return out[0, ids.shape[1] :].tolist()
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        if not with_logprobs:
+            return tokens
+        steps = zip(out.logits, tokens, strict=True)
+        logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
+        return tokens, logprobs
 
     return generate
 
@@ -115,6 +123,32 @@ def test_one_image_chunked_through_it_matches_transformers(llava_engine, referen
         assert image.num_tokens == 16 and image.positions[0] < 20 < image.positions[-1]  # cut by the chunk
         assert tokens == reference(request)
     assert results[RED][1] != results[BLUE][1]  # the image decides the answer
+
+
+def test_logprobs_match_transformers(llava_engine, reference):
+    request = chat_request([RED, "what is in this image"])
+
+    async def one(engine, front_end):
+        _, [engine_request] = await front_end.chat(request, stream=False)
+        return engine_request, await engine.generate(engine_request)
+
+    engine_request, result = run(llava_engine, one)
+    tokens, logprobs = reference(engine_request, with_logprobs=True)
+    assert [token.id for token in result.tokens] == tokens
+    assert max(abs(token.logprob - expected) for token, expected in zip(result.tokens, logprobs, strict=True)) < 1e-4
+
+
+def test_speculation_with_images_matches_transformers(llava_dir, reference):
+    """n-gram guesses verified on image prompts (the tiny model repeats itself, so guesses land)."""
+    config = llava_config(llava_dir)
+    engine = build_engine(dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, speculate=3)))
+
+    async def both(engine, front_end):
+        return [await chat_tokens(engine, front_end, chat_request([c, "describe"], max_tokens=24)) for c in (RED, BLUE)]
+
+    for request, tokens in run(engine, both):
+        assert tokens == reference(request)
+    assert engine.num_accepted_tokens > 0
 
 
 def test_two_images_and_staggered_arrivals_match_transformers(llava_engine, reference):
