@@ -53,9 +53,11 @@ def vision_tokenizer(extra_specials: tuple[str, ...] = (IMAGE_TOKEN,)):
     )
 
 
-def save_llava(folder: str | Path, seed: int = 0) -> Path:
+def save_llava(
+    folder: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, image_size: int = 32
+) -> Path:
     """A tiny random LLaVA-1.5 (CLIP vision tower, Llama text model) with its LlavaProcessor:
-    32x32 images in 8x8 patches, so 16 image tokens per image."""
+    by default 32x32 images in 8x8 patches, so 16 image tokens per image."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -70,12 +72,12 @@ def save_llava(folder: str | Path, seed: int = 0) -> Path:
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
         initializer_range=0.1,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -86,7 +88,7 @@ def save_llava(folder: str | Path, seed: int = 0) -> Path:
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        image_size=32,
+        image_size=image_size,
         patch_size=8,
         projection_dim=32,
     )
@@ -107,7 +109,9 @@ def save_llava(folder: str | Path, seed: int = 0) -> Path:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, do_center_crop=True
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        do_center_crop=True,
     )
     processor = LlavaProcessor(
         image_processor=image_processor,

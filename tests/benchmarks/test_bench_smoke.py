@@ -166,3 +166,10 @@ def test_bystander_latency_quick(tmp_path, tiny_model_dir):
     assert "beside ÷ alone" in result.stdout
     data = json.loads((tmp_path / "bystander_latency.json").read_text())
     assert len(data["alone_s"]) == len(data["beside_s"]) == 1 and data["ratio"] > 0
+
+
+def test_vision_bench_quick(tmp_path):
+    run_script("vision_bench.py", "--quick", "--out", str(tmp_path))
+    table = (tmp_path / "vision.md").read_text()
+    assert "Throughput ratio" in table and "Follow-up turn" in table
+    assert json.loads((tmp_path / "vision.json").read_text())["params"]["requests"] == 4

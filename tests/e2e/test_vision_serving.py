@@ -157,3 +157,27 @@ def test_a_text_only_model_refuses_images(tiny_chat_grpc_server, start_gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError, match=r"\(llama\) is text-only"):
         client.chat.completions.create(model="m", messages=image_message(data_uri(image_bytes(RED))), max_tokens=2)
+
+
+def test_huggingface_hub_and_the_typed_client_send_images(served):
+    from huggingface_hub import InferenceClient
+
+    from textgen_client import Client
+
+    server, gateway = served
+    messages = image_message(data_uri(image_bytes(RED)))
+    expected = server.stub.ChatCompletion(
+        pb.ChatCompletionRequest(
+            model="m",
+            max_tokens=6,
+            temperature=0,
+            messages=[pb.ChatMessage(role="user", images=[pb.ImageData(data=image_bytes(RED))])],
+        ),
+        timeout=60,
+    )
+    hub = InferenceClient(base_url=gateway.url, timeout=60).chat_completion(messages, max_tokens=6, temperature=0)
+    with Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+        typed = client.chat(messages, max_tokens=6, temperature=0)
+    # The image alone (typed bytes) and the image with a question differ; the two clients agree.
+    assert hub.choices[0].message.content == typed.choices[0].message.content
+    assert hub.usage.prompt_tokens == typed.usage.prompt_tokens > expected.usage.prompt_tokens
