@@ -2,7 +2,7 @@
 batches, and a follow-up turn with the same image against the first turn (prefix caching).
 
 Model: a small random LLaVA-1.5 built here (CLIP vision tower, Llama text model, its processor; no
-download), 64x64 images in 8x8 patches, so 64 image tokens per image. Both parts run in one process
+download), 128x128 images in 8x8 patches, so 256 image tokens per image. Both parts run in one process
 on the same weights; ratios are taken within the run (this CPU is shared and noisy).
 
 - Batching: 16 requests, each a different image and a short question, greedy, EOS ignored, 32 new
@@ -42,7 +42,7 @@ from inference_service.frontend.front_end import FrontEnd  # noqa: E402
 from tests.tiny_vision import save_llava  # noqa: E402
 from textgen.v1 import generate_pb2 as pb  # noqa: E402
 
-FULL = {"requests": 16, "new_tokens": 32, "hidden": 256, "layers": 4, "image": 64}
+FULL = {"requests": 16, "new_tokens": 32, "hidden": 384, "layers": 6, "image": 128}
 QUICK = {"requests": 4, "new_tokens": 4, "hidden": 64, "layers": 2, "image": 32}
 
 

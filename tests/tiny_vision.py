@@ -125,3 +125,71 @@ def save_llava(
     processor.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_llava_next(folder: str | Path, seed: int = 0) -> Path:
+    """A tiny random LLaVA-NeXT (any-resolution tiles of 32x32 pixels, 8x8 patches, CLIP tower,
+    Llama text model) with its LlavaNextProcessor; an image's token count depends on its size."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    folder = Path(folder)
+    tokenizer = vision_tokenizer()
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            initializer_range=0.1,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for parameter in model.model.multi_modal_projector.parameters():
+            parameter.normal_(0.0, 0.5)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+    )
+    processor.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

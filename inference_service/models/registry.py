@@ -58,7 +58,7 @@ ENCODER_DECODER_REASON = (
 
 # Vision-language models served on the paged path, images merged into the prompt's embeddings
 # (tests/integration/test_vision_models.py checks each against transformers' generate).
-VISION_ARCHITECTURES = ("llava",)
+VISION_ARCHITECTURES = ("llava", "llava_next")
 VISION_NOT_YET = {
     "mllama": "its cross-attention to the image does not fit the paged cache yet",
 }

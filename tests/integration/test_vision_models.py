@@ -17,7 +17,7 @@ from inference_service.engine.builder import build_engine
 from inference_service.errors import ModelLoadError, ValidationError
 from inference_service.frontend.front_end import FrontEnd
 from tests.image_server import data_uri, image_bytes
-from tests.tiny_vision import save_llava
+from tests.tiny_vision import save_llava, save_llava_next
 from textgen.v1 import generate_pb2 as pb
 
 RED, BLUE, GREEN = (220, 20, 20), (20, 20, 220), (20, 200, 20)
@@ -47,19 +47,25 @@ def llava_engine(llava_dir):
 
 @pytest.fixture(scope="module")
 def reference(llava_dir):
+    return transformers_reference(llava_dir)
+
+
+def transformers_reference(folder):
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(llava_dir, attn_implementation="eager").eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
 
     def generate(request, with_logprobs: bool = False):
         """Greedy tokens (and each one's raw logprob) on the processor outputs the engine ran."""
         ids = torch.tensor([request.prompt_token_ids])
         pixels = torch.cat([image.pixel_values for image in request.images])
+        extras = {key: torch.cat([image.extras[key] for image in request.images]) for key in request.images[0].extras}
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 pixel_values=pixels,
+                **extras,
                 max_new_tokens=request.stopping.max_new_tokens,
                 do_sample=False,
                 output_logits=True,
@@ -75,8 +81,9 @@ def reference(llava_dir):
     return generate
 
 
-def chat_request(*turns: list, max_tokens: int = MAX_NEW) -> pb.ChatCompletionRequest:
-    """A chat request of user/assistant turns; a user turn's content is a list of colours and texts."""
+def chat_request(*turns: list, max_tokens: int = MAX_NEW, size=(40, 30)) -> pb.ChatCompletionRequest:
+    """A chat request of user/assistant turns; a user turn's content is a list of colours and texts
+    (a (colour, size) pair for an image of another size)."""
     messages = []
     for index, turn in enumerate(turns):
         if index % 2:
@@ -85,12 +92,17 @@ def chat_request(*turns: list, max_tokens: int = MAX_NEW) -> pb.ChatCompletionRe
         parts = [
             {"type": "text", "text": part}
             if isinstance(part, str)
-            else {"type": "image_url", "image_url": {"url": data_uri(image_bytes(part))}}
+            else {"type": "image_url", "image_url": {"url": data_uri(_image(part, size))}}
             for part in turn
         ]
         messages.append({"role": "user", "content": parts})
     body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "messages": messages}
     return json_format.ParseDict(body, pb.ChatCompletionRequest())
+
+
+def _image(part, size) -> bytes:
+    colour, size = part if isinstance(part[0], tuple) else (part, size)
+    return image_bytes(colour, size)
 
 
 def run(engine, coroutine_fn):
@@ -268,6 +280,34 @@ def test_bad_image_inputs_are_validation_errors(llava_engine):
     assert "at most 3 images" in errors[0]
     assert "not an image" in errors[1]
     assert len(tokens) == 2
+
+
+def test_llava_next_images_of_two_sizes_staggered_match_transformers(tmp_path_factory):
+    """LLaVA-NeXT: any-resolution tiles, so images of other shapes give other token counts (and are
+    encoded in separate batches); one request holds a wide and a tall image, another arrives later."""
+    folder = save_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))
+    engine = build_engine(llava_config(folder))
+    reference = transformers_reference(folder)
+    two = chat_request(["compare", (RED, (70, 30)), "with", (BLUE, (30, 70))], max_tokens=16)
+    one = chat_request([(GREEN, (40, 40)), "describe the picture"])
+
+    async def staggered(engine, front_end):
+        _, [first] = await front_end.chat(two, stream=False)
+        _, [second] = await front_end.chat(one, stream=False)
+        stream = engine.generate_stream(first)
+        first_tokens = []
+        async for output in stream:
+            first_tokens += [token.id for token in output.tokens]
+            if len(first_tokens) == 2:
+                later = asyncio.ensure_future(engine.generate(second))
+        second_result = await later
+        return (first, first_tokens), (second, [token.id for token in second_result.tokens])
+
+    (first, first_tokens), (second, second_tokens) = run(engine, staggered)
+    assert engine.info.vision_architecture == "llava_next"
+    assert len({image.num_tokens for image in (*first.images, *second.images)}) > 1  # sizes differ
+    assert first_tokens == reference(first)
+    assert second_tokens == reference(second)
 
 
 def test_unsupported_vision_architectures_are_refused_by_name(tmp_path, llava_dir):
