@@ -256,6 +256,7 @@ def test_typed_image_bytes_equal_a_data_uri(llava_engine):
 
 def test_bad_image_inputs_are_validation_errors(llava_engine):
     too_many = chat_request([RED, BLUE, GREEN, RED, "four"])
+    too_long = chat_request([RED, "describe " * 240])  # its image's 16 tokens push it past the limit
     not_an_image = json_format.ParseDict(
         {
             "model": "m",
@@ -268,7 +269,7 @@ def test_bad_image_inputs_are_validation_errors(llava_engine):
 
     async def bad(engine, front_end):
         errors = []
-        for request in (too_many, not_an_image):
+        for request in (too_many, not_an_image, too_long):
             with pytest.raises(ValidationError) as caught:
                 await front_end.chat(request, stream=False)
             errors.append(str(caught.value))
@@ -279,6 +280,7 @@ def test_bad_image_inputs_are_validation_errors(llava_engine):
     errors, tokens = run(llava_engine, bad)
     assert "at most 3 images" in errors[0]
     assert "not an image" in errors[1]
+    assert "`inputs` tokens + `max_new_tokens` must be <= 256" in errors[2]
     assert len(tokens) == 2
 
 
@@ -310,16 +312,11 @@ def test_llava_next_images_of_two_sizes_staggered_match_transformers(tmp_path_fa
     assert second_tokens == reference(second)
 
 
-def test_unsupported_vision_architectures_are_refused_by_name(tmp_path, llava_dir):
-    import json
-    import shutil
+@pytest.mark.parametrize("model_type", ["mllama", "qwen2_vl", "qwen2_5_vl", "paligemma", "gemma3", "idefics3"])
+def test_unsupported_vision_architectures_are_refused_by_name(tmp_path, model_type):
+    """Refused from the config alone, before any weight is read (the folder holds none)."""
+    from transformers import AutoConfig
 
-    folder = tmp_path / "mllama"
-    shutil.copytree(llava_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "mllama"
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="'mllama'"):
-        build_engine(
-            dataclasses.replace(llava_config(llava_dir), model=ModelConfig(model_id=str(folder), device="cpu"))
-        )
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"vision-language architecture '{model_type}' is not supported: "):
+        build_engine(EngineConfig(model=ModelConfig(model_id=str(tmp_path), device="cpu")))
