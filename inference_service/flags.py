@@ -186,6 +186,18 @@ ENGINE_FLAGS = (
     Flag("--max-stop-sequences", "limits.max_stop_sequences", "Most stop sequences per request.", int),
     Flag("--max-top-n-tokens", "limits.max_top_n_tokens", "Largest top_n_tokens per request.", int),
     Flag(
+        "--max-images-per-request",
+        "limits.max_images_per_request",
+        "Most images in one request (vision-language models); more get INVALID_ARGUMENT (TGI routes 422, OpenAI 400).",
+        int,
+    ),
+    Flag(
+        "--max-image-fetch-size",
+        "limits.max_image_fetch_size",
+        "Largest image in bytes, fetched from a URL or sent inline (TGI's flag).",
+        int,
+    ),
+    Flag(
         "--max-input-tokens",
         "limits.max_input_tokens",
         "Longest prompt in tokens.",

@@ -26,6 +26,7 @@ from inference_service.engine.request import FINISHED_STATUS, Request, RequestSt
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
+from inference_service.engine.vision_stage import ImageEncoder, VisionStage
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
 from inference_service.outputs import (
     EngineInfo,
@@ -96,6 +97,10 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
         self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache, step_cost)
         self.speculator = speculator  # None: one token per request and step
+        # Vision-language models: the encoder's stage at admission (None: text only).
+        encoder = runner if info.vision_architecture and isinstance(runner, ImageEncoder) else None
+        self.vision = VisionStage(encoder) if encoder is not None else None
+        self.processor: object | None = None  # the model's processor, for the front end (vision models)
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.live: dict[str, LiveRequest] = {}
         self.num_steps = 0
@@ -110,6 +115,10 @@ class LLMEngine:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping)
+        if spec.images:
+            if self.vision is None:
+                raise ValueError("this engine's model takes no images")
+            request.with_images(spec.images)
         start = self.info.decoder_start_token_id
         if start is not None:  # an encoder-decoder: the prompt feeds the encoder, the decoder starts from one token
             request.encoder_token_ids = request.prompt_token_ids
@@ -192,6 +201,10 @@ class LLMEngine:
         started = time.perf_counter()
         self._forward_clock.start()
         try:
+            if self.vision is not None:
+                self.vision.prepare(
+                    plan.scheduled, {item.request_id: self.live[item.request_id].request for item in plan.scheduled}
+                )
             step_logits = self.runner.execute(plan.scheduled)
         except Exception:  # noqa: BLE001 — contain it to this step's requests
             logger.exception("model step failed for %d requests", len(plan.scheduled))
