@@ -173,6 +173,28 @@ MODEL_FLAGS = (
         "The model's name in the API: /info's model_id, /v1/models, the `model` of OpenAI responses.",
         default_text="--model-id; a .gguf file's name without its folder",
     ),
+    Flag(
+        "--lora-adapters",
+        "model.lora_adapters",
+        "LoRA adapters served beside the base model (TGI's form): comma-separated `name=path` or a path "
+        "or hub id (named as given), each a folder in PEFT's format (adapter_config.json + "
+        "adapter_model.safetensors). Requests pick one by `adapter_id` or OpenAI's `model`.",
+        default_text="none",
+    ),
+    Flag(
+        "--max-lora-rank",
+        "model.max_lora_rank",
+        "The largest LoRA rank an adapter may have; a larger one is refused.",
+        int,
+    ),
+    Flag(
+        "--max-loras",
+        "model.max_loras",
+        "LoRA adapters resident at once (at start and loaded at run time); giving it turns adapters on "
+        "even without --lora-adapters.",
+        int,
+        default_text="8, or as many as --lora-adapters names",
+    ),
 )
 
 ENGINE_FLAGS = (

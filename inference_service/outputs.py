@@ -41,6 +41,8 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     # Encoder-decoders: the encoder's input, on the request's first chunk (again after a preemption).
     encoder_token_ids: list[int] | None = None
+    # The LoRA adapter of every row of this request (None: the base model's weights alone).
+    adapter_id: str | None = None
 
     @property
     def num_known_tokens(self) -> int:

@@ -74,6 +74,7 @@ class AsyncEngine:
         self.info: EngineInfo = engine.info
         self.tokenizer = engine.tokenizer
         self.grammar_compiler: GrammarCompiler | None = engine.grammar_compiler  # the front end's
+        self.adapters = engine.adapters  # resident LoRA adapters (None: none served)
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0
         self._commands: queue.Queue[Command] = queue.Queue()

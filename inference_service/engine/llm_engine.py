@@ -26,6 +26,7 @@ from inference_service.engine.request import FINISHED_STATUS, Request, RequestSt
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled
+from inference_service.models.lora_registry import AdapterRegistry
 from inference_service.outputs import (
     EngineInfo,
     EngineStats,
@@ -82,6 +83,7 @@ class LLMEngine:
         max_batch_size: int | None,
         grammar_compiler: GrammarCompiler | None = None,
         speculator: Speculator | None = None,
+        adapters: AdapterRegistry | None = None,
     ):
         self.info = info
         self.tokenizer = tokenizer
@@ -90,7 +92,9 @@ class LLMEngine:
         self.runner = runner
         self.sampler = sampler
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=info.prefix_caching)
-        self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
+        self.adapters = adapters  # resident LoRA adapters; None: the server serves none
+        salt = prefix_cache_salt(info)
+        self.prefix_cache = PrefixCache(self.kv, salt, self._adapter_salt_from(salt) if adapters else None)
         self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache)
         self.speculator = speculator  # None: one token per request and step
         self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -102,11 +106,22 @@ class LLMEngine:
         self._eos_ids = frozenset(info.eos_token_ids)
         self._special_ids = special_token_ids(tokenizer) | self._eos_ids
 
+    def _adapter_salt_from(self, salt: bytes) -> Callable[[str], bytes]:
+        def adapter_salt(name: str) -> bytes:
+            info = self.adapters.info(name) if self.adapters is not None else None
+            if info is None:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded")
+            return cache_salt(salt.hex(), "lora", name, info.fingerprint)
+
+        return adapter_salt
+
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request_id: str, spec: EngineRequest) -> None:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping)
+        request = Request(
+            request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping, adapter_id=spec.adapter_id
+        )
         start = self.info.decoder_start_token_id
         if start is not None:  # an encoder-decoder: the prompt feeds the encoder, the decoder starts from one token
             request.encoder_token_ids = request.prompt_token_ids

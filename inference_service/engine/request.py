@@ -55,6 +55,7 @@ class Request:
     # Encoder-decoders: the caller's prompt, read by the encoder; `prompt_token_ids` is then the
     # decoder's start (its K/V is what the blocks budget).
     encoder_token_ids: list[int] | None = None
+    adapter_id: str | None = None  # the LoRA adapter computing it; None: the base model
 
     @property
     def num_input_tokens(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from inference_service.errors import ModelLoadError
 from inference_service.frontend import anthropic, openai, reasoning, tgi, tool_parsers
+from inference_service.frontend.adapters import AdapterNames
 from inference_service.frontend.anthropic import MessagesPlan
 from inference_service.frontend.chat_template import ChatTemplate, load_template_file
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
@@ -39,15 +40,17 @@ class FrontEnd:
         rng: random.Random | None = None,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        adapters: AdapterNames | None = None,
     ):
         self.info = info
+        self.adapters = adapters or AdapterNames(info.model_id)
         self.tokenizer = tokenizer
         self.chat_template = ChatTemplate(tokenizer, chat_template)
         # The model's own formats: named by the flags, else recognised in its chat template.
         self.reasoning = reasoning.reasoning_syntax(reasoning_parser, self.chat_template.source)
         self.tool_syntax = tool_parsers.tool_syntax(tool_call_parser, self.chat_template.source)
         self.token_bytes = token_bytes_reader(tokenizer)
-        self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler)
+        self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler, adapters=self.adapters)
         self.has_fill_in_middle = openai.has_fill_in_middle(tokenizer)
         self._rng = rng or random.SystemRandom()
 
@@ -67,6 +70,7 @@ class FrontEnd:
                 template = load_template_file(chat_template_file)
             except (OSError, ValueError) as error:
                 raise ModelLoadError(f"--chat-template: {error}") from error
+        registry = getattr(engine, "adapters", None)
         return cls(
             engine.info,
             engine.tokenizer,
@@ -74,6 +78,7 @@ class FrontEnd:
             template,
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
+            adapters=AdapterNames(engine.info.model_id, registry.names if registry is not None else None),
         )
 
     # -- TGI ------------------------------------------------------------------------------
@@ -100,6 +105,7 @@ class FrontEnd:
     async def chat(self, request: pb.ChatCompletionRequest, *, stream: bool) -> tuple[ChatPlan, list[EngineRequest]]:
         """The conversation rendered by the chat template, validated; one request per choice."""
         plan = openai.chat_plan(request, self.tool_syntax, self.reasoning)
+        plan.parameters.adapter_id = self.adapters.from_openai_model(request.model)
         plan.token_bytes = self.token_bytes
         return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
 
@@ -128,6 +134,7 @@ class FrontEnd:
     ) -> tuple[CompletionPlan, list[EngineRequest]]:
         """Each prompt validated; `n` requests per prompt, prompt by prompt."""
         plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
+        plan.parameters.adapter_id = self.adapters.from_openai_model(request.model)
         return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"), stream)
 
     def _completion_choices(self, plan: CompletionPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:

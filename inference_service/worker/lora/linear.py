@@ -1,0 +1,75 @@
+"""Linears that add the LoRA update of each row's adapter to the base projection's output.
+
+`LoraLinear` wraps one base projection (any kind: nn.Linear, native, panelled, quantized) and
+`LoraFused` a fused one of the decode plan (q|k|v or gate|up), adding each part's update to its
+slice of the output columns. Per group of rows sharing an adapter: shrink (x · A, [n, r]) then
+expand (· B, [n, out]) and add into those rows. With no adapter in the step they cost one
+contextvar read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from inference_service.worker.lora.batch import current_step
+from inference_service.worker.lora.weights import Site
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, site: Site, columns: slice | None = None) -> torch.Tensor:
+    """y [..., out] += each group's update of x [..., in] at `site` (into `columns` of y when given)."""
+    step = current_step()
+    if step is None:
+        return y
+    x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+    y2 = y.view(-1, y.shape[-1])  # [T, out]: y is the base's fresh output
+    if columns is not None:
+        y2 = y2[:, columns]
+    for group in step.groups:
+        pair = group.adapter.pairs.get(site)
+        if pair is None:
+            continue
+        if group.rows is None:
+            y2 += ((x2.to(pair.a.dtype) @ pair.a) @ pair.b).to(y2.dtype)
+        else:
+            part = x2.index_select(0, group.rows).to(pair.a.dtype)  # [n, in]
+            y2.index_add_(0, group.rows, ((part @ pair.a) @ pair.b).to(y2.dtype))
+    return y
+
+
+class LoraLinear(torch.nn.Module):
+    """base(x) plus the LoRA update of each row's adapter for this projection."""
+
+    def __init__(self, base: torch.nn.Module, site: Site):
+        super().__init__()
+        self.base = base
+        self.site = site
+        shape: Any = base  # every linear kind has in_features and out_features
+        self.in_features: int = shape.in_features
+        self.out_features: int = shape.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return add_lora(x, self.base(x), self.site)
+
+
+class LoraFused(torch.nn.Module):
+    """A fused projection (the decode plan's q|k|v or gate|up) plus each part's LoRA update in its
+    own columns."""
+
+    def __init__(self, base: torch.nn.Module, parts: list[tuple[Site, int]]):
+        super().__init__()
+        self.base = base
+        self.parts: list[tuple[Site, slice]] = []
+        start = 0
+        for site, width in parts:
+            self.parts.append((site, slice(start, start + width)))
+            start += width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if current_step() is None:
+            return y
+        for site, columns in self.parts:
+            add_lora(x, y, site, columns)
+        return y
