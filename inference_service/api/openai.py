@@ -146,7 +146,11 @@ class OpenAIRoutes:
 
     @unary_errors
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.ModelCard:
-        info, asked = self._backend.engine().info, request.id  # the gateway decoded the path (`%2F`, `%25`)
-        if asked != info.model_id:
+        engine = self._backend.engine()
+        info, asked = engine.info, request.id  # the gateway decoded the path (`%2F`, `%25`)
+        if asked == info.model_id:
+            return convert.model_card(info)
+        adapter = next((a for a in engine.adapters.infos() if a.name == asked), None) if engine.adapters else None
+        if adapter is None:
             raise NotFoundError(f"The model {quoted(asked)} does not exist: this server serves '{info.model_id}'")
-        return convert.model_card(info)
+        return convert.adapter_card(info, adapter)

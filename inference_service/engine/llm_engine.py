@@ -25,7 +25,7 @@ from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
-from inference_service.errors import GenerationError, InferenceError, RequestCancelled
+from inference_service.errors import GenerationError, InferenceError, NotFoundError, RequestCancelled
 from inference_service.models.lora_registry import AdapterRegistry
 from inference_service.outputs import (
     EngineInfo,
@@ -119,6 +119,9 @@ class LLMEngine:
     def add_request(self, request_id: str, spec: EngineRequest) -> None:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if spec.adapter_id is not None and (self.adapters is None or not self.adapters.is_resident(spec.adapter_id)):
+            # validated while it was loaded, unloaded since: refused before it runs
+            raise NotFoundError(f"the LoRA adapter {spec.adapter_id!r} is no longer loaded")
         request = Request(
             request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping, adapter_id=spec.adapter_id
         )
@@ -141,6 +144,14 @@ class LLMEngine:
         if request_id not in self.live:
             return None
         return self._fail(request_id, RequestCancelled(reason), RequestStatus.FINISHED_ABORTED)
+
+    def try_unload_adapter(self, name: str) -> bool:
+        """Drop the adapter if no request runs or waits on it (on the engine thread, between steps,
+        so no step ever finds its weights gone); False: some still do."""
+        if self.adapters is None or any(live.request.adapter_id == name for live in self.live.values()):
+            return False
+        self.adapters.unload(name)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.live)

@@ -54,19 +54,33 @@ class AdapterRegistry:
         self.base_name = base_name
         self.hub_cache = hub_cache
         self._infos: dict[str, AdapterInfo] = {}
+        self._unloading: set[str] = set()  # still resident, refused to new requests
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
-        return list(self._infos)
+        """The adapters new requests may name (not those being unloaded)."""
+        return [name for name in self._infos if name not in self._unloading]
 
     def infos(self) -> list[AdapterInfo]:
-        return list(self._infos.values())
+        return [info for name, info in self._infos.items() if name not in self._unloading]
+
+    def is_resident(self, name: str) -> bool:
+        """Its weights are in the table (requests already running on it may go on)."""
+        return name in self._infos
+
+    def begin_unload(self, name: str) -> None:
+        """Refuse new requests naming it from now on; `unload` drops it once none runs."""
+        with self._lock:
+            if name not in self._infos or name in self._unloading:
+                raise KeyError(name)
+            self._unloading.add(name)
+
+    def cancel_unload(self, name: str) -> None:
+        with self._lock:
+            self._unloading.discard(name)
 
     def info(self, name: str) -> AdapterInfo | None:
         return self._infos.get(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._infos
 
     def load(self, name: str, source: str) -> AdapterInfo:
         """Read, check and make resident one adapter; AdapterError (nothing changed) otherwise."""
@@ -94,6 +108,7 @@ class AdapterRegistry:
             if name not in self._infos:
                 raise AdapterError(f"no LoRA adapter named {name!r} is loaded")
             self._infos = {k: v for k, v in self._infos.items() if k != name}
+            self._unloading.discard(name)
             self.table.remove(name)
         logger.info("unloaded LoRA adapter %s", name)
 
