@@ -44,7 +44,8 @@ def test_generate_and_completions_pick_the_adapter(lora_gateway):
     base_id = lora_gateway.server.engine.info.model_id
     generate = {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8}}
     _, base = _post(lora_gateway, "/generate", generate)
-    _, adapted = _post(lora_gateway, "/generate", {**generate, "parameters": {"max_new_tokens": 8, "adapter_id": "alpha"}})
+    with_adapter = {**generate, "parameters": {"max_new_tokens": 8, "adapter_id": "alpha"}}
+    _, adapted = _post(lora_gateway, "/generate", with_adapter)
     assert adapted["generated_text"] != base["generated_text"]
     completion = {"model": "alpha", "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0}
     status, answer = _post(lora_gateway, "/v1/completions", completion)
@@ -59,7 +60,8 @@ def test_unknown_adapters_are_404_naming_the_loaded_ones(lora_gateway):
     )
     assert status == 404 and body["error_type"] == "not_found" and "'alpha'" in body["error"]
     status, body = _post(lora_gateway, "/v1/completions", {"model": "nope", "prompt": "a", "max_tokens": 2})
-    assert status == 404 and "'nope' does not exist" in body["error"]["message"] and "'alpha'" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert status == 404 and "'nope' does not exist" in message and "'alpha'" in message
 
 
 def test_models_list_adapters_with_their_parent(lora_gateway, adapter_dirs):

@@ -8,9 +8,12 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
+from peft import PeftModel
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.builder import build_engine
 from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 from tests.engine_calls import idle, validated
 from tests.lora_adapters import greedy_reference, make_adapter, peft_model
@@ -135,3 +138,38 @@ def test_preempted_rows_recompute_with_their_adapter(tiny_model_dir, adapters, r
     runs = asyncio.run(main())
     assert engine.stats().num_preemptions > 0
     _check_against_peft(runs, references)
+
+
+def test_a_quantized_base_plus_the_float_adapter(tiny_model_dir, adapters):
+    """int8 (eetq) base weights with float adapters: each row equals peft's adapter over a float twin
+    carrying the same int8 weights, dequantized."""
+    config = _config(tiny_model_dir, adapters)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, quantize="eetq"))
+    built = build_engine(config)
+    twin = peft_model(tiny_model_dir, None)
+    num_quantized = 0
+    with torch.no_grad():
+        for name, module in built.runner.model.named_modules():
+            if hasattr(module, "packed"):
+                twin.get_submodule(name.removesuffix(".base")).weight.copy_(module.packed.dequantize())
+                num_quantized += 1
+    assert num_quantized == 2 * 7 + 1  # every projection and the head
+    engine = AsyncEngine(built, max_concurrent_requests=64)
+    engine.start()
+
+    async def main():
+        runs = await _run(engine, 0.01)
+        await engine.shutdown(5.0)
+        return runs
+
+    runs = asyncio.run(main())
+    references = {None: twin}
+    for name, path in adapters.items():
+        reference = peft_model(tiny_model_dir, None)
+        reference.load_state_dict(twin.state_dict())
+        references[name] = PeftModel.from_pretrained(reference, path).eval()
+    _REFERENCE.clear()  # other bases' references must not answer for this one
+    try:
+        _check_against_peft(runs, references)
+    finally:
+        _REFERENCE.clear()
