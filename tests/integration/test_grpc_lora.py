@@ -185,3 +185,22 @@ def test_adapters_off_refuse_loading(tiny_grpc_server, adapter_dirs):
     request = pb.LoadLoraAdapterRequest(lora_name="alpha", lora_path=str(adapter_dirs["alpha"]))
     code, message, _ = _code_and_message(lambda: tiny_grpc_server.stub.LoadLoraAdapter(request, timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "--lora-adapters or --max-loras" in message
+
+
+def _lora_requests(server, adapter: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = server.stub.Metrics(pb.MetricsRequest(), timeout=30).data.decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tgi_lora_request_count_total" and sample.labels == {"adapter": adapter}:
+                return sample.value
+    return 0.0
+
+
+def test_each_adapter_has_a_request_counter(server):
+    before = _lora_requests(server, "alpha")
+    for _ in range(3):
+        _generate(server.stub, "alpha", max_new_tokens=2)
+    _generate(server.stub, None, max_new_tokens=2)  # the base's requests are not counted per adapter
+    assert _lora_requests(server, "alpha") == before + 3
