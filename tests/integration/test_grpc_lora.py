@@ -204,3 +204,19 @@ def test_each_adapter_has_a_request_counter(server):
         _generate(server.stub, "alpha", max_new_tokens=2)
     _generate(server.stub, None, max_new_tokens=2)  # the base's requests are not counted per adapter
     assert _lora_requests(server, "alpha") == before + 3
+
+
+def test_the_typed_client_picks_lists_and_refuses_adapters(server, adapter_dirs):
+    from textgen_client import Client, LoraAdapter, NotFoundError
+
+    with Client(server.target) as client:
+        base = client.generate(PROMPT, max_new_tokens=8, details=True)
+        adapted = client.generate(PROMPT, max_new_tokens=8, details=True, adapter_id="alpha")
+        assert [t.id for t in adapted.details.tokens] == _generate(server.stub, "alpha", max_new_tokens=8)
+        assert adapted.generated_text != base.generated_text
+        assert LoraAdapter("alpha", str(adapter_dirs["alpha"]), 8) in client.info().lora_adapters
+        card = client.model("alpha")
+        assert (card.parent, card.root) == (server.engine.info.model_id, str(adapter_dirs["alpha"]))
+        assert client.model().parent is None
+        with pytest.raises(NotFoundError, match="'alpha'"):
+            client.generate(PROMPT, max_new_tokens=2, adapter_id="nope")
