@@ -58,11 +58,17 @@ def _add_groups(step: LoraStep, x: torch.Tensor, y: torch.Tensor, site: Site, co
         pair = group.adapter.pairs.get(site)
         if pair is None:
             continue
+        part = x2 if group.rows is None else x2.index_select(0, group.rows)  # [n, in]
+        if part.dtype != pair.a.dtype:  # a bf16/fp16 base: the adapter computes in float
+            part = part.to(pair.a.dtype)
+        if group.rows is None and y2.dtype == pair.b.dtype:
+            y2.addmm_(part @ pair.a, pair.b)  # shrink, then expand added in place
+            continue
+        update = (part @ pair.a) @ pair.b  # [n, out]
         if group.rows is None:
-            y2 += ((x2.to(pair.a.dtype) @ pair.a) @ pair.b).to(y2.dtype)
+            y2 += update.to(y2.dtype)
         else:
-            part = x2.index_select(0, group.rows).to(pair.a.dtype)  # [n, in]
-            y2.index_add_(0, group.rows, ((part @ pair.a) @ pair.b).to(y2.dtype))
+            y2.index_add_(0, group.rows, update.to(y2.dtype))
 
 
 class LoraLinear(torch.nn.Module):
