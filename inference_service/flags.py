@@ -339,9 +339,11 @@ SERVER_FLAGS = (
         "Key that generation and tokenization need, sent as 'Authorization: Bearer <key>' (or Anthropic's "
         "'x-api-key: <key>'): TGI's REST /, /invocations, /generate, /generate_stream, /tokenize, OpenAI's "
         "/v1/chat/completions, /v1/completions, /v1/responses (and GET/DELETE /v1/responses/{id}) and "
-        "Anthropic's /v1/messages, /v1/messages/count_tokens (gRPC Generate, GenerateStream, CompatGenerate, "
+        "Anthropic's /v1/messages, /v1/messages/count_tokens, vLLM's /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter (gRPC Generate, GenerateStream, CompatGenerate, "
         "Tokenize, ChatCompletion, ChatCompletionStream, Completion, CompletionStream, CreateResponse, "
-        "CreateResponseStream, GetResponse, DeleteResponse, Messages, MessagesStream, CountMessageTokens). "
+        "CreateResponseStream, GetResponse, DeleteResponse, Messages, MessagesStream, CountMessageTokens, "
+        "LoadLoraAdapter, UnloadLoraAdapter). "
         "Open without it, as in "
         "TGI: /health, /info, /metrics, /v1/models, /docs, "
         "/openapi.json (gRPC Health, Info, Metrics, ListModels, GetModel, the health service, reflection).",

@@ -248,6 +248,8 @@ def test_api_key_help_names_every_guarded_call_and_route():
         "/v1/responses",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     )
     for path in routes:
         assert path in guarded and path not in open_part
