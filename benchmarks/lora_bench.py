@@ -9,7 +9,7 @@ Three ratios, each measured side by side (runs alternate, best of `--runs`):
 Every request generates exactly `--new-tokens` tokens greedily (EOS ignored). The adapters are made
 here with peft (random, non-zero B), in PEFT's on-disk format.
 
-Usage: python benchmarks/lora_bench.py [--quick] [--model-id ID] [--runs N]
+Usage: python benchmarks/lora_bench.py [--quick] [--model-id ID] [--runs N] [--new-tokens N] [--prompt-tokens N]
 """
 
 from __future__ import annotations
@@ -102,11 +102,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-id", default=None)
     parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
-    if args.runs:
-        settings["runs"] = args.runs
+    for key in ("runs", "new_tokens", "prompt_tokens"):
+        if getattr(args, key):
+            settings[key] = getattr(args, key)
     model_id = tiny_model.resolve(args.model_id or ("tiny" if args.quick else DEMO_MODEL_ID))
     path = loader.resolve_model(ModelConfig(model_id=model_id)).path
     workdir = Path(tempfile.mkdtemp(prefix="lora-bench-"))
