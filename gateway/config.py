@@ -229,7 +229,12 @@ OPENAI_PATHS = (
     # Envoy's size limit.
     + "|".join(
         sorted(
-            {r.rpc.removesuffix("Stream") for r in rest_routes() if r.kind.startswith("openai") and r.method == "POST"}
+            {
+                # the LoRA adapter routes (vLLM's) folded into one pattern, for the same reason
+                "[A-Za-z]+LoraAdapter" if r.rpc.endswith("LoraAdapter") else r.rpc.removesuffix("Stream")
+                for r in rest_routes()
+                if r.kind.startswith("openai") and r.method == "POST"
+            }
         )
     )
     + ")(Stream)?)$"

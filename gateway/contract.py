@@ -42,6 +42,8 @@ KINDS = {
     "Docs": "raw",
     "ListModels": "json",
     "GetModel": "openai",
+    "LoadLoraAdapter": "openai",
+    "UnloadLoraAdapter": "openai",
     "ChatCompletion": "openai",
     "ChatCompletionStream": "openai_stream",
     "Completion": "openai",

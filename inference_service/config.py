@@ -51,6 +51,15 @@ class ModelConfig:
     served_model_name: str | None = None
     reasoning_parser: str | None = None  # a name of REASONING_PARSERS; None: from the chat template
     tool_call_parser: str | None = None  # a name of TOOL_CALL_PARSERS; None: from the chat template
+    # LoRA adapters served beside the base (TGI's --lora-adapters: comma-separated `name=path` or a
+    # path / hub id); None: none at start. Adapters are on when this or max_loras is given.
+    lora_adapters: str | None = None
+    max_lora_rank: int = 64  # the largest rank an adapter may have
+    max_loras: int | None = None  # adapters resident at once; None: 8 (at least those of lora_adapters)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_adapters and self.lora_adapters.strip()) or self.max_loras is not None
 
     def __post_init__(self) -> None:
         _require(
@@ -78,6 +87,8 @@ class ModelConfig:
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not {self.tool_call_parser!r}",
         )
+        _require(self.max_lora_rank >= 1, "--max-lora-rank must be >= 1")
+        _require(self.max_loras is None or self.max_loras >= 1, "--max-loras must be >= 1")
 
 
 @dataclass(frozen=True)

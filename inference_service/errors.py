@@ -83,6 +83,23 @@ class NotFoundError(InferenceError):
     error_type = "not_found"
 
 
+class AdapterLoadError(ValidationError):
+    """A LoRA adapter that can't be loaded (bad files, shapes, rank, options, or no room): the server
+    and the other adapters go on serving."""
+
+    error_type = "validation"
+
+    def __init__(self, detail: str):
+        InferenceError.__init__(self, detail)
+        self.detail = detail
+
+
+class AdapterBusyError(InferenceError):
+    """An unload that could not happen: requests kept running on the adapter. It keeps serving."""
+
+    error_type = "conflict"
+
+
 class OverloadedError(InferenceError):
     """More requests in flight than `--max-concurrent-requests` allows."""
 

@@ -173,6 +173,28 @@ MODEL_FLAGS = (
         "The model's name in the API: /info's model_id, /v1/models, the `model` of OpenAI responses.",
         default_text="--model-id; a .gguf file's name without its folder",
     ),
+    Flag(
+        "--lora-adapters",
+        "model.lora_adapters",
+        "LoRA adapters served beside the base model (TGI's form): comma-separated `name=path` or a path "
+        "or hub id (named as given), each a folder in PEFT's format (adapter_config.json + "
+        "adapter_model.safetensors). Requests pick one by `adapter_id` or OpenAI's `model`.",
+        default_text="none",
+    ),
+    Flag(
+        "--max-lora-rank",
+        "model.max_lora_rank",
+        "The largest LoRA rank an adapter may have; a larger one is refused.",
+        int,
+    ),
+    Flag(
+        "--max-loras",
+        "model.max_loras",
+        "LoRA adapters resident at once (at start and loaded at run time); giving it turns adapters on "
+        "even without --lora-adapters.",
+        int,
+        default_text="8, or as many as --lora-adapters names",
+    ),
 )
 
 ENGINE_FLAGS = (
@@ -331,9 +353,11 @@ SERVER_FLAGS = (
         "Key that generation and tokenization need, sent as 'Authorization: Bearer <key>' (or Anthropic's "
         "'x-api-key: <key>'): TGI's REST /, /invocations, /generate, /generate_stream, /tokenize, OpenAI's "
         "/v1/chat/completions, /v1/completions, /v1/responses (and GET/DELETE /v1/responses/{id}) and "
-        "Anthropic's /v1/messages, /v1/messages/count_tokens (gRPC Generate, GenerateStream, CompatGenerate, "
+        "Anthropic's /v1/messages, /v1/messages/count_tokens, vLLM's /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter (gRPC Generate, GenerateStream, CompatGenerate, "
         "Tokenize, ChatCompletion, ChatCompletionStream, Completion, CompletionStream, CreateResponse, "
-        "CreateResponseStream, GetResponse, DeleteResponse, Messages, MessagesStream, CountMessageTokens). "
+        "CreateResponseStream, GetResponse, DeleteResponse, Messages, MessagesStream, CountMessageTokens, "
+        "LoadLoraAdapter, UnloadLoraAdapter). "
         "Open without it, as in "
         "TGI: /health, /info, /metrics, /v1/models, /docs, "
         "/openapi.json (gRPC Health, Info, Metrics, ListModels, GetModel, the health service, reflection).",

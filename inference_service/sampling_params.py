@@ -89,6 +89,7 @@ class EngineRequest:
     grammar: Grammar | None = None  # the output must match it
     text_prefix: str = ""  # put before the final generated_text (TGI's return_full_text: the prompt)
     images: tuple[ImageInput, ...] = ()  # in prompt order
+    adapter_id: str | None = None  # the LoRA adapter that serves it; None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,6 +39,8 @@ GUARDED_METHODS = frozenset(
         "CreateResponseStream",
         "GetResponse",
         "DeleteResponse",
+        "LoadLoraAdapter",
+        "UnloadLoraAdapter",
     )
 )
 

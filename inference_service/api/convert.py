@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from inference_service import __version__, outputs
 from inference_service.config import SchedulerConfig
 from inference_service.frontend.parameters import TokenSpan
+from inference_service.models.lora_registry import AdapterInfo
 from textgen.v1 import generate_pb2 as pb
 
 ROUTER = "inference-service"
@@ -119,9 +120,15 @@ def stats_to_pb(stats: outputs.EngineStats) -> pb.EngineStats:
     )
 
 
-def info_to_pb(info: outputs.EngineInfo, scheduler: SchedulerConfig, stats: outputs.EngineStats) -> pb.InfoResponse:
-    """TGI's /info fields, the older ones (≤ 2.2) too, and the engine's live stats."""
+def info_to_pb(
+    info: outputs.EngineInfo,
+    scheduler: SchedulerConfig,
+    stats: outputs.EngineStats,
+    adapters: Sequence[AdapterInfo] = (),
+) -> pb.InfoResponse:
+    """TGI's /info fields, the older ones (≤ 2.2) too, the engine's live stats and the loaded adapters."""
     return pb.InfoResponse(
+        lora_adapters=[pb.LoraAdapter(id=a.name, source=a.source, rank=a.rank) for a in adapters],
         model_id=info.model_id,
         model_sha=info.model_sha,
         model_dtype=info.dtype,
@@ -157,6 +164,18 @@ def model_card(info: outputs.EngineInfo) -> pb.ModelCard:
     return pb.ModelCard(id=info.model_id, object="model", created=info.loaded_at, owned_by=info.model_id)
 
 
-def models_to_pb(info: outputs.EngineInfo) -> pb.ListModelsResponse:
-    """OpenAI's model list, as TGI answers it: the served model alone."""
-    return pb.ListModelsResponse(object="list", data=[model_card(info)])
+def adapter_card(info: outputs.EngineInfo, adapter: AdapterInfo) -> pb.ModelCard:
+    """A LoRA adapter's card, as vLLM lists one: its parent is the base model."""
+    return pb.ModelCard(
+        id=adapter.name,
+        object="model",
+        created=info.loaded_at,
+        owned_by=info.model_id,
+        root=adapter.source,
+        parent=info.model_id,
+    )
+
+
+def models_to_pb(info: outputs.EngineInfo, adapters: Sequence[AdapterInfo] = ()) -> pb.ListModelsResponse:
+    """OpenAI's model list: the served model (TGI's answer), then each loaded LoRA adapter."""
+    return pb.ListModelsResponse(object="list", data=[model_card(info)] + [adapter_card(info, a) for a in adapters])

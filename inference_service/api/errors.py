@@ -48,6 +48,7 @@ STATUS_CODES: dict[str, grpc.StatusCode] = {
     "template_error": grpc.StatusCode.INVALID_ARGUMENT,
     "tool_error": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
+    "conflict": grpc.StatusCode.ABORTED,
     "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "generation": grpc.StatusCode.INTERNAL,
     "cancelled": grpc.StatusCode.CANCELLED,

@@ -31,6 +31,11 @@ def _header(model_id: str, prefix: str) -> ResponseHeader:
     return ResponseHeader(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model_id)
 
 
+def _served(engine: Any, choices: Sequence[EngineRequest]) -> str:
+    """The `model` a response names: the LoRA adapter that answered, else the base model."""
+    return choices[0].adapter_id or engine.info.model_id
+
+
 def _errors_of(chunk_type: type) -> Callable:
     return stream_errors(
         lambda message, error_type: chunk_type(error=pb.OpenAIError(message=message, code=error_type)),
@@ -53,7 +58,7 @@ class OpenAIRoutes:
             call.validated(choices[0])
             results = await engine.generate_all(choices)
             call.finished(results[0])
-            return openai_responses.chat_response(results, plan, _header(engine.info.model_id, "chatcmpl"))
+            return openai_responses.chat_response(results, plan, _header(_served(engine, choices), "chatcmpl"))
 
     @_errors_of(pb.ChatCompletionChunk)
     async def ChatCompletionStream(
@@ -61,7 +66,7 @@ class OpenAIRoutes:
     ) -> AsyncIterator[pb.ChatCompletionChunk]:
         with self._backend.observer.track("ChatCompletionStream", context) as call:
             plan, choices = await self._backend.front_end().chat(request, stream=True)
-            header = _header(self._backend.engine().info.model_id, "chatcmpl")
+            header = _header(_served(self._backend.engine(), choices), "chatcmpl")
             readers = [ChatChoiceStream(i, plan) for i in range(len(choices))]
             chunks = self._stream_choices(
                 call,
@@ -84,7 +89,7 @@ class OpenAIRoutes:
             call.validated(choices[0])
             results = await engine.generate_all(choices)
             call.finished(results[0])
-            return openai_responses.completion_response(results, plan, _header(engine.info.model_id, "cmpl"))
+            return openai_responses.completion_response(results, plan, _header(_served(engine, choices), "cmpl"))
 
     @_errors_of(pb.CompletionResponse)
     async def CompletionStream(
@@ -92,7 +97,7 @@ class OpenAIRoutes:
     ) -> AsyncIterator[pb.CompletionResponse]:
         with self._backend.observer.track("CompletionStream", context) as call:
             plan, choices = await self._backend.front_end().completion(request)
-            header = _header(self._backend.engine().info.model_id, "cmpl")
+            header = _header(_served(self._backend.engine(), choices), "cmpl")
             readers = [
                 CompletionChoiceStream(i, plan.prompts[i // plan.num_choices], plan) for i in range(len(choices))
             ]
@@ -141,7 +146,11 @@ class OpenAIRoutes:
 
     @unary_errors
     async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.ModelCard:
-        info, asked = self._backend.engine().info, request.id  # the gateway decoded the path (`%2F`, `%25`)
-        if asked != info.model_id:
+        engine = self._backend.engine()
+        info, asked = engine.info, request.id  # the gateway decoded the path (`%2F`, `%25`)
+        if asked == info.model_id:
+            return convert.model_card(info)
+        adapter = next((a for a in engine.adapters.infos() if a.name == asked), None) if engine.adapters else None
+        if adapter is None:
             raise NotFoundError(f"The model {quoted(asked)} does not exist: this server serves '{info.model_id}'")
-        return convert.model_card(info)
+        return convert.adapter_card(info, adapter)

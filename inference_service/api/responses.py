@@ -301,7 +301,8 @@ class ResponsesRoutes:
             call.finished(results[0])
             completion = openai_responses.chat_response(results, plan, ResponseHeader("", 0, ""))
             choice = completion.choices[0]
-            response = response_object(request, _new_id("resp"), int(time.time()), engine.info.model_id)
+            served = choices[0].adapter_id or engine.info.model_id  # the LoRA adapter that answers, or the base
+            response = response_object(request, _new_id("resp"), int(time.time()), served)
             usage = _usage(completion.usage.prompt_tokens, completion.usage.completion_tokens)
             finish(response, output_items(choice.message, choice.finish_reason), choice.finish_reason, usage)
             self._keep(response, turn)
@@ -315,7 +316,8 @@ class ResponsesRoutes:
             chat, turn = self._chat(request)
             plan, choices = await self._backend.front_end().chat(chat, stream=True)
             engine = self._backend.engine()
-            response = response_object(request, _new_id("resp"), int(time.time()), engine.info.model_id)
+            served = choices[0].adapter_id or engine.info.model_id  # the LoRA adapter that answers, or the base
+            response = response_object(request, _new_id("resp"), int(time.time()), served)
             events, reader = _EventStream(response), ChatChoiceStream(0, plan)
             call.validated(choices[0])
             for event in events.start():

@@ -24,9 +24,11 @@ from inference_service.api.openai import OpenAIRoutes
 from inference_service.api.responses import ResponsesRoutes
 from inference_service.api.tgi import TgiRoutes
 from inference_service.config import SchedulerConfig
+from inference_service.engine import lora_control
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.errors import ECHO_CHARS, NotFoundError, UnavailableError, shortened
+from inference_service.errors import ECHO_CHARS, NotFoundError, UnavailableError, ValidationError, shortened
 from inference_service.frontend.front_end import FrontEnd
+from inference_service.models.lora_registry import AdapterInfo
 from inference_service.observability.requests import RequestObserver
 from textgen.v1 import generate_pb2 as pb
 from textgen.v1 import generate_pb2_grpc
@@ -78,7 +80,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     @unary_errors
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
         engine = self._backend.engine()
-        return convert.info_to_pb(engine.info, self._scheduler, engine.stats())
+        return convert.info_to_pb(engine.info, self._scheduler, engine.stats(), _adapters(engine))
 
     @unary_errors
     async def Health(self, request: pb.HealthRequest, context: Context) -> httpbody_pb2.HttpBody:
@@ -105,4 +107,30 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @unary_errors
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
-        return convert.models_to_pb(self._backend.engine().info)
+        engine = self._backend.engine()
+        return convert.models_to_pb(engine.info, _adapters(engine))
+
+    @unary_errors
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: Context) -> pb.ModelCard:
+        engine = self._backend.engine()
+        if not request.lora_name or not request.lora_path:
+            raise ValidationError("`lora_name` and `lora_path` are both required")
+        adapter = await lora_control.load_adapter(engine, request.lora_name, request.lora_path)
+        return convert.adapter_card(engine.info, adapter)
+
+    @unary_errors
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: Context
+    ) -> pb.UnloadLoraAdapterResponse:
+        engine = self._backend.engine()
+        if not request.lora_name:
+            raise ValidationError("`lora_name` is required")
+        timeout_s = request.timeout_s if request.HasField("timeout_s") else lora_control.DEFAULT_UNLOAD_TIMEOUT_S
+        if not 0 <= timeout_s <= 3600:
+            raise ValidationError(f"`timeout_s` must be in [0, 3600]. Given: {timeout_s}")
+        await lora_control.unload_adapter(engine, request.lora_name, timeout_s)
+        return pb.UnloadLoraAdapterResponse(id=request.lora_name, object="model", deleted=True)
+
+
+def _adapters(engine: AsyncEngine) -> list[AdapterInfo]:
+    return engine.adapters.infos() if engine.adapters is not None else []

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any
 
 from inference_service.config import EngineConfig
 from inference_service.engine.builder import build_engine, warm_up
@@ -59,11 +60,20 @@ class AbortRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunOnEngine:
+    """Call `fn` with the LLMEngine on the engine thread, between steps; its result (or error) to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclasses.dataclass(frozen=True)
 class Wake:
     """Nothing to do: wakes an idle engine thread so it sees the shutdown."""
 
 
-Command = AddRequest | AbortRequest | Wake
+Command = AddRequest | AbortRequest | RunOnEngine | Wake
 
 
 class AsyncEngine:
@@ -75,6 +85,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.processor = engine.processor  # a vision-language model's (the front end's), else None
         self.grammar_compiler: GrammarCompiler | None = engine.grammar_compiler  # the front end's
+        self.adapters = engine.adapters  # resident LoRA adapters (None: none served)
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0
         self._commands: queue.Queue[Command] = queue.Queue()
@@ -129,6 +140,15 @@ class AsyncEngine:
     def observe_steps(self, observer: Callable[[StepStats], None] | None) -> None:
         """Call `observer` on the engine thread with every step's `StepStats` (metrics)."""
         self._engine.step_observer = observer
+
+    async def on_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between two steps (never during one)."""
+        if self._thread is None or self._stopping.is_set():
+            return fn(self._engine)  # no step can be running
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(RunOnEngine(fn, loop, future))
+        return await future
 
     # -- requests -------------------------------------------------------------------------
     async def generate_stream(
@@ -279,6 +299,8 @@ class AsyncEngine:
         if isinstance(command, AbortRequest):
             output = self._engine.abort_request(command.request_id, command.reason)
             return [output] if output is not None else []
+        if isinstance(command, RunOnEngine):
+            _run_for(command, self._engine)
         return []  # Wake
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -292,6 +314,24 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: its callers are gone
                 loop.call_soon_threadsafe(_put_all, items)
+
+
+def _run_for(command: RunOnEngine, engine: LLMEngine) -> None:
+    try:
+        result, error = command.fn(engine), None
+    except Exception as caught:  # noqa: BLE001 — handed to the caller
+        result, error = None, caught
+
+    def resolve() -> None:
+        if command.future.done():
+            return
+        if error is not None:
+            command.future.set_exception(error)
+        else:
+            command.future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # that loop is closed: its caller is gone
+        command.loop.call_soon_threadsafe(resolve)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -27,7 +27,8 @@ from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
 from inference_service.engine.vision_stage import ImageEncoder, VisionStage
-from inference_service.errors import GenerationError, InferenceError, RequestCancelled
+from inference_service.errors import GenerationError, InferenceError, NotFoundError, RequestCancelled
+from inference_service.models.lora_registry import AdapterRegistry
 from inference_service.outputs import (
     EngineInfo,
     EngineStats,
@@ -86,6 +87,7 @@ class LLMEngine:
         grammar_compiler: GrammarCompiler | None = None,
         speculator: Speculator | None = None,
         step_cost: StepCost | None = None,
+        adapters: AdapterRegistry | None = None,
     ):
         self.info = info
         self.tokenizer = tokenizer
@@ -94,7 +96,9 @@ class LLMEngine:
         self.runner = runner
         self.sampler = sampler
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=info.prefix_caching)
-        self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
+        self.adapters = adapters  # resident LoRA adapters; None: the server serves none
+        salt = prefix_cache_salt(info)
+        self.prefix_cache = PrefixCache(self.kv, salt, self._adapter_salt_from(salt) if adapters else None)
         self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache, step_cost)
         self.speculator = speculator  # None: one token per request and step
         # Vision-language models: the encoder's stage at admission (None: text only).
@@ -110,11 +114,25 @@ class LLMEngine:
         self._eos_ids = frozenset(info.eos_token_ids)
         self._special_ids = special_token_ids(tokenizer) | self._eos_ids
 
+    def _adapter_salt_from(self, salt: bytes) -> Callable[[str], bytes]:
+        def adapter_salt(name: str) -> bytes:
+            info = self.adapters.info(name) if self.adapters is not None else None
+            if info is None:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded")
+            return cache_salt(salt.hex(), "lora", name, info.fingerprint)
+
+        return adapter_salt
+
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, request_id: str, spec: EngineRequest) -> None:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping)
+        if spec.adapter_id is not None and (self.adapters is None or not self.adapters.is_resident(spec.adapter_id)):
+            # validated while it was loaded, unloaded since: refused before it runs
+            raise NotFoundError(f"the LoRA adapter {spec.adapter_id!r} is no longer loaded")
+        request = Request(
+            request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping, adapter_id=spec.adapter_id
+        )
         if spec.images:
             if self.vision is None:
                 raise ValueError("this engine's model takes no images")
@@ -138,6 +156,14 @@ class LLMEngine:
         if request_id not in self.live:
             return None
         return self._fail(request_id, RequestCancelled(reason), RequestStatus.FINISHED_ABORTED)
+
+    def try_unload_adapter(self, name: str) -> bool:
+        """Drop the adapter if no request runs or waits on it (on the engine thread, between steps,
+        so no step ever finds its weights gone); False: some still do."""
+        if self.adapters is None or any(live.request.adapter_id == name for live in self.live.values()):
+            return False
+        self.adapters.unload(name)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.live)

@@ -21,6 +21,7 @@ waits a few steps at most; requests behind it in the queue are not held up by it
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inference_service.engine.block_hash_index import hash_block
@@ -40,9 +41,12 @@ class PrefixHit:
 class PrefixCache:
     """Prefix lookups, in-flight claims and hit statistics over a `KVCacheManager`'s hash index."""
 
-    def __init__(self, kv: KVCacheManager, salt: bytes):
+    def __init__(self, kv: KVCacheManager, salt: bytes, adapter_salt: Callable[[str], bytes] | None = None):
         self.kv = kv
         self.salt = salt
+        # A LoRA adapter's chains start from their own seed: its K/V differ from the base's for the
+        # same tokens, and from every other adapter's.
+        self.adapter_salt = adapter_salt
         self.block_size = kv.block_size
         # hash of a full block a running request will compute → that request
         self._claims: dict[bytes, str] = {}
@@ -112,11 +116,18 @@ class PrefixCache:
         never change, only grow). Returned as is, not copied: may be longer than asked."""
         hashes = request.block_hashes
         size = self.block_size
-        parent = hashes[-1] if hashes else self.salt
+        parent = hashes[-1] if hashes else self._salt_of(request)
         for position in range(len(hashes), num_blocks):
             parent = hash_block(parent, request.block_key(position * size, (position + 1) * size))
             hashes.append(parent)
         return hashes
+
+    def _salt_of(self, request: Request) -> bytes:
+        if request.adapter_id is None:
+            return self.salt
+        if self.adapter_salt is None:
+            raise ValueError(f"request {request.request_id} names a LoRA adapter, and none are served")
+        return self.adapter_salt(request.adapter_id)
 
 
 def _needs_every_prompt_logit(request: Request) -> bool:

@@ -56,6 +56,7 @@ class Request:
     # Encoder-decoders: the caller's prompt, read by the encoder; `prompt_token_ids` is then the
     # decoder's start (its K/V is what the blocks budget).
     encoder_token_ids: list[int] | None = None
+    adapter_id: str | None = None  # the LoRA adapter computing it; None: the base model
     # Images: their placeholders' positions and pixels; the encoder's rows for each, computed once
     # at the first admission and kept across preemptions; the prompt ids the block hashes read, each
     # image token standing for its image's content (None: the prompt ids themselves).

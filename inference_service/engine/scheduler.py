@@ -333,6 +333,7 @@ class Scheduler:
             prompt_logprobs=wants_prompt_logprobs,
             num_draft_tokens=len(drafts),
             encoder_token_ids=request.encoder_token_ids if start == 0 else None,
+            adapter_id=request.adapter_id,
         )
 
     # -- after the step -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 from inference_service.errors import ModelLoadError
 from inference_service.frontend import anthropic, images, openai, reasoning, tgi, tool_parsers
+from inference_service.frontend.adapters import AdapterNames
 from inference_service.frontend.anthropic import MessagesPlan
 from inference_service.frontend.chat_images import ImageSource, collect_images
 from inference_service.frontend.chat_template import ChatTemplate, load_template_file
@@ -44,8 +45,10 @@ class FrontEnd:
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
         processor: Any = None,
+        adapters: AdapterNames | None = None,
     ):
         self.info = info
+        self.adapters = adapters or AdapterNames(info.model_id)
         self.tokenizer = tokenizer
         self.chat_template = ChatTemplate(tokenizer, chat_template)
         # The model's own formats: named by the flags, else recognised in its chat template.
@@ -54,7 +57,9 @@ class FrontEnd:
         self.token_bytes = token_bytes_reader(tokenizer)
         # A vision-language model's own processor (images → pixel values and placeholder tokens).
         self.vision = VisionPrompts(processor, info) if processor is not None and info.vision_architecture else None
-        self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler, vision=self.vision)
+        self.validator = Validator(
+            tokenizer, info, rng=rng, grammar_compiler=grammar_compiler, vision=self.vision, adapters=self.adapters
+        )
         self.has_fill_in_middle = openai.has_fill_in_middle(tokenizer)
         self._rng = rng or random.SystemRandom()
 
@@ -74,6 +79,7 @@ class FrontEnd:
                 template = load_template_file(chat_template_file)
             except (OSError, ValueError) as error:
                 raise ModelLoadError(f"--chat-template: {error}") from error
+        registry = getattr(engine, "adapters", None)
         return cls(
             engine.info,
             engine.tokenizer,
@@ -82,6 +88,7 @@ class FrontEnd:
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
             processor=getattr(engine, "processor", None),
+            adapters=AdapterNames(engine.info.model_id, registry.names if registry is not None else None),
         )
 
     # -- TGI ------------------------------------------------------------------------------
@@ -129,6 +136,7 @@ class FrontEnd:
     async def chat(self, request: pb.ChatCompletionRequest, *, stream: bool) -> tuple[ChatPlan, list[EngineRequest]]:
         """The conversation rendered by the chat template, validated; one request per choice."""
         plan = openai.chat_plan(request, self.tool_syntax, self.reasoning)
+        plan.parameters.adapter_id = self.adapters.from_openai_model(request.model)
         plan.token_bytes = self.token_bytes
         return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
 
@@ -161,6 +169,7 @@ class FrontEnd:
         `decoder_input_details`; OpenAI's have a place for them)."""
         plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
         plan.token_bytes = self.token_bytes
+        plan.parameters.adapter_id = self.adapters.from_openai_model(request.model)
         return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"))
 
     def _completion_choices(self, plan: CompletionPlan, seed_requested: bool) -> list[EngineRequest]:

@@ -38,7 +38,7 @@ class GenerateParameters:
     top_n_tokens: int | None = None
     # TGI's dict ({"type": ..., "value": ...}) or a GrammarSpec (the OpenAI converter builds its own).
     grammar: dict | GrammarSpec | None = None
-    adapter_id: str | None = None  # ignored: the base model serves the request
+    adapter_id: str | None = None  # a loaded LoRA adapter (or the base model's name); None: the base
     # OpenAI's: subtracted once from the logit of every token already seen; added to given ids' logits.
     presence_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)

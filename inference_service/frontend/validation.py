@@ -17,8 +17,8 @@ Deliberate differences from TGI:
   size. Here messages report the real value.
 - `best_of` 0 and a `seed` outside u64 are rejected (TGI's JSON types reject them earlier).
 - A prompt that tokenizes to no tokens at all is rejected as empty.
-- `adapter_id` is accepted and ignored: no LoRA adapters are loaded, and TGI serves an unknown
-  adapter id with the base model.
+- `adapter_id` names a loaded LoRA adapter or the base model; any other name is refused as not
+  found (404), naming the loaded ones (`adapters`).
 - A JSON-schema grammar needs no top-level `properties` (TGI requires one): any schema the grammar
   engine compiles is accepted, `{"type": "object"}` (JSON mode) included, and it is not checked
   against the draft 2020-12 meta-schema; an invalid one gets "grammar is not valid: " followed by
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_service.errors import ValidationError, quoted, shortened
+from inference_service.frontend.adapters import AdapterNames
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest, TokenSpan
 from inference_service.frontend.vision import VisionPrompts, check_image_count, refuse_images
 from inference_service.outputs import EngineInfo
@@ -87,9 +88,11 @@ class Validator:
         rng: random.Random | None = None,
         grammar_compiler: GrammarCompiler | None = None,
         vision: VisionPrompts | None = None,
+        adapters: AdapterNames | None = None,
     ):
         self._tokenizer = tokenizer
         self._vision = vision  # a vision-language model's processor; None: text only
+        self._adapters = adapters or AdapterNames(info.model_id)
         self._info = info
         self._rng = rng or random.SystemRandom()
         self._grammar_compiler = grammar_compiler  # None: grammar support disabled
@@ -114,6 +117,7 @@ class Validator:
         params = request.parameters
         if stream:
             _check_stream_only(params)
+        adapter_id = self._adapters.resolve(params.adapter_id)
         vocab_size = self._info.vocab_size
         _check(
             all(0 <= token_id < vocab_size for token_id in params.logit_bias),
@@ -137,6 +141,7 @@ class Validator:
             grammar=self._compile_grammar(params.grammar),
             text_prefix=request.inputs if params.return_full_text else "",
             images=images,
+            adapter_id=adapter_id,
         )
         return ValidatedRequest(
             engine_request,

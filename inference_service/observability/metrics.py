@@ -61,6 +61,10 @@ class ServerMetrics:
         registry = self.registry
         self.request_count = Counter("tgi_request_count", "Generation requests received.", registry=registry)
         self.request_success = Counter("tgi_request_success", "Requests that finished generating.", registry=registry)
+        # Ours, in TGI's style: requests served by each LoRA adapter (counted once validated; not the base's).
+        self.lora_request_count = Counter(
+            "tgi_lora_request_count", "Requests served by a LoRA adapter, by adapter.", ["adapter"], registry=registry
+        )
         self.request_failure = Counter(
             "tgi_request_failure", "Requests that failed, by kind.", ["err"], registry=registry
         )

@@ -69,7 +69,10 @@ class TrackedCall:
         self.trace.validated = time.perf_counter()
         self.trace.num_prompt_tokens = request.num_prompt_tokens
         self.trace.max_new_tokens = request.stopping.max_new_tokens
+        self.trace.adapter_id = request.adapter_id
         metrics = self._observer.metrics
+        if metrics is not None and request.adapter_id is not None:
+            metrics.lora_request_count.labels(request.adapter_id).inc()
         if metrics is not None and metrics.input_length is not None:
             metrics.input_length.observe(self.trace.num_prompt_tokens)
             metrics.max_new_tokens.observe(self.trace.max_new_tokens)
@@ -142,6 +145,8 @@ class TrackedCall:
         trace = self.trace
         request_id, caller_trace_id = self._call_ids()
         fields: dict[str, Any] = {"request_id": request_id, "method": self.method}
+        if trace.adapter_id is not None:
+            fields["adapter"] = trace.adapter_id
         if final is not None:
             fields.update(
                 status="ok",

@@ -61,6 +61,7 @@ class RequestTrace:
     max_new_tokens: int | None = None
     sequences: Sequence[Any] = ()  # per engine request: (timings, generated tokens, finish reason)
     error: str | None = None  # the failure kind (tgi_request_failure's `err`)
+    adapter_id: str | None = None  # the LoRA adapter serving it; None: the base model
 
 
 class Tracing:
@@ -117,6 +118,7 @@ class Tracing:
                     {
                         "gen_ai.usage.input_tokens": request.num_prompt_tokens,
                         "gen_ai.request.max_tokens": request.max_new_tokens,
+                        "textgen.lora_adapter": request.adapter_id,
                     }
                 ),
             )
@@ -153,7 +155,7 @@ class Tracing:
         if timings.finished is None:
             return
         failed = Status(StatusCode.ERROR, request.error) if request.error else None
-        common = {"textgen.best_of.index": index}
+        common = {"textgen.best_of.index": index, "textgen.lora_adapter": request.adapter_id}
         queued_from = request.validated if request.validated is not None else timings.queued or timings.arrival
         queued = self.tracer.start_span(
             "queued", context=parent, start_time=clock.ns(queued_from), attributes=_drop_none(common)

@@ -210,6 +210,8 @@ def test_compare_commits_exports_a_commit_and_sets_ratios_side_by_side(tmp_path)
     assert decode["after_over_before"] == pytest.approx(2.97 / 3.1)
     assert "| batch 8 decode ÷ transformers | 3.10 (3.20 / 3.00) | 2.97 (3.00 / 2.94) | 0.958 |" in table
     assert summary["batch 8 prefill ÷ transformers"]["after_over_before"] == 1.0
+
+
 def test_vision_bench_quick(tmp_path):
     run_script("vision_bench.py", "--quick", "--out", str(tmp_path))
     table = (tmp_path / "vision.md").read_text()

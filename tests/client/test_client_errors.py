@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2, status_pb2
 from textgen_client import (
     AuthenticationError,
     CancelledError,
+    ConflictError,
     DeadlineExceededError,
     GenerationError,
     IncompleteGenerationError,
@@ -94,7 +95,7 @@ def test_the_server_module_and_the_client_agree():
         (Code.UNIMPLEMENTED, UnimplementedError),
         (Code.NOT_FOUND, NotFoundError),
         (Code.UNKNOWN, UnknownError),
-        (Code.ABORTED, UnknownError),
+        (Code.ABORTED, ConflictError),
     ],
 )
 def test_without_details_the_code_decides(code, cls):

@@ -32,6 +32,9 @@ SAMPLES = {
     "--tool-call-parser": ("hermes", "hermes"),
     "--quantize": ("eetq", "eetq"),
     "--served-model-name": ("acme/chat", "acme/chat"),
+    "--lora-adapters": ("fr=/a/fr,org/de", "fr=/a/fr,org/de"),
+    "--max-lora-rank": ("16", 16),
+    "--max-loras": ("4", 4),
     "--max-concurrent-requests": ("7", 7),
     "--max-best-of": ("3", 3),
     "--max-stop-sequences": ("6", 6),
@@ -247,6 +250,8 @@ def test_api_key_help_names_every_guarded_call_and_route():
         "/v1/responses",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     )
     for path in routes:
         assert path in guarded and path not in open_part

@@ -71,6 +71,8 @@ def test_routes_are_tgis_and_openais():
         ("GET", "/docs/{file=**}"),
         ("GET", "/v1/models"),
         ("GET", "/v1/models/{id=**}"),
+        ("POST", "/v1/load_lora_adapter"),
+        ("POST", "/v1/unload_lora_adapter"),
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/chat/completions/stream"),
         ("POST", "/v1/completions"),

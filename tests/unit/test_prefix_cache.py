@@ -360,3 +360,36 @@ def test_requests_with_one_prompt_wait_for_it_to_be_computed_once():
     prompt_tokens_computed += sum(s.num_new_tokens for s in plan.scheduled if s.request_id in hits)
     assert prompt_tokens_computed == 30 + 2 * 2  # the shared prompt computed once
     assert len({tuple(kv.block_table(v)[:7]) for v in ("v0", "v1", "v2")}) == 1
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------
+def _adapter_request(request_id: str, tokens: list[int], adapter_id: str | None) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(), StoppingParams(4), adapter_id=adapter_id)
+
+
+def test_adapters_never_share_kv_with_the_base_or_each_other():
+    """The chain of an adapter's request starts from the adapter's own salt: the same tokens under
+    another adapter (or the base) hit nothing; under the same adapter they hit."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    salts = {"fr": cache_salt(SALT.hex(), "lora", "fr"), "de": cache_salt(SALT.hex(), "lora", "de")}
+    prefix = PrefixCache(kv, SALT, adapter_salt=salts.__getitem__)
+    tokens = list(range(9))
+    for request_id, adapter in (("base", None), ("fr", "fr")):
+        request = _adapter_request(request_id, tokens, adapter)
+        assert kv.allocate_slots(request_id, len(tokens)) is not None
+        request.num_computed_tokens = len(tokens)
+        prefix.computed(request)
+        kv.free(request_id)
+    assert prefix.lookup(_adapter_request("base2", tokens, None)).num_tokens == 8
+    assert prefix.lookup(_adapter_request("fr2", tokens, "fr")).num_tokens == 8
+    assert prefix.lookup(_adapter_request("de", tokens, "de")).num_tokens == 0
+    assert _adapter_request("x", tokens, "fr").block_hashes == []
+    fr = _adapter_request("fr3", tokens, "fr")
+    prefix.lookup(fr)
+    assert fr.block_hashes[0] == hash_block(salts["fr"], tokens[:4]) != _chain(tokens, 4)[0]
+
+
+def test_an_adapter_request_without_adapter_salts_is_refused():
+    prefix = PrefixCache(KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True), SALT)
+    with pytest.raises(ValueError, match="names a LoRA adapter"):
+        prefix.lookup(_adapter_request("a", list(range(9)), "fr"))

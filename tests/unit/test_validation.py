@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from inference_service.errors import ValidationError
+from inference_service.errors import NotFoundError, ValidationError
+from inference_service.frontend.adapters import AdapterNames
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest
 from inference_service.frontend.validation import Validator, tokenize
 from inference_service.outputs import EngineInfo
@@ -339,8 +340,24 @@ def test_special_tokens_can_be_left_out(validator, byte_tokenizer):
     assert byte_tokenizer.encode(PROMPT)[0] == byte_tokenizer.bos_token_id
 
 
-def test_adapter_id_is_ignored(validator):
-    assert validator.validate(request(adapter_id="some/lora"), stream=False).input_length > 0
+def test_adapter_id_names_a_loaded_adapter_or_the_base(byte_tokenizer):
+    info = engine_info()
+    loaded = ["fr", "de"]
+    checked = Validator(byte_tokenizer, info, adapters=AdapterNames(info.model_id, lambda: loaded))
+    assert checked.validate(request(adapter_id="fr"), stream=False).engine_request.adapter_id == "fr"
+    for base in (None, "", info.model_id):
+        assert checked.validate(request(adapter_id=base), stream=False).engine_request.adapter_id is None
+    with pytest.raises(NotFoundError) as caught:
+        checked.validate(request(adapter_id="some/lora"), stream=False)
+    assert caught.value.message == (
+        "The model or LoRA adapter 'some/lora' does not exist: this server serves the base model "
+        f"{info.model_id!r} and the LoRA adapters 'de', 'fr'"
+    )
+
+
+def test_adapter_id_without_adapters_is_not_found(validator):
+    with pytest.raises(NotFoundError, match=r"some/lora.*\(no LoRA adapters are loaded\)"):
+        validator.validate(request(adapter_id="some/lora"), stream=False)
 
 
 def test_a_tokenizer_failure_is_a_validation_error():

@@ -21,6 +21,7 @@ from textgen_client.types import (
     FinishReason,
     Grammar,
     InfoResponse,
+    LoraAdapter,
     PrefillToken,
     Response,
     SimpleToken,
@@ -160,6 +161,8 @@ def info(message: pb.InfoResponse) -> InfoResponse:
             fields[field.name] = _optional(message, field.name)
         elif field.name == "waiting_served_ratio":  # a float32 on the wire: 0.3, not 0.30000001
             fields[field.name] = float(f"{message.waiting_served_ratio:.7g}")
+        elif field.name == "lora_adapters":
+            fields[field.name] = tuple(LoraAdapter(a.id, a.source, a.rank) for a in message.lora_adapters)
         elif field.name != "stats":
             fields[field.name] = getattr(message, field.name)
     stats = None

@@ -181,4 +181,11 @@ def completion(message: pb.CompletionResponse) -> Completion:
 
 
 def model_card(message: pb.ModelCard) -> ModelCard:
-    return ModelCard(id=message.id, object=message.object, created=message.created, owned_by=message.owned_by)
+    return ModelCard(
+        id=message.id,
+        object=message.object,
+        created=message.created,
+        owned_by=message.owned_by,
+        root=message.root if message.HasField("root") else None,
+        parent=message.parent if message.HasField("parent") else None,
+    )

@@ -81,6 +81,11 @@ class NotFoundError(TextGenerationError):
     """The thing asked for does not exist on the server (e.g. a model id it does not serve)."""
 
 
+class ConflictError(TextGenerationError):
+    """The server's state kept the call from happening now (e.g. unloading a LoRA adapter that
+    requests still run on); nothing changed."""
+
+
 class UnknownError(TextGenerationError):
     """Any other failure, including an unexpected error inside the server."""
 
@@ -97,6 +102,7 @@ _BY_KIND: dict[str, type[TextGenerationError]] = {
     "cancelled": CancelledError,
     "deadline_exceeded": DeadlineExceededError,
     "unauthorized": AuthenticationError,
+    "conflict": ConflictError,
     "internal": UnknownError,
 }
 
@@ -113,6 +119,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TextGenerationError]] = {
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ABORTED: ConflictError,
 }
 
 

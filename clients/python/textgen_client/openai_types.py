@@ -154,3 +154,7 @@ class ModelCard:
     object: str
     created: int
     owned_by: str
+    root: str | None = None
+    """A LoRA adapter's: the folder or hub id it was loaded from."""
+    parent: str | None = None
+    """A LoRA adapter's: the base model it adapts."""

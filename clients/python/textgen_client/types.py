@@ -157,6 +157,15 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """A loaded LoRA adapter, as `/info` lists it."""
+
+    id: str
+    source: str
+    rank: int
+
+
+@dataclass(frozen=True)
 class InfoResponse:
     """The served model and the server's limits (TGI's `/info`), plus live engine stats."""
 
@@ -184,3 +193,5 @@ class InfoResponse:
     block_size: int
     stats: EngineStats | None
     """`None` when the server did not send them."""
+    lora_adapters: tuple[LoraAdapter, ...] = ()
+    """The LoRA adapters loaded now; requests pick one with `adapter_id`."""

@@ -15,6 +15,8 @@ from inference_service.sampling_params import ImageInput
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.attention.paged import PrefillChunk, StepMetadata, step_context
 from inference_service.worker.kernels.bindings import PagedDecodeKernel
+from inference_service.worker.lora.batch import LoraStep, group_rows, lora_context
+from inference_service.worker.lora.weights import LoraTable
 from inference_service.worker.runner.decode_step import DecodeStep
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.step_rows import RowsToKeep
@@ -31,6 +33,7 @@ class ModelRunner:
         decode_kernel: PagedDecodeKernel | None = None,
         decode_step: DecodeStep | None = None,
         image_encoder: ImageEncoder | None = None,
+        lora: LoraTable | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -38,13 +41,18 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.decode_step = decode_step  # decode-only steps of Llama-style models, in fewer calls
         self.image_encoder = image_encoder  # vision-language models: images → embedding rows
+        self.lora = lora  # resident LoRA adapters (the model's projections are LoRA linears); None: off
 
     # -- one step -------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         meta, input_ids, position_ids = self._prepare(scheduled)
         rows = RowsToKeep.of(scheduled)
         embeds = self._merged_embeddings(scheduled, input_ids)
-        logits = self.forward(meta, input_ids, position_ids, rows.keep, embeds)  # [K, V]
+        if self.lora is None:
+            logits = self.forward(meta, input_ids, position_ids, rows.keep, embeds)  # [K, V]
+        else:
+            with lora_context(self._lora_step(scheduled, meta.num_tokens)):
+                logits = self.forward(meta, input_ids, position_ids, rows.keep, embeds)  # [K, V]
         return rows.step_logits(scheduled, logits, num_attention_calls=meta.num_calls)
 
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
@@ -68,6 +76,16 @@ class ModelRunner:
                     embeds[0, start : start + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
                 token_start += item.num_new_tokens
         return embeds
+
+    def _lora_step(self, scheduled: list[ScheduledRequest], num_tokens: int) -> LoraStep | None:
+        """The step's packed rows grouped by adapter (None: no row uses one)."""
+        if self.lora is None or all(item.adapter_id is None for item in scheduled):
+            return None
+        spans, start = [], 0
+        for item in scheduled:
+            spans.append((item.adapter_id, start, item.num_new_tokens))
+            start += item.num_new_tokens
+        return group_rows(self.lora, spans, num_tokens, self.device)
 
     def release(self, request_id: str) -> None:
         """The request ended; the paged runner keeps nothing per request (its blocks are the

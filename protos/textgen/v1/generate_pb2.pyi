@@ -99,7 +99,9 @@ class GenerateParameters(_message.Message):
     """Drawn at random when absent."""
     top_n_tokens: _builtins.int
     adapter_id: _builtins.str
-    """Accepted and ignored, as TGI does for unknown adapters: the base model serves the request."""
+    """The LoRA adapter that serves the request (a name of /info's `lora_adapters`); absent, empty or
+    the base model's id: the base model. Any other name is NOT_FOUND (REST 404), naming the loaded ones.
+    """
     forced_bos_token: _builtins.str
     """Ours: the first generated token, given as a token of the model's vocabulary, e.g. M2M100's
     target language "__fr__" (transformers' forced_bos_token_id). Default: the model's generation
@@ -690,6 +692,7 @@ class InfoResponse(_message.Message):
     SPECULATE_FIELD_NUMBER: _builtins.int
     USE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     ATTENTION_IMPL_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     model_sha: _builtins.str
     model_pipeline_tag: _builtins.str
@@ -729,6 +732,10 @@ class InfoResponse(_message.Message):
     """
     @_builtins.property
     def stats(self) -> Global___EngineStats: ...
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """The LoRA adapters loaded now (requests pick one by `adapter_id` or OpenAI's `model`)."""
+
     def __init__(
         self,
         *,
@@ -760,10 +767,11 @@ class InfoResponse(_message.Message):
         speculate: _builtins.int = ...,
         use_prefix_caching: _builtins.bool = ...,
         attention_impl: _builtins.str = ...,
+        lora_adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "docker_label", b"docker_label", "max_batch_size", b"max_batch_size", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "sha", b"sha", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "attention_impl", b"attention_impl", "block_size", b"block_size", "docker_label", b"docker_label", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_size", b"max_batch_size", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_client_batch_size", b"max_client_batch_size", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_total_tokens", b"max_total_tokens", "max_waiting_tokens", b"max_waiting_tokens", "model_device_type", b"model_device_type", "model_dtype", b"model_dtype", "model_id", b"model_id", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "router", b"router", "sha", b"sha", "speculate", b"speculate", "stats", b"stats", "use_prefix_caching", b"use_prefix_caching", "validation_workers", b"validation_workers", "version", b"version", "waiting_served_ratio", b"waiting_served_ratio", "weights_memory_bytes", b"weights_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label", "_max_batch_size", b"_max_batch_size", "_model_pipeline_tag", b"_model_pipeline_tag", "_model_sha", b"_model_sha", "_quantize", b"_quantize", "_sha", b"_sha", "attention_impl", b"attention_impl", "block_size", b"block_size", "docker_label", b"docker_label", "lora_adapters", b"lora_adapters", "max_batch_prefill_tokens", b"max_batch_prefill_tokens", "max_batch_size", b"max_batch_size", "max_batch_total_tokens", b"max_batch_total_tokens", "max_best_of", b"max_best_of", "max_client_batch_size", b"max_client_batch_size", "max_concurrent_requests", b"max_concurrent_requests", "max_input_tokens", b"max_input_tokens", "max_stop_sequences", b"max_stop_sequences", "max_total_tokens", b"max_total_tokens", "max_waiting_tokens", b"max_waiting_tokens", "model_device_type", b"model_device_type", "model_dtype", b"model_dtype", "model_id", b"model_id", "model_pipeline_tag", b"model_pipeline_tag", "model_sha", b"model_sha", "quantize", b"quantize", "router", b"router", "sha", b"sha", "speculate", b"speculate", "stats", b"stats", "use_prefix_caching", b"use_prefix_caching", "validation_workers", b"validation_workers", "version", b"version", "waiting_served_ratio", b"waiting_served_ratio", "weights_memory_bytes", b"weights_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__docker_label: _TypeAlias = _typing.Literal["docker_label"]  # noqa: Y015
     _WhichOneofArgType__docker_label: _TypeAlias = _typing.Literal["_docker_label", b"_docker_label"]  # noqa: Y015
@@ -791,6 +799,33 @@ class InfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sha) -> _WhichOneofReturnType__sha | None: ...
 
 Global___InfoResponse: _TypeAlias = InfoResponse  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The name requests use."""
+    source: _builtins.str
+    """The folder or hub id it was loaded from."""
+    rank: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        source: _builtins.str = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "rank", b"rank", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
 
 @_typing.final
 class HealthRequest(_message.Message):
@@ -880,10 +915,15 @@ class ModelCard(_message.Message):
     OBJECT_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
     OWNED_BY_FIELD_NUMBER: _builtins.int
+    ROOT_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     object: _builtins.str
     created: _builtins.int
     owned_by: _builtins.str
+    root: _builtins.str
+    """A LoRA adapter's card (vLLM's fields): what it was loaded from, and the base model it adapts."""
+    parent: _builtins.str
     def __init__(
         self,
         *,
@@ -891,14 +931,106 @@ class ModelCard(_message.Message):
         object: _builtins.str = ...,
         created: _builtins.int = ...,
         owned_by: _builtins.str = ...,
+        root: _builtins.str | None = ...,
+        parent: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_root", b"_root", "parent", b"parent", "root", b"root"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent", b"_parent", "_root", b"_root", "created", b"created", "id", b"id", "object", b"object", "owned_by", b"owned_by", "parent", b"parent", "root", b"root"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parent: _TypeAlias = _typing.Literal["parent"]  # noqa: Y015
+    _WhichOneofArgType__parent: _TypeAlias = _typing.Literal["_parent", b"_parent"]  # noqa: Y015
+    _WhichOneofReturnType__root: _TypeAlias = _typing.Literal["root"]  # noqa: Y015
+    _WhichOneofArgType__root: _TypeAlias = _typing.Literal["_root", b"_root"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent) -> _WhichOneofReturnType__parent | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__root) -> _WhichOneofReturnType__root | None: ...
+
+Global___ModelCard: _TypeAlias = ModelCard  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The name requests will use (`adapter_id`, OpenAI's `model`)."""
+    lora_path: _builtins.str
+    """A local folder in PEFT's format (adapter_config.json + adapter_model.safetensors) or a hub id."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "id", b"id", "object", b"object", "owned_by", b"owned_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "lora_path", b"lora_path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ModelCard: _TypeAlias = ModelCard  # noqa: Y015
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_INT_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    lora_int_id: _builtins.int
+    """Accepted for vLLM's clients and ignored: adapters are named."""
+    timeout_s: _builtins.float
+    """How long running requests on the adapter may take to finish (default 60 s)."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_int_id: _builtins.int | None = ...,
+        timeout_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lora_int_id", b"_lora_int_id", "_timeout_s", b"_timeout_s", "lora_int_id", b"lora_int_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lora_int_id", b"_lora_int_id", "_timeout_s", b"_timeout_s", "lora_int_id", b"lora_int_id", "lora_name", b"lora_name", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__lora_int_id: _TypeAlias = _typing.Literal["lora_int_id"]  # noqa: Y015
+    _WhichOneofArgType__lora_int_id: _TypeAlias = _typing.Literal["_lora_int_id", b"_lora_int_id"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_int_id) -> _WhichOneofReturnType__lora_int_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
+
+Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OBJECT_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    object: _builtins.str
+    deleted: _builtins.bool
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        object: _builtins.str = ...,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "id", b"id", "object", b"object"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015
 
 @_typing.final
 class ListModelsResponse(_message.Message):

@@ -95,6 +95,16 @@ class TextGenerationStub:
                 request_serializer=textgen_dot_v1_dot_generate__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=textgen_dot_v1_dot_generate__pb2.ModelCard.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/textgen.v1.TextGeneration/LoadLoraAdapter',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.ModelCard.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/textgen.v1.TextGeneration/UnloadLoraAdapter',
+                request_serializer=textgen_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=textgen_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
         self.ChatCompletion = channel.unary_unary(
                 '/textgen.v1.TextGeneration/ChatCompletion',
                 request_serializer=textgen_dot_v1_dot_generate__pb2.ChatCompletionRequest.SerializeToString,
@@ -233,7 +243,26 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModel(self, request, context):
-        """One model of the list: NOT_FOUND (REST 404) for any id but the served one.
+        """One model of the list: NOT_FOUND (REST 404) for any id but the served one or a loaded adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter while serving (vLLM's route; needs adapters on: --lora-adapters or
+        --max-loras). A bad adapter is INVALID_ARGUMENT (REST 400) and changes nothing; the answer is
+        the adapter's model card. Guarded by the API key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload a LoRA adapter (vLLM's route): new requests naming it are refused at once; requests
+        running on it finish first, or after `timeout_s` the unload is ABORTED (REST 409) and the
+        adapter keeps serving. NOT_FOUND (REST 404) for an adapter that is not loaded. Guarded by the
+        API key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -384,6 +413,16 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=textgen_dot_v1_dot_generate__pb2.GetModelRequest.FromString,
                     response_serializer=textgen_dot_v1_dot_generate__pb2.ModelCard.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.ModelCard.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=textgen_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=textgen_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
             'ChatCompletion': grpc.unary_unary_rpc_method_handler(
                     servicer.ChatCompletion,
@@ -741,6 +780,60 @@ class TextGeneration:
             '/textgen.v1.TextGeneration/GetModel',
             textgen_dot_v1_dot_generate__pb2.GetModelRequest.SerializeToString,
             textgen_dot_v1_dot_generate__pb2.ModelCard.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/LoadLoraAdapter',
+            textgen_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.ModelCard.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/textgen.v1.TextGeneration/UnloadLoraAdapter',
+            textgen_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            textgen_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

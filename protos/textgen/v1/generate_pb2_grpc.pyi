@@ -73,7 +73,18 @@ class TextGenerationStub:
     ListModels: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]
     """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_generate_pb2.GetModelRequest, _generate_pb2.ModelCard]
-    """One model of the list: NOT_FOUND (REST 404) for any id but the served one."""
+    """One model of the list: NOT_FOUND (REST 404) for any id but the served one or a loaded adapter."""
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_generate_pb2.LoadLoraAdapterRequest, _generate_pb2.ModelCard]
+    """Load a LoRA adapter while serving (vLLM's route; needs adapters on: --lora-adapters or
+    --max-loras). A bad adapter is INVALID_ARGUMENT (REST 400) and changes nothing; the answer is
+    the adapter's model card. Guarded by the API key.
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_generate_pb2.UnloadLoraAdapterRequest, _generate_pb2.UnloadLoraAdapterResponse]
+    """Unload a LoRA adapter (vLLM's route): new requests naming it are refused at once; requests
+    running on it finish first, or after `timeout_s` the unload is ABORTED (REST 409) and the
+    adapter keeps serving. NOT_FOUND (REST 404) for an adapter that is not loaded. Guarded by the
+    API key.
+    """
     ChatCompletion: _grpc.UnaryUnaryMultiCallable[_generate_pb2.ChatCompletionRequest, _generate_pb2.ChatCompletionResponse]
     """OpenAI's chat completions: the model's chat template renders `messages` (and `tools`), and
     `n` choices are generated in one batch. REST: `POST /v1/chat/completions`; with
@@ -151,7 +162,18 @@ class TextGenerationAsyncStub(TextGenerationStub):
     ListModels: _aio.UnaryUnaryMultiCallable[_generate_pb2.ListModelsRequest, _generate_pb2.ListModelsResponse]  # type: ignore[assignment]
     """OpenAI's model list (one model per server); also at `/v1/models` for TGI."""
     GetModel: _aio.UnaryUnaryMultiCallable[_generate_pb2.GetModelRequest, _generate_pb2.ModelCard]  # type: ignore[assignment]
-    """One model of the list: NOT_FOUND (REST 404) for any id but the served one."""
+    """One model of the list: NOT_FOUND (REST 404) for any id but the served one or a loaded adapter."""
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_generate_pb2.LoadLoraAdapterRequest, _generate_pb2.ModelCard]  # type: ignore[assignment]
+    """Load a LoRA adapter while serving (vLLM's route; needs adapters on: --lora-adapters or
+    --max-loras). A bad adapter is INVALID_ARGUMENT (REST 400) and changes nothing; the answer is
+    the adapter's model card. Guarded by the API key.
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_generate_pb2.UnloadLoraAdapterRequest, _generate_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    """Unload a LoRA adapter (vLLM's route): new requests naming it are refused at once; requests
+    running on it finish first, or after `timeout_s` the unload is ABORTED (REST 409) and the
+    adapter keeps serving. NOT_FOUND (REST 404) for an adapter that is not loaded. Guarded by the
+    API key.
+    """
     ChatCompletion: _aio.UnaryUnaryMultiCallable[_generate_pb2.ChatCompletionRequest, _generate_pb2.ChatCompletionResponse]  # type: ignore[assignment]
     """OpenAI's chat completions: the model's chat template renders `messages` (and `tools`), and
     `n` choices are generated in one batch. REST: `POST /v1/chat/completions`; with
@@ -292,7 +314,30 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generate_pb2.GetModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generate_pb2.ModelCard, _abc.Awaitable[_generate_pb2.ModelCard]]:
-        """One model of the list: NOT_FOUND (REST 404) for any id but the served one."""
+        """One model of the list: NOT_FOUND (REST 404) for any id but the served one or a loaded adapter."""
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _generate_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.ModelCard, _abc.Awaitable[_generate_pb2.ModelCard]]:
+        """Load a LoRA adapter while serving (vLLM's route; needs adapters on: --lora-adapters or
+        --max-loras). A bad adapter is INVALID_ARGUMENT (REST 400) and changes nothing; the answer is
+        the adapter's model card. Guarded by the API key.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _generate_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_generate_pb2.UnloadLoraAdapterResponse]]:
+        """Unload a LoRA adapter (vLLM's route): new requests naming it are refused at once; requests
+        running on it finish first, or after `timeout_s` the unload is ABORTED (REST 409) and the
+        adapter keeps serving. NOT_FOUND (REST 404) for an adapter that is not loaded. Guarded by the
+        API key.
+        """
 
     @_abc_1.abstractmethod
     def ChatCompletion(

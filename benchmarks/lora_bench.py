@@ -1,0 +1,170 @@
+"""Multi-LoRA serving: many adapters mixed in one batch against the base alone, in the same run.
+
+Three ratios, each measured side by side (runs alternate, best of `--runs`):
+- 16 concurrent streams spread over 4 adapters (rank 16, all seven projections) vs the same 16
+  streams on a server without adapters: decode throughput (tok/s), goal ≥ 0.85× the base's;
+- one stream decoding with an adapter vs the base alone: ms per token, goal ≤ 1.1×;
+- the 16 mixed streams vs `peft` + transformers generating the same work as one static batch
+  (peft's mixed-adapter batches, `adapter_names`): tok/s, goal ≥ 3×.
+Every request generates exactly `--new-tokens` tokens greedily (EOS ignored). The adapters are made
+here with peft (random, non-zero B), in PEFT's on-disk format.
+
+Usage: python benchmarks/lora_bench.py [--quick] [--model-id ID] [--runs N] [--new-tokens N] [--prompt-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks import common, tiny_model  # noqa: E402
+from inference_service.config import DEMO_MODEL_ID, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
+from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
+from inference_service.models import loader  # noqa: E402
+from tests.lora_adapters import make_adapter  # noqa: E402
+
+FULL = {"streams": 16, "adapters": 4, "rank": 16, "prompt_tokens": 64, "new_tokens": 64, "runs": 3}
+QUICK = {"streams": 8, "adapters": 4, "rank": 8, "prompt_tokens": 16, "new_tokens": 16, "runs": 1}
+
+
+def _engine(model_id: str, lora_adapters: str | None) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model_id=model_id, lora_adapters=lora_adapters),
+        scheduler=SchedulerConfig(max_batch_prefill_tokens=1024),
+    )
+    engine = build_engine(config)
+    warm_up(engine)
+    return engine
+
+
+def _decode_rate(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int) -> float:
+    """Generated tokens per second over the decode steps (after every prompt is prefilled)."""
+    for index, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
+        request = common.validated(prompt, new_tokens)
+        engine.add_request(f"r{index}-{time.monotonic_ns()}", _with_adapter(request, adapter))
+    num_tokens, seconds = 0, 0.0
+    last: list = []
+    engine.step_observer = last.append
+    while engine.has_unfinished():
+        last.clear()
+        outputs = engine.step()
+        for output in outputs:
+            if output.error is not None:
+                raise RuntimeError(str(output.error))
+        if last and last[0].num_prefill_requests == 0:  # a decode-only step
+            num_tokens, seconds = num_tokens + last[0].num_decode_tokens, seconds + last[0].total_s
+    engine.step_observer = None
+    return num_tokens / seconds
+
+
+def _with_adapter(request, adapter: str | None):
+    import dataclasses
+
+    return dataclasses.replace(request, adapter_id=adapter)
+
+
+def _peft_rate(path: Path, adapter_dirs: dict[str, Path], prompts, adapters, new_tokens: int) -> float:
+    """peft + transformers: one static batch with each row's adapter (`adapter_names`)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    names = list(adapter_dirs)
+    model = PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model.eval()
+    ids = torch.tensor(prompts)  # every prompt has the same length: no padding
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            adapter_names=[a or "__base__" for a in adapters],
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+        elapsed = time.perf_counter() - started
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model-id", default=None)
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    settings = dict(QUICK if args.quick else FULL)
+    for key in ("runs", "new_tokens", "prompt_tokens"):
+        if getattr(args, key):
+            settings[key] = getattr(args, key)
+    model_id = tiny_model.resolve(args.model_id or ("tiny" if args.quick else DEMO_MODEL_ID))
+    path = loader.resolve_model(ModelConfig(model_id=model_id)).path
+    workdir = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter_dirs = {
+        f"a{i}": make_adapter(path, workdir / f"a{i}", seed=i, rank=settings["rank"], targets=targets, scale=0.02)
+        for i in range(settings["adapters"])
+    }
+    spec = ",".join(f"{name}={folder}" for name, folder in adapter_dirs.items())
+    with_lora, base = _engine(model_id, spec), _engine(model_id, None)
+    vocab = base.info.vocab_size
+    workload = common.make_workload(
+        settings["streams"], (settings["prompt_tokens"],) * 2, (settings["new_tokens"],) * 2, vocab
+    )
+    names = list(adapter_dirs)
+    mixed = [names[i % len(names)] for i in range(settings["streams"])]
+    new = settings["new_tokens"]
+    rates: dict[str, list[float]] = {"mixed": [], "base": [], "one_adapter": [], "one_base": []}
+    for _ in range(settings["runs"]):
+        rates["mixed"].append(_decode_rate(with_lora, workload.prompts, mixed, new))
+        rates["base"].append(_decode_rate(base, workload.prompts, [None] * len(mixed), new))
+        rates["one_adapter"].append(_decode_rate(with_lora, workload.prompts[:1], [names[0]], new))
+        rates["one_base"].append(_decode_rate(base, workload.prompts[:1], [None], new))
+    peft_rate = _peft_rate(path, adapter_dirs, workload.prompts, mixed, new)
+    best = {key: max(values) for key, values in rates.items()}
+    rows = [
+        (
+            f"{settings['streams']} streams over {len(names)} adapters vs the base alone (tok/s)",
+            common.fmt(best["mixed"]),
+            common.fmt(best["base"]),
+            common.ratio(best["mixed"], best["base"]),
+            "≥ 0.85×",
+        ),
+        (
+            "one stream with an adapter vs the base (ms/token)",
+            common.fmt(1000 / best["one_adapter"], 2),
+            common.fmt(1000 / best["one_base"], 2),
+            common.ratio(best["one_base"], best["one_adapter"]),
+            "≤ 1.1×",
+        ),
+        (
+            f"{settings['streams']} mixed streams vs peft + transformers, one static batch (tok/s)",
+            common.fmt(best["mixed"]),
+            common.fmt(peft_rate),
+            common.ratio(best["mixed"], peft_rate),
+            "≥ 3×",
+        ),
+    ]
+    table = common.markdown_table(("measure", "LoRA", "baseline", "ratio", "goal"), rows)
+    print(common.machine_line(common.machine()))
+    print(f"model {model_id}, rank {settings['rank']}, {settings['prompt_tokens']}-token prompts, {new} new tokens")
+    print(table)
+    out = common.output_dir(args.out, args.quick)
+    common.write_json(out / "lora_bench.json", {"settings": settings, "rates": rates, "peft_rate": peft_rate})
+
+
+if __name__ == "__main__":
+    main()
