@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from inference_service.worker.attention.kv_cache import PagedKVCache
+from inference_service.worker.attention.kv_cache import PagedKVCache, widen
 
 if TYPE_CHECKING:
     from inference_service.worker.kernels.bindings import PagedDecodeKernel
@@ -98,17 +98,20 @@ def paged_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = sliding_window if sliding_window else None
-    key_cache, value_cache = _needed(meta.kv_cache, "KV cache").layer(layer)
-    key_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
-    value_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    kv_cache = _needed(meta.kv_cache, "KV cache")
+    kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]
+    key_cache, value_cache = kv_cache.layer(layer)
+    scales = kv_cache.scales(layer)
 
     if meta.decode_only:
-        out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap)  # [Sd, H, Dv]
+        out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap, scales)  # [Sd, H, Dv]
         return out.unsqueeze(0), None
     out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
     if meta.decode_token_index is not None:
         q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
-        out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache, scaling, window, softcap)
+        out[meta.decode_token_index] = attend_decode(
+            meta, q_decode, key_cache, value_cache, scaling, window, softcap, scales
+        )
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
         out[rows] = _attend_prefill(
@@ -116,8 +119,8 @@ def paged_attention(
             query[:, :, rows],
             key[:, :, rows],
             value[:, :, rows],
-            key_cache,
-            value_cache,
+            kv_cache,
+            layer,
             scaling,
             window,
             softcap,
@@ -160,8 +163,10 @@ def attend_decode(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
+    """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks (stored in the
+    cache's dtype; `scales`: the int8 cache's K and V scales)."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
         return kernel(
@@ -174,12 +179,18 @@ def attend_decode(
             scaling,
             window,
             softcap,
+            scales,
         )
     block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = _needed(meta.kv_cache, "KV cache").block_size
     keys = _gather_blocks(key_cache, block_table, block_size)  # [Sd, KVH, NB*bs, D]
     values = _gather_blocks(value_cache, block_table, block_size)
+    if scales is not None or keys.dtype != q.dtype:  # the cache's dtype, widened to the model's
+        key_scales = value_scales = None
+        if scales is not None:
+            key_scales, value_scales = (_gather_blocks(s, block_table, block_size) for s in scales)
+        keys, values = widen(keys, key_scales, q.dtype), widen(values, value_scales, q.dtype)
     mask = meta.decode_masks.get(window)
     if mask is None:
         context_lens = _needed(meta.decode_context_lens, "decode context lengths")
@@ -190,6 +201,7 @@ def attend_decode(
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [slots, KVH, ...] → [Sd, KVH, NB*bs, ...] (scales [slots, KVH] → [Sd, KVH, NB*bs])."""
     num_seqs, num_blocks = block_table.shape
     blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks_total, bs, KVH, D]
     picked = blocks.index_select(0, block_table.reshape(-1))  # [Sd*NB, bs, KVH, D]
@@ -210,8 +222,8 @@ def _attend_prefill(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: PagedKVCache,
+    layer: int,
     scaling: float,
     window: int | None,
     softcap: float | None,
@@ -220,8 +232,8 @@ def _attend_prefill(
     if chunk.num_computed == 0:
         keys, values = k_new, v_new  # [1, KVH, n, D]: fresh prompt, no need to read the cache back
     else:
-        keys = key_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        values = value_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+        keys, values = kv_cache.read(layer, chunk.context_slots)  # [ctx, KVH, D], the model's dtype
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
     if chunk.num_computed == 0 and window is None and softcap is None:
         out = F.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
