@@ -264,3 +264,26 @@ def test_the_memory_budget_counts_the_smaller_entries():
     assert blocks["fp16"] == blocks["bf16"] == 2 * blocks["auto"]
     assert blocks["int8"] == 256 * 2**20 // (16 * 2 * 30 * 3 * (64 + 4))
     assert blocks["int8"] > 3.7 * blocks["auto"]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tile"), [(4, 4, 1024), (6, 2, 7), (8, 1, 16)])
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_softcapped_attention_in_tiles_equals_the_whole_score_matrix(heads, kv_heads, tile, shape):
+    """The softcap path (no SDPA) never holds a context-wide score matrix: tiles of keys with an online
+    softmax give what the whole matrix gives, with a causal window mask crossing tile edges."""
+    generator = torch.Generator().manual_seed(4)
+    batch, n, length, dim = (1, 13, 50, 16) if shape == "prefill" else (3, 1, 50, 16)
+    q = torch.randn(batch, heads, n, dim, generator=generator)
+    keys = torch.randn(batch, kv_heads, length, dim, generator=generator) * 3
+    values = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    if shape == "prefill":
+        mask = attention._prefill_mask(n, length - n, 20, torch.device("cpu"))  # [n, L]
+    else:
+        mask = attention._decode_mask(torch.tensor([50, 9, 31]), length, 20)  # [B, 1, 1, L]
+    out = attention.attend_softcapped(q, keys, values, mask, 0.25, 5.0, tile=tile)
+    groups = heads // kv_heads
+    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (keys, values))
+    scores = torch.tanh(q.double() @ k.transpose(-1, -2) * 0.25 / 5.0) * 5.0
+    expected = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    assert out.shape == (batch, heads, n, dim)
+    assert max_error(out, expected) < 1e-5
