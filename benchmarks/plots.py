@@ -121,3 +121,20 @@ def serve_overview(levels: list[dict], path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def lines_against(series: dict[str, tuple[list[float], list[float]]], path: Path, title: str, xlabel: str, ylabel: str):
+    """One line per named series (xs, ys), both axes logarithmic (base 2 for x)."""
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for name, (xs, ys) in series.items():
+        axis.plot(xs, ys, marker="o", label=name)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

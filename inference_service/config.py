@@ -91,6 +91,11 @@ class ModelConfig:
         _require(self.max_loras is None or self.max_loras >= 1, "--max-loras must be >= 1")
 
 
+# --kv-cache-dtype values: the model's dtype, fp32, half the bytes (fp16, bf16), or int8 codes with a
+# scale per token and KV head (a little over a quarter of fp32's bytes).
+KV_CACHE_DTYPES = ("auto", "fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size, how many blocks the pool holds, and prefix caching."""
@@ -102,9 +107,19 @@ class CacheConfig:
     kv_cache_memory: str | None = None
     # Reuse the KV blocks of a cached prompt prefix (engine/prefix_cache.py); TGI's PREFIX_CACHING.
     prefix_caching: bool = True
+    # What the cache stores (worker/attention/kv_cache.py); "auto": the model's dtype. TGI's --kv-cache-dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block size must be > 0")
+        _require(
+            not self.kv_cache_dtype.startswith("fp8"),
+            f"--kv-cache-dtype {self.kv_cache_dtype} is TGI's CUDA format; this server's 8-bit KV cache is int8",
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}",
+        )
         _require(
             self.max_batch_total_tokens is None or self.max_batch_total_tokens > 0,
             "--max-batch-total-tokens must be > 0",

@@ -312,6 +312,13 @@ ENGINE_FLAGS = (
         "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
         default_text="by device",
     ),
+    Flag(
+        "--kv-cache-dtype",
+        "cache.kv_cache_dtype",
+        "What the KV cache stores: auto (the model's dtype), fp32, fp16 or bf16 (half fp32's bytes), or "
+        "int8 (8-bit codes with a scale per token and KV head, 0.27x fp32's bytes). Smaller entries fit "
+        "more tokens in the same --kv-cache-memory; decode attention reads them in place.",
+    ),
     Flag("--block-size", "cache.block_size", "Tokens per KV cache block.", int),
     Flag(
         "--prefix-caching",

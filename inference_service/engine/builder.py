@@ -31,10 +31,11 @@ from inference_service.sample.grammar import GrammarBudget, GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
 from inference_service.sample.sampler import Sampler
 from inference_service.worker.attention import paged as attention
-from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache, resolve_kv_dtype
 from inference_service.worker.kernels.bindings import (
     decode_glue_for,
     decode_kernel_for,
+    kv_writer_for,
     linear_kernel_for,
     panel_kernel_for,
 )
@@ -98,8 +99,17 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
     runner: Runner
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
-        num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
-        kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+        num_blocks = plan_num_blocks(config.cache, shapes, kv_dtype, loaded.device)
+        kv_cache = PagedKVCache(
+            shapes,
+            num_blocks,
+            config.cache.block_size,
+            dtype,
+            loaded.device,
+            kv_dtype,
+            kv_writer_for(loaded.device, dtype),
+        )
         runner = ModelRunner(
             loaded.model,
             kv_cache,
@@ -108,9 +118,15 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
             decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
             ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None,
         )
-    else:  # blocks stay the memory budget of the per-request caches
+    else:  # blocks stay the memory budget of the per-request caches (in the model's dtype)
+        kv_dtype = dtype
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
         runner = TransformersRunner(loaded.model, loaded.device)
+        if config.cache.kv_cache_dtype != "auto":
+            logger.warning(
+                "--kv-cache-dtype %s does not apply here: the fallback keeps transformers' caches",
+                config.cache.kv_cache_dtype,
+            )
         logger.warning(
             "serving %s through transformers' attention, one cache per request (no prefix caching): %s",
             config.model.model_id,
@@ -143,7 +159,7 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
     engine.processor = loaded.processor
     logger.info(
         "engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
-        "tokens, max_total_tokens=%d, attention: %s, %s, native linears: %d, prefix caching: %s, "
+        "tokens (%s), max_total_tokens=%d, attention: %s, %s, native linears: %d, prefix caching: %s, "
         "speculate: %d",
         info.model_id,
         info.architecture,
@@ -153,6 +169,7 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
         loaded.num_quantized,
         num_blocks,
         info.block_size,
+        str(kv_dtype).removeprefix("torch."),
         info.max_total_tokens,
         info.attention_impl,
         runner.describe(),
@@ -293,7 +310,8 @@ def _gguf_file(config: EngineConfig, resolved: loader.ResolvedModel):
 
 
 def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks in the pool: from --max-batch-total-tokens, else from the memory budget."""
+    """Blocks in the pool: from --max-batch-total-tokens, else from the memory budget (`dtype`: what
+    the cache stores, so smaller KV entries fit more blocks)."""
     if cache.max_batch_total_tokens is not None:
         return -(-cache.max_batch_total_tokens // cache.block_size)
     fraction, size = parse_memory(cache.kv_cache_memory) if cache.kv_cache_memory else (None, None)

@@ -55,6 +55,7 @@ SAMPLES = {
     "--max-waiting-tokens": ("5", 5),
     "--max-batch-total-tokens": ("4096", 4096),
     "--kv-cache-memory": ("512MiB", "512MiB"),
+    "--kv-cache-dtype": ("int8", "int8"),
     "--block-size": ("32", 32),
     "--prefix-caching": ("false", False),
     "--speculate": ("3", 3),
@@ -175,6 +176,8 @@ def run_main(argv: list[str], monkeypatch, capsys, environ: dict[str, str] | Non
         (["serve", "--max-input-tokens", "10", "--max-total-tokens", "10"], {}, "must be < `max_total_tokens`"),
         (["serve", "--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
         (["serve", "--kv-cache-memory", "lots"], {}, "--kv-cache-memory must be a fraction"),
+        (["serve", "--kv-cache-dtype", "int4"], {}, "--kv-cache-dtype must be one of auto, fp32"),
+        (["serve", "--kv-cache-dtype", "fp8_e4m3fn"], {}, "this server's 8-bit KV cache is int8"),
         ([], {}, "choose a command"),
     ],
 )

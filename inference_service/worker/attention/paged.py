@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from inference_service.worker.attention.kv_cache import PagedKVCache
+from inference_service.worker.attention.kv_cache import PagedKVCache, widen
 
 if TYPE_CHECKING:
     from inference_service.worker.kernels.bindings import PagedDecodeKernel
@@ -98,17 +98,20 @@ def paged_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = sliding_window if sliding_window else None
-    key_cache, value_cache = _needed(meta.kv_cache, "KV cache").layer(layer)
-    key_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
-    value_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    kv_cache = _needed(meta.kv_cache, "KV cache")
+    kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]
+    key_cache, value_cache = kv_cache.layer(layer)
+    scales = kv_cache.scales(layer)
 
     if meta.decode_only:
-        out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap)  # [Sd, H, Dv]
+        out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap, scales)  # [Sd, H, Dv]
         return out.unsqueeze(0), None
     out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
     if meta.decode_token_index is not None:
         q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
-        out[meta.decode_token_index] = attend_decode(meta, q_decode, key_cache, value_cache, scaling, window, softcap)
+        out[meta.decode_token_index] = attend_decode(
+            meta, q_decode, key_cache, value_cache, scaling, window, softcap, scales
+        )
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
         out[rows] = _attend_prefill(
@@ -116,8 +119,8 @@ def paged_attention(
             query[:, :, rows],
             key[:, :, rows],
             value[:, :, rows],
-            key_cache,
-            value_cache,
+            kv_cache,
+            layer,
             scaling,
             window,
             softcap,
@@ -160,8 +163,10 @@ def attend_decode(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks."""
+    """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks (stored in the
+    cache's dtype; `scales`: the int8 cache's K and V scales)."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
         return kernel(
@@ -175,12 +180,18 @@ def attend_decode(
             scaling,
             window,
             softcap,
+            scales,
         )
     block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = _needed(meta.kv_cache, "KV cache").block_size
     keys = _gather_blocks(key_cache, block_table, block_size)  # [Sd, KVH, NB*bs, D]
     values = _gather_blocks(value_cache, block_table, block_size)
+    if scales is not None or keys.dtype != q.dtype:  # the cache's dtype, widened to the model's
+        key_scales = value_scales = None
+        if scales is not None:
+            key_scales, value_scales = (_gather_blocks(s, block_table, block_size) for s in scales)
+        keys, values = widen(keys, key_scales, q.dtype), widen(values, value_scales, q.dtype)
     mask = meta.decode_masks.get(window)
     if mask is None:
         context_lens = _needed(meta.decode_context_lens, "decode context lengths")
@@ -191,6 +202,7 @@ def attend_decode(
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [slots, KVH, ...] → [Sd, KVH, NB*bs, ...] (scales [slots, KVH] → [Sd, KVH, NB*bs])."""
     num_seqs, num_blocks = block_table.shape
     blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks_total, bs, KVH, D]
     picked = blocks.index_select(0, block_table.reshape(-1))  # [Sd*NB, bs, KVH, D]
@@ -211,8 +223,8 @@ def _attend_prefill(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv_cache: PagedKVCache,
+    layer: int,
     scaling: float,
     window: int | None,
     softcap: float | None,
@@ -221,8 +233,8 @@ def _attend_prefill(
     if chunk.num_computed == 0:
         keys, values = k_new, v_new  # [1, KVH, n, D]: fresh prompt, no need to read the cache back
     else:
-        keys = key_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        values = value_cache.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+        keys, values = kv_cache.read(layer, chunk.context_slots)  # [ctx, KVH, D], the model's dtype
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
     if chunk.num_computed == 0 and window is None and softcap is None:
         out = F.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
@@ -242,22 +254,58 @@ def _prefill_mask(num_new: int, num_computed: int, window: int | None, device: t
     return mask
 
 
+# Keys per tile of the softcapped attention: its scores are [B, H, n, SOFTCAP_TILE] at a time, never
+# [B, H, n, context] (a 4k-token chunk over a 16k context would be 2 GiB per layer in fp32).
+SOFTCAP_TILE = 1024
+
+
 def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None
 ) -> torch.Tensor:
-    """Masked attention; SDPA unless a softcap needs the scores in between."""
+    """Masked attention; SDPA (flash attention's tiling on CPU) unless a softcap needs the scores."""
     if softcap is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
         )
-    groups = q.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(groups, dim=1)
-    values = values.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # [B, H, n, L]
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values)
+    return attend_softcapped(q, keys, values, mask, scaling, softcap)
+
+
+def attend_softcapped(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float,
+    tile: int = SOFTCAP_TILE,
+) -> torch.Tensor:
+    """q [B, H, n, D], keys/values [B, KVH, L, D] (H = G * KVH), mask [n, L] or [B, 1, 1, L] →
+    [B, H, n, Dv]: softmax(softcap * tanh(q·k * scaling / softcap)) · v, over tiles of `tile` keys with
+    an online softmax (running max and sum in fp32), the query heads of a KV head side by side."""
+    batch, heads, n, dim = q.shape
+    kv_heads, length, dim_v = keys.shape[1], keys.shape[2], values.shape[3]
+    groups = heads // kv_heads
+    q_grouped = q.reshape(batch, kv_heads, groups * n, dim)  # head h reads KV head h // groups
+    mask = mask.unsqueeze(1) if mask.dim() == 4 else mask  # → broadcast over [B, KVH, G, n, t]
+    best = torch.full((batch, kv_heads, groups, n, 1), float("-inf"), device=q.device)
+    total = torch.zeros(batch, kv_heads, groups, n, 1, device=q.device)
+    acc = torch.zeros(batch, kv_heads, groups, n, dim_v, device=q.device)
+    for start in range(0, length, tile):
+        end = min(length, start + tile)
+        scores = torch.matmul(q_grouped, keys[:, :, start:end].transpose(-1, -2)).float() * scaling
+        scores = (torch.tanh(scores / softcap) * softcap).view(batch, kv_heads, groups, n, end - start)
+        scores = scores.masked_fill(~mask[..., start:end], float("-inf"))
+        new_best = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+        shift = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # rows masked so far
+        weights = torch.exp(scores - shift)
+        correction = torch.exp(best - shift)
+        total = total * correction + weights.sum(dim=-1, keepdim=True)
+        weighted = torch.matmul(
+            weights.view(batch, kv_heads, groups * n, end - start).to(values.dtype), values[:, :, start:end]
+        )
+        acc = acc * correction + weighted.view(batch, kv_heads, groups, n, dim_v).float()
+        best = new_best
+    return (acc / total).view(batch, heads, n, dim_v).to(q.dtype)
 
 
 def register() -> None:

@@ -1,7 +1,8 @@
 """Native CPU kernels: compiled on first use with the machine's C++ compiler, cached on disk.
 
 Kernels for the places where torch's CPU path wastes memory bandwidth or time (each source file says
-why): decode attention over the paged cache (`csrc/paged_decode.cpp`), projections of a few rows
+why): decode attention over the paged cache, read in place in its own dtype (`csrc/paged_decode.cpp`),
+and the conversion of new K/V rows into it (`csrc/kv_write.cpp`), projections of a few rows
 (`csrc/small_batch_linear.cpp`) and the same over 4- or 8-bit packed weights
 (`csrc/quant_linear.cpp`, used by linears/quant.py's QuantLinear). A GEMM over panels
 (`csrc/panel_linear.cpp`): for weights stored in panels (kernels/panels.py) at every row count, and
@@ -42,14 +43,18 @@ SOURCES = (
     CSRC / "quant_linear.cpp",
     CSRC / "panel_linear.cpp",
     CSRC / "decode_glue.cpp",
+    CSRC / "kv_write.cpp",
 )
-HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h")  # included by the sources: part of the cache key
+# Included by the sources: part of the cache key.
+HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h")
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
 # flush-to-zero for the whole process (GCC < 13). It lets the exp loop use glibc's vector exp.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_GROUPS = 8  # query heads per KV head that the attention kernel is instantiated for
+# The KV cache element types the kernels read and write (csrc/kv_types.h's KVDtype).
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 # Up to this many rows the linear kernel beats torch's fp32 GEMM here (measured: 1.9x at 1 row,
 # 2.2x at 8, 1.15x at 32, 1.1x at 48, 0.85x at 64); above it torch's GEMM is used.
 MAX_LINEAR_ROWS = 32
@@ -73,7 +78,8 @@ def _bind(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]
 
 
 class PagedDecodeKernel:
-    """Decode attention reading the paged cache in place: q [S, H, D] → out [S, H, Dv].
+    """Decode attention reading the paged cache in place: q [S, H, D] fp32 → out [S, H, Dv] fp32,
+    the cache in any of KV_DTYPE_CODES' dtypes (int8 with its scales).
 
     Unlike torch's indexing, the kernel does not bounds-check: it trusts that each sequence's
     table covers its context. ModelRunner indexes the table at every decode's last position, so a
@@ -81,12 +87,14 @@ class PagedDecodeKernel:
     """
 
     def __init__(self, library: ctypes.CDLL):
-        self._fn = _bind(library, "paged_decode_f32", [_POINTER] * 6 + [_I64] * 7 + [_F32, _I64, _F32])
+        self._fn = _bind(library, "paged_decode", [_POINTER] * 8 + [_I64] * 7 + [_F32, _I64, _F32, _I64])
 
     def supports(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether the kernel computes this call (q [S, H, D]); otherwise the torch path does."""
         return (
-            q.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+            q.dtype == torch.float32
+            and key_cache.dtype == value_cache.dtype
+            and key_cache.dtype in KV_DTYPE_CODES
             and q.device.type == "cpu"
             and key_cache.is_contiguous()
             and value_cache.is_contiguous()
@@ -114,7 +122,9 @@ class PagedDecodeKernel:
         scale: float,
         window: int | None,
         softcap: float | None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`scales`: the K and V scales ([slots, KVH] fp32, contiguous) of an int8 cache."""
         q = q.contiguous()
         if block_table.dtype != torch.int64 or not block_table.is_contiguous():
             block_table = block_table.to(torch.int64).contiguous()
@@ -122,10 +132,13 @@ class PagedDecodeKernel:
             context_lens = context_lens.to(torch.int64).contiguous()
         num_seqs, num_heads, head_dim = q.shape
         out = q.new_empty(num_seqs, num_heads, value_cache.shape[2])
+        key_scales, value_scales = scales if scales is not None else (None, None)
         status = self._fn(
             q.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
+            _pointer(key_scales),
+            _pointer(value_scales),
             block_table.data_ptr(),
             context_lens.data_ptr(),
             out.data_ptr(),
@@ -139,10 +152,64 @@ class PagedDecodeKernel:
             scale,
             window or 0,
             softcap or 0.0,
+            KV_DTYPE_CODES[key_cache.dtype],
         )
         if status != 0:
-            raise RuntimeError(f"paged decode kernel refused {num_heads} heads over {key_cache.shape[1]} KV heads")
+            raise RuntimeError(
+                f"paged decode kernel refused {num_heads} heads over {key_cache.shape[1]} KV heads "
+                f"in a {key_cache.dtype} cache"
+            )
         return out
+
+
+class KVWriter:
+    """New K/V rows (fp32, rows of a wider tensor) into the paged cache, converted to its dtype."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = _bind(library, "kv_write", [_POINTER, _I64, _POINTER, _I64] + [_POINTER] * 5 + [_I64] * 5)
+
+    def __call__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None,
+        slots: torch.Tensor,
+    ) -> None:
+        """keys [S, KVH, D], values [S, KVH, Dv] fp32, each row's heads contiguous (row stride free);
+        slots [S] int64 contiguous."""
+        if not (self.takes(keys) and self.takes(values)):
+            raise ValueError("K/V rows must be fp32 on the CPU with each row's heads contiguous")
+        key_scales, value_scales = scales if scales is not None else (None, None)
+        status = self._fn(
+            keys.data_ptr(),
+            keys.stride(0),
+            values.data_ptr(),
+            values.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            _pointer(key_scales),
+            _pointer(value_scales),
+            slots.data_ptr(),
+            keys.shape[0],
+            keys.shape[1],
+            keys.shape[2],
+            values.shape[2],
+            KV_DTYPE_CODES[key_cache.dtype],
+        )
+        if status != 0:
+            raise RuntimeError(f"KV write kernel refused a {key_cache.dtype} cache")
+
+    @staticmethod
+    def takes(rows: torch.Tensor) -> bool:
+        """Whether rows [S, KVH, D] are in the layout the kernel reads."""
+        return (
+            rows.dtype == torch.float32
+            and rows.device.type == "cpu"
+            and rows.stride(2) == 1
+            and rows.stride(1) == rows.shape[2]
+        )
 
 
 class SmallBatchLinear:
@@ -380,13 +447,14 @@ class DecodeGlue:
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: torch.Tensor | None,
+        value_cache: torch.Tensor | None,
         slots: torch.Tensor,
         heads: int,
         kv_heads: int,
     ) -> None:
-        """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the cache."""
+        """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the (fp32)
+        cache, unless the caches are None."""
         cos, sin = cos.contiguous(), sin.contiguous()
         status = self._rope(
             qkv.data_ptr(),
@@ -395,8 +463,8 @@ class DecodeGlue:
             None if q_norm is None else q_norm.data_ptr(),
             None if k_norm is None else k_norm.data_ptr(),
             eps,
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
+            _pointer(key_cache),
+            _pointer(value_cache),
             slots.data_ptr(),
             qkv.shape[0],
             heads,
@@ -424,6 +492,12 @@ def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> PagedDecodeKe
     """The native decode attention where it applies (fp32 on CPU) and builds; None: the torch path."""
     library = _library_for(device, dtype)
     return PagedDecodeKernel(library) if library is not None else None
+
+
+def kv_writer_for(device: torch.device, dtype: torch.dtype) -> KVWriter | None:
+    """The native K/V row conversion where it applies (fp32 rows on CPU) and builds; None: torch ops."""
+    library = _library_for(device, dtype)
+    return KVWriter(library) if library is not None else None
 
 
 def linear_kernel_for(device: torch.device, dtype: torch.dtype) -> SmallBatchLinear | None:
@@ -457,6 +531,11 @@ def load_panel_linear() -> PanelLinear | None:
 def load_paged_decode() -> PagedDecodeKernel | None:
     library = load_library()
     return PagedDecodeKernel(library) if library is not None else None
+
+
+def load_kv_writer() -> KVWriter | None:
+    library = load_library()
+    return KVWriter(library) if library is not None else None
 
 
 def load_decode_glue() -> DecodeGlue | None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 import torch.nn.functional as F
 
+from inference_service.worker.attention.kv_cache import PagedKVCache
 from inference_service.worker.attention.paged import StepMetadata, attend_decode
 from inference_service.worker.kernels import panels
 from inference_service.worker.kernels.bindings import DecodeGlue
@@ -72,10 +73,11 @@ class DecodeStep:
             qkv = layer.qkv(normed).view(rows, heads + 2 * kv_heads, layer.head_dim)
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
+            q = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
             key_cache, value_cache = meta.kv_cache.layer(layer.index)
-            q = ops.rope_kv_write(qkv, cos, sin, layer, key_cache, value_cache, meta.slot_mapping)
+            scales = meta.kv_cache.scales(layer.index)
             attended = attend_decode(
-                meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None
+                meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
             )  # [S, H, Dv]
             hidden, normed = ops.add_norm(hidden, layer.o_proj(attended.reshape(rows, -1)), layer.post_norm)
             delta = layer.down(ops.silu_mul(layer.gate_up(normed)))
@@ -137,8 +139,7 @@ class _TorchOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: _Layer,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: PagedKVCache,
         slots: torch.Tensor,
     ) -> torch.Tensor:
         heads, kv_heads = layer.num_heads, layer.num_kv_heads
@@ -150,8 +151,7 @@ class _TorchOps:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [S, 1, Dh]: broadcast over heads
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        key_cache.index_copy_(0, slots, k)
-        value_cache.index_copy_(0, slots, v)
+        kv_cache.write(layer.index, slots, k, v)
         return q
 
     @staticmethod
@@ -177,11 +177,13 @@ class _NativeOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: _Layer,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: PagedKVCache,
         slots: torch.Tensor,
     ) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
+        # An fp32 cache takes the rows in the same pass; another dtype converts them after it.
+        direct = kv_cache.kv_dtype == torch.float32
+        key_cache, value_cache = kv_cache.layer(layer.index) if direct else (None, None)
         self.glue.rope_kv_write(
             qkv,
             cos,
@@ -195,6 +197,9 @@ class _NativeOps:
             layer.num_heads,
             layer.num_kv_heads,
         )
+        if not direct:
+            heads, kv_heads = layer.num_heads, layer.num_kv_heads
+            kv_cache.write(layer.index, slots, qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :])
         return qkv[:, : layer.num_heads]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@
 // - add_rms_norm: hidden += delta (the residual), then out = weight * rmsnorm(hidden);
 // - rope_kv_write: per-head RMSNorm of q and k (Qwen3, optional), the rotary embedding of q and k
 //   in place (rotate-half convention: x * cos + rotate_half(x) * sin), and k and v copied into the
-//   paged cache at their slots;
+//   paged cache at their slots (an fp32 cache; for another dtype the caches are null and
+//   kv_write.cpp converts the rows);
 // - silu_mul: out = silu(gate) * up, from the fused gate|up projection.
 //
 // Arrays contiguous fp32; rows are few, so no threads.
@@ -92,8 +93,10 @@ extern "C" int rope_kv_write_f32(float* qkv, const float* cos, const float* sin,
             if (norm) rms_norm(x, norm, eps, dim, x);
             rotate(x, cos + r * dim, sin + r * dim, dim);
         }
-        std::memcpy(key_cache + slots[r] * kv_width, row + heads * dim, kv_width * sizeof(float));
-        std::memcpy(value_cache + slots[r] * kv_width, row + (heads + kv_heads) * dim, kv_width * sizeof(float));
+        if (key_cache && value_cache) {
+            std::memcpy(key_cache + slots[r] * kv_width, row + heads * dim, kv_width * sizeof(float));
+            std::memcpy(value_cache + slots[r] * kv_width, row + (heads + kv_heads) * dim, kv_width * sizeof(float));
+        }
     }
     return 0;
 }
