@@ -173,6 +173,26 @@ MODEL_FLAGS = (
         "The model's name in the API: /info's model_id, /v1/models, the `model` of OpenAI responses.",
         default_text="--model-id; a .gguf file's name without its folder",
     ),
+    Flag(
+        "--rope-scaling",
+        "model.rope_scaling",
+        "RoPE scaling to serve longer contexts (TGI's): linear or dynamic (NTK-aware), by --rope-factor "
+        "(1.0 when only this is given).",
+        default_text="the model config's",
+    ),
+    Flag(
+        "--rope-factor",
+        "model.rope_factor",
+        "RoPE scaling factor; alone, it scales linearly.",
+        float,
+        default_text="none",
+    ),
+    Flag(
+        "--cuda-graphs",
+        "model.cuda_graphs",
+        "Decode batch sizes captured as CUDA graphs, comma-separated; a batch runs padded to the next "
+        "captured size, larger ones without a graph; 0 turns graphs off. CUDA only.",
+    ),
 )
 
 ENGINE_FLAGS = (
@@ -241,6 +261,13 @@ ENGINE_FLAGS = (
         "Token budget of one engine step (prefill chunks + decodes).",
         int,
         default_text="by device",
+    ),
+    Flag(
+        "--cuda-memory-fraction",
+        "cache.cuda_memory_fraction",
+        "Share of the CUDA device's memory the server may use; the KV cache gets what is left of it "
+        "after the weights and a profiling forward pass of a full prefill. CUDA only.",
+        float,
     ),
     Flag("--max-batch-size", "scheduler.max_batch_size", "Most requests in one step.", int, default_text="no cap"),
     Flag(

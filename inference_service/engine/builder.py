@@ -21,7 +21,7 @@ from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
 from inference_service.errors import ModelLoadError
-from inference_service.models import context, demo, loader
+from inference_service.models import context, demo, loader, rope
 from inference_service.models.prequantized import load_prequantized
 from inference_service.models.registry import check_architecture, probe_model
 from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
@@ -31,11 +31,13 @@ from inference_service.sample.sampler import Sampler
 from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.kernels.bindings import (
+    bf16_linear_kernel_for,
     decode_glue_for,
     decode_kernel_for,
     linear_kernel_for,
     panel_kernel_for,
 )
+from inference_service.worker.linears import bf16 as bf16_linear
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
 from inference_service.worker.runner.decode_step import decode_step_for
@@ -86,6 +88,9 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
     native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
     if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
         native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+    bf16_kernel = bf16_linear_kernel_for(loaded.device, dtype)
+    if bf16_kernel:  # decode steps of a bf16 model: bf16 weights, fp32 accumulation
+        native_linears += bf16_linear.install(loaded.model, bf16_kernel)
     phase.update()
     runner: Runner
     if loaded.fallback_reason is None:
@@ -173,6 +178,8 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=config.model.trust_remote_code)
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"can't read the model config in {resolved.path}: {error}") from error
+    rope_scaling = rope.rope_choice(config.model.rope_scaling, config.model.rope_factor)
+    rope.apply_rope_scaling(hf_config, rope_scaling)
     fallback_reason = check_architecture(hf_config)
     scheme = schemes.resolve_scheme(
         config.model.quantize,
@@ -186,7 +193,7 @@ def load(config: EngineConfig) -> LoadedModel:
         options["attn_implementation"] = attn_implementation
         if scheme in schemes.CHECKPOINT_FORMATS:
             return load_prequantized(resolved.path, hf_config, scheme, **options)
-        model = loader.load_model(resolved.path, **options)
+        model = loader.load_model(resolved.path, rope_scaling=rope_scaling, **options)
         num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
         if scheme == schemes.GGUF:
             num_quantized = install_gguf(model, _gguf_file(config, resolved))
