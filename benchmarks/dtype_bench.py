@@ -27,13 +27,19 @@ from inference_service.config import DEMO_MODEL_ID  # noqa: E402
 FULL = {"decode_tokens": 64, "rounds": 5}
 QUICK = {"decode_tokens": 8, "rounds": 1}
 PROMPT_TOKENS = 32
+KV_TOKENS = 4096
 
 
 def build(dtype: str, model_id: str):
-    from inference_service.config import EngineConfig, ModelConfig
+    from inference_service.config import CacheConfig, EngineConfig, ModelConfig
     from inference_service.engine.builder import build_engine, warm_up
 
-    engine = build_engine(EngineConfig(model=ModelConfig(model_id=model_id, device="cpu", dtype=dtype)))
+    engine = build_engine(
+        EngineConfig(
+            model=ModelConfig(model_id=model_id, device="cpu", dtype=dtype),
+            cache=CacheConfig(max_batch_total_tokens=KV_TOKENS),  # a small cache: both engines stay in memory
+        )
+    )
     warm_up(engine)
     return engine
 

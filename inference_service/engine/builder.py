@@ -17,6 +17,7 @@ from transformers import AutoConfig
 
 from inference_service import progress
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
+from inference_service.engine import memory_plan
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
@@ -95,15 +96,19 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
     runner: Runner
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
-        num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
-        kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
-        runner = ModelRunner(
-            loaded.model,
-            kv_cache,
-            loaded.device,
-            decode_kernel_for(loaded.device, dtype),
-            decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
-        )
+        decode_kernel = decode_kernel_for(loaded.device, dtype)
+        decode_step = decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype))
+
+        def runner_over(kv_cache: PagedKVCache) -> ModelRunner:
+            return ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel, decode_step)
+
+        if loaded.device.type == "cuda" and _sized_by_memory(config.cache):
+            num_blocks = profile_kv_blocks(
+                runner_over, shapes, dtype, loaded.device, config.cache, _profile_tokens(config, loaded)
+            )
+        else:
+            num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
+        runner = runner_over(PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device))
     else:  # blocks stay the memory budget of the per-request caches
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
         runner = TransformersRunner(loaded.model, loaded.device)
@@ -256,6 +261,58 @@ def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.d
             f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; raise --kv-cache-memory"
         )
     return num_blocks
+
+
+def _sized_by_memory(cache: CacheConfig) -> bool:
+    """Whether the KV cache takes what memory is left (neither a capacity nor a size was given)."""
+    return cache.max_batch_total_tokens is None and cache.kv_cache_memory is None
+
+
+def _profile_tokens(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The largest prefill step the scheduler will run, within the model's stated context."""
+    tokens = config.scheduler.max_batch_prefill_tokens or DEFAULT_PREFILL_TOKENS[loaded.device.type]
+    stated = context.stated_context_length(loaded.model.config)
+    return min(tokens, stated) if stated else tokens
+
+
+def profile_kv_blocks(
+    runner_over,
+    shapes: list[LayerShape],
+    dtype: torch.dtype,
+    device: torch.device,
+    cache: CacheConfig,
+    profile_tokens: int,
+    memory_info=None,
+) -> int:
+    """KV blocks from the memory left after a profiling forward pass of `profile_tokens` tokens
+    (TGI's warm-up; engine/memory_plan.py has the rule). `runner_over(kv_cache)` makes the runner;
+    `memory_info()` → (free, total) bytes, torch.cuda.mem_get_info on the device by default."""
+    profile_blocks = -(-profile_tokens // cache.block_size)
+    profile_cache = PagedKVCache(shapes, profile_blocks, cache.block_size, dtype, device)
+    table = list(range(profile_blocks))
+    runner_over(profile_cache).execute(
+        [ScheduledRequest(_PROFILE_ID, 0, profile_tokens, [0] * profile_tokens, table, True)]
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    free, total = memory_info() if memory_info is not None else torch.cuda.mem_get_info(device)
+    bytes_per_block = PagedKVCache.bytes_per_token(shapes, dtype) * cache.block_size
+    # The profile's own blocks go back to torch's allocator when it is dropped: they count too.
+    num_blocks = memory_plan.kv_blocks_from_memory(free, total, cache.cuda_memory_fraction, bytes_per_block)
+    num_blocks += profile_blocks
+    logger.info(
+        "KV cache sized after a profiling forward of %d tokens: %d blocks (%.1f GiB free of %.1f GiB, "
+        "--cuda-memory-fraction %.2f)",
+        profile_tokens,
+        num_blocks,
+        free / 2**30,
+        total / 2**30,
+        cache.cuda_memory_fraction,
+    )
+    return num_blocks
+
+
+_PROFILE_ID = "__profile__"
 
 
 def _available_memory(device: torch.device) -> int:
