@@ -56,7 +56,7 @@ class ModelConfig:
     # TGI's RoPE scaling (models/rope.py): linear | dynamic, and its factor; None for both: the config's.
     rope_scaling: str | None = None
     rope_factor: float | None = None
-    # Decode batch sizes captured as CUDA graphs (TGI's list; "0": none). Used on CUDA only.
+    # Decode batch sizes for CUDA graphs (TGI's list; "0": none); worker/runner/cuda_graphs.py plans them.
     cuda_graphs: str = "1,2,4,8,16,32"
 
     def __post_init__(self) -> None:

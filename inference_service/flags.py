@@ -119,8 +119,9 @@ MODEL_FLAGS = (
     Flag(
         "--dtype",
         "model.dtype",
-        "Weights and compute dtype: auto, float32, bfloat16 or float16. "
-        "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA.",
+        "Weights, KV cache and compute dtype: auto, float32, bfloat16 or float16. "
+        "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA. On CPU, a bfloat16 "
+        "model's decode steps run a native bf16 kernel (AVX512-BF16 where the CPU has it).",
     ),
     Flag("--device", "model.device", "Where the model runs: auto, cpu, cuda or cuda:N."),
     Flag(
@@ -190,8 +191,8 @@ MODEL_FLAGS = (
     Flag(
         "--cuda-graphs",
         "model.cuda_graphs",
-        "Decode batch sizes captured as CUDA graphs, comma-separated; a batch runs padded to the next "
-        "captured size, larger ones without a graph; 0 turns graphs off. CUDA only.",
+        "Decode batch sizes to capture as CUDA graphs (TGI's), comma-separated; 0 for none. Checked and "
+        "planned (a batch pads to the next size); CUDA decode steps still run without graphs for now.",
     ),
 )
 
@@ -301,7 +302,7 @@ ENGINE_FLAGS = (
         "--kv-cache-memory",
         "cache.kv_cache_memory",
         "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
-        default_text="by device",
+        default_text="0.1 on CPU; on CUDA what --cuda-memory-fraction leaves after a profiling forward pass",
     ),
     Flag("--block-size", "cache.block_size", "Tokens per KV cache block.", int),
     Flag(
