@@ -61,10 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few tokens, one round: checks the script runs")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tokens", type=int, help="decode tokens per run (default: 64, --quick 8)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default: 5, --quick 1)")
     parser.add_argument("--model-id", default=DEMO_MODEL_ID)
     parser.add_argument("--out", help="folder for dtype.json / dtype.md (default: benchmarks/results)")
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    settings["decode_tokens"] = args.tokens or settings["decode_tokens"]
+    settings["rounds"] = args.rounds or settings["rounds"]
     engines = {dtype: build(dtype, args.model_id) for dtype in args.dtypes}
     first = next(iter(engines.values()))
     prompt = first.tokenizer("Once upon a time, in a land far away, there lived a")["input_ids"]
