@@ -4,7 +4,9 @@ TGI's launcher pairs the two flags this way: a scaling without a factor scales b
 without a scaling is linear, neither leaves the config's own scaling. The chosen scaling replaces the
 rotary parameters the checkpoint states (its `rope_theta` is kept), so transformers' rotary
 embedding computes it: linear divides positions by the factor; dynamic (NTK-aware) raises the base
-once a sequence is longer than the stated context.
+once a sequence is longer than the stated context. Dynamic scaling is computed per forward pass from
+its longest position (transformers' rotary embedding, as TGI's): the keys of a prompt's early chunks,
+prefilled before it grew past the stated context, keep the unscaled rotation.
 """
 
 from __future__ import annotations

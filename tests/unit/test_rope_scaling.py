@@ -44,7 +44,12 @@ def test_engine_serves_the_scaled_model_as_transformers_computes_it(tiny_engine_
     config = dataclasses.replace(
         tiny_engine_config, model=dataclasses.replace(tiny_engine_config.model, rope_scaling=scaling, rope_factor=4.0)
     )
-    config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, max_total_tokens=2048))
+    config = dataclasses.replace(
+        config,
+        limits=dataclasses.replace(config.limits, max_total_tokens=2048),
+        # The prompt in one step, as transformers runs it: dynamic scaling follows each step's longest position.
+        scheduler=dataclasses.replace(config.scheduler, max_batch_prefill_tokens=1024),
+    )
     engine = build_engine(config)
     assert engine.runner.model.config.rope_parameters["rope_type"] == scaling
     ours = greedy_token_ids(engine, prompt, 8)
