@@ -6,6 +6,7 @@
 
 PYTHON ?= python3
 VENV := .venv
+VENV_ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 EXTRAS := gateway,observability,quantize,dev
@@ -54,12 +55,16 @@ browser:
 		|| ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null) \
 		|| echo "could not install Debian's chromium: the /docs browser test will fail"
 
-# torch first, from the pinned CPU build, so that nothing later can pull a CUDA build.
+# torch first, the measured 2.13.0 (the CPU build where pip's index serves it, PyPI's CUDA build on
+# an NVIDIA machine), unless the venv already has a torch: `make run VENV_ARGS=--system-site-packages`
+# on a GPU image serves with the image's own CUDA torch (and its transformers, if it is 5.x).
+# transformers likewise: the measured 5.23.0 unless the venv has one (pyproject allows 5.x).
 # The `text-generation` client pins huggingface-hub<1.0 (transformers needs >=1.0): it goes in
 # with --no-deps, its real needs (pydantic, aiohttp) come with the dev extra.
 $(STAMP):
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet torch==2.13.0
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
+	$(PY) -c "import transformers" 2>/dev/null || $(PIP) install --quiet transformers==5.23.0
 	$(PIP) install --quiet -e ".[$(EXTRAS)]"
 	$(PIP) install --quiet --no-deps text-generation==0.7.0
 	if [ -f $(CLIENT)/pyproject.toml ]; then $(PIP) install --quiet --no-deps -e $(CLIENT); fi

@@ -6,6 +6,7 @@ written back here: they live in `outputs.EngineInfo`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ QUANTIZE_SCHEMES = (
 # frontend/tool_parsers.py implement them); unset, the chat template decides.
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "mistral", "seed_oss", "none")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "json", "none")
+ROPE_SCALINGS = ("linear", "dynamic")  # TGI's --rope-scaling values
 
 
 def _require(condition: bool, message: str) -> None:
@@ -61,6 +63,12 @@ class ModelConfig:
     def lora_enabled(self) -> bool:
         return bool(self.lora_adapters and self.lora_adapters.strip()) or self.max_loras is not None
 
+    # TGI's RoPE scaling (models/rope.py): linear | dynamic, and its factor; None for both: the config's.
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    # Decode batch sizes for CUDA graphs (TGI's list; "0": none); worker/runner/cuda_graphs.py plans them.
+    cuda_graphs: str = "1,2,4,8,16,32"
+
     def __post_init__(self) -> None:
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -89,6 +97,15 @@ class ModelConfig:
         )
         _require(self.max_lora_rank >= 1, "--max-lora-rank must be >= 1")
         _require(self.max_loras is None or self.max_loras >= 1, "--max-loras must be >= 1")
+        _require(
+            self.rope_scaling is None or self.rope_scaling in ROPE_SCALINGS,
+            f"--rope-scaling must be linear or dynamic, not {self.rope_scaling!r}",
+        )
+        _require(
+            self.rope_factor is None or (math.isfinite(self.rope_factor) and self.rope_factor > 0),
+            f"--rope-factor must be a number > 0, not {self.rope_factor!r}",
+        )
+        parse_cuda_graphs(self.cuda_graphs)
 
 
 # --kv-cache-dtype values: the model's dtype, fp32, half the bytes (fp16, bf16), or int8 codes with a
@@ -109,6 +126,8 @@ class CacheConfig:
     prefix_caching: bool = True
     # What the cache stores (worker/attention/kv_cache.py); "auto": the model's dtype. TGI's --kv-cache-dtype.
     kv_cache_dtype: str = "auto"
+    # Share of a CUDA device's memory the server may use (weights, activations, KV cache); TGI's flag.
+    cuda_memory_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0, "block size must be > 0")
@@ -126,6 +145,10 @@ class CacheConfig:
         )
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        _require(
+            0.0 < self.cuda_memory_fraction <= 1.0,
+            f"--cuda-memory-fraction must be in (0, 1], not {self.cuda_memory_fraction}",
+        )
 
 
 @dataclass(frozen=True)
@@ -213,6 +236,19 @@ def parse_memory(text: str) -> tuple[float | None, int | None]:
             raise ValueError("--kv-cache-memory must be > 0")
         return value, None
     return None, int(value * _UNITS[unit])
+
+
+def parse_cuda_graphs(text: str) -> tuple[int, ...]:
+    """`--cuda-graphs`: batch sizes to capture, comma-separated, sorted and deduplicated; "0": none."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = [-1]
+    if sizes == [0]:
+        return ()
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"--cuda-graphs must be batch sizes like 1,2,4,8 (or 0 for none), not {text!r}")
+    return tuple(sorted(set(sizes)))
 
 
 def default_cache_dir() -> str:

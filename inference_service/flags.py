@@ -119,8 +119,9 @@ MODEL_FLAGS = (
     Flag(
         "--dtype",
         "model.dtype",
-        "Weights and compute dtype: auto, float32, bfloat16 or float16. "
-        "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA.",
+        "Weights, KV cache and compute dtype: auto, float32, bfloat16 or float16. "
+        "auto is float32 on CPU and bfloat16 (float16 without bf16 support) on CUDA. On CPU, a bfloat16 "
+        "model's decode steps run a native bf16 kernel (AVX512-BF16 where the CPU has it).",
     ),
     Flag("--device", "model.device", "Where the model runs: auto, cpu, cuda or cuda:N."),
     Flag(
@@ -194,6 +195,26 @@ MODEL_FLAGS = (
         "even without --lora-adapters.",
         int,
         default_text="8, or as many as --lora-adapters names",
+    ),
+    Flag(
+        "--rope-scaling",
+        "model.rope_scaling",
+        "RoPE scaling to serve longer contexts (TGI's): linear or dynamic (NTK-aware), by --rope-factor "
+        "(1.0 when only this is given).",
+        default_text="the model config's",
+    ),
+    Flag(
+        "--rope-factor",
+        "model.rope_factor",
+        "RoPE scaling factor; alone, it scales linearly.",
+        float,
+        default_text="none",
+    ),
+    Flag(
+        "--cuda-graphs",
+        "model.cuda_graphs",
+        "Decode batch sizes to capture as CUDA graphs (TGI's), comma-separated; 0 for none. Checked and "
+        "planned (a batch pads to the next size); CUDA decode steps still run without graphs for now.",
     ),
 )
 
@@ -278,6 +299,13 @@ ENGINE_FLAGS = (
         int,
         default_text="by device",
     ),
+    Flag(
+        "--cuda-memory-fraction",
+        "cache.cuda_memory_fraction",
+        "Share of the CUDA device's memory the server may use; the KV cache gets what is left of it "
+        "after the weights and a profiling forward pass of a full prefill. CUDA only.",
+        float,
+    ),
     Flag("--max-batch-size", "scheduler.max_batch_size", "Most requests in one step.", int, default_text="no cap"),
     Flag(
         "--waiting-served-ratio",
@@ -310,7 +338,7 @@ ENGINE_FLAGS = (
         "--kv-cache-memory",
         "cache.kv_cache_memory",
         "KV cache size: a fraction of free memory (0.3) or a size (512MiB, 2GiB).",
-        default_text="by device",
+        default_text="0.1 on CPU; on CUDA what --cuda-memory-fraction leaves after a profiling forward pass",
     ),
     Flag(
         "--kv-cache-dtype",

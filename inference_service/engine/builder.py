@@ -17,11 +17,12 @@ from transformers import AutoConfig
 
 from inference_service import progress
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
+from inference_service.engine import memory_plan
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
 from inference_service.errors import ModelLoadError
-from inference_service.models import context, demo, loader
+from inference_service.models import context, demo, loader, rope
 from inference_service.models.lora_files import AdapterError, parse_adapter_specs
 from inference_service.models.lora_registry import AdapterRegistry
 from inference_service.models.prequantized import load_prequantized
@@ -33,12 +34,14 @@ from inference_service.sample.sampler import Sampler
 from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache, resolve_kv_dtype
 from inference_service.worker.kernels.bindings import (
+    bf16_linear_kernel_for,
     decode_glue_for,
     decode_kernel_for,
     kv_writer_for,
     linear_kernel_for,
     panel_kernel_for,
 )
+from inference_service.worker.linears import bf16 as bf16_linear
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
 from inference_service.worker.lora.install import install_lora, projection_shapes
@@ -95,29 +98,36 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
     native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
     if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
         native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+    bf16_kernel = bf16_linear_kernel_for(loaded.device, dtype)
+    if bf16_kernel:  # decode steps of a bf16 model: bf16 weights, fp32 accumulation
+        native_linears += bf16_linear.install(loaded.model, bf16_kernel)
     phase.update()
     runner: Runner
     if loaded.fallback_reason is None:
         shapes = probe_layer_shapes(loaded.model, loaded.device)
         kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-        num_blocks = plan_num_blocks(config.cache, shapes, kv_dtype, loaded.device)
-        kv_cache = PagedKVCache(
-            shapes,
-            num_blocks,
-            config.cache.block_size,
-            dtype,
-            loaded.device,
-            kv_dtype,
-            kv_writer_for(loaded.device, dtype),
-        )
-        runner = ModelRunner(
-            loaded.model,
-            kv_cache,
-            loaded.device,
-            decode_kernel_for(loaded.device, dtype),
-            decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
-            ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None,
-        )
+        kv_writer = kv_writer_for(loaded.device, dtype)
+        decode_kernel = decode_kernel_for(loaded.device, dtype)
+        decode_step = decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype))
+        image_encoder = ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None
+
+        def runner_over(kv_cache: PagedKVCache) -> ModelRunner:
+            return ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel, decode_step, image_encoder)
+
+        if loaded.device.type == "cuda" and _sized_by_memory(config.cache):
+            num_blocks = profile_kv_blocks(
+                runner_over,
+                shapes,
+                dtype,
+                loaded.device,
+                config.cache,
+                _profile_tokens(config, loaded),
+                kv_dtype=kv_dtype,
+            )
+        else:
+            num_blocks = plan_num_blocks(config.cache, shapes, kv_dtype, loaded.device)
+        block_size = config.cache.block_size
+        runner = runner_over(PagedKVCache(shapes, num_blocks, block_size, dtype, loaded.device, kv_dtype, kv_writer))
     else:  # blocks stay the memory budget of the per-request caches (in the model's dtype)
         kv_dtype = dtype
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
@@ -238,6 +248,8 @@ def load(config: EngineConfig) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=config.model.trust_remote_code)
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"can't read the model config in {resolved.path}: {error}") from error
+    rope_scaling = rope.rope_choice(config.model.rope_scaling, config.model.rope_factor)
+    rope.apply_rope_scaling(hf_config, rope_scaling)
     fallback_reason = check_architecture(hf_config)
     scheme = schemes.resolve_scheme(
         config.model.quantize,
@@ -251,7 +263,7 @@ def load(config: EngineConfig) -> LoadedModel:
         options["attn_implementation"] = attn_implementation
         if scheme in schemes.CHECKPOINT_FORMATS:
             return load_prequantized(resolved.path, hf_config, scheme, **options)
-        model = loader.load_model(resolved.path, **options)
+        model = loader.load_model(resolved.path, rope_scaling=rope_scaling, **options)
         num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
         if scheme == schemes.GGUF:
             num_quantized = install_gguf(model, _gguf_file(config, resolved))
@@ -325,6 +337,60 @@ def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.d
             f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; raise --kv-cache-memory"
         )
     return num_blocks
+
+
+def _sized_by_memory(cache: CacheConfig) -> bool:
+    """Whether the KV cache takes what memory is left (neither a capacity nor a size was given)."""
+    return cache.max_batch_total_tokens is None and cache.kv_cache_memory is None
+
+
+def _profile_tokens(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The largest prefill step the scheduler will run, within the model's stated context."""
+    tokens = config.scheduler.max_batch_prefill_tokens or DEFAULT_PREFILL_TOKENS[loaded.device.type]
+    stated = context.stated_context_length(loaded.model.config)
+    return min(tokens, stated) if stated else tokens
+
+
+def profile_kv_blocks(
+    runner_over,
+    shapes: list[LayerShape],
+    dtype: torch.dtype,
+    device: torch.device,
+    cache: CacheConfig,
+    profile_tokens: int,
+    memory_info=None,
+    kv_dtype: torch.dtype | None = None,
+) -> int:
+    """KV blocks from the memory left after a profiling forward pass of `profile_tokens` tokens
+    (TGI's warm-up; engine/memory_plan.py has the rule). `runner_over(kv_cache)` makes the runner;
+    `memory_info()` → (free, total) bytes, torch.cuda.mem_get_info on the device by default;
+    `kv_dtype`: what the cache stores (None: `dtype`)."""
+    profile_blocks = -(-profile_tokens // cache.block_size)
+    profile_cache = PagedKVCache(shapes, profile_blocks, cache.block_size, dtype, device, kv_dtype)
+    table = list(range(profile_blocks))
+    runner_over(profile_cache).execute(
+        [ScheduledRequest(_PROFILE_ID, 0, profile_tokens, [0] * profile_tokens, table, True)]
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    free, total = memory_info() if memory_info is not None else torch.cuda.mem_get_info(device)
+    bytes_per_block = PagedKVCache.bytes_per_token(shapes, kv_dtype or dtype) * cache.block_size
+    # The profile's own blocks go back to torch's allocator when it is dropped: they count too.
+    num_blocks = memory_plan.kv_blocks_from_memory(free, total, cache.cuda_memory_fraction, bytes_per_block)
+    num_blocks += profile_blocks
+    logger.info(
+        "KV cache sized after a profiling forward of %d tokens: %d blocks (%.1f GiB free of %.1f GiB, "
+        "--cuda-memory-fraction %.2f)",
+        profile_tokens,
+        num_blocks,
+        free / 2**30,
+        total / 2**30,
+        cache.cuda_memory_fraction,
+    )
+    return num_blocks
+
+
+_PROFILE_ID = "__profile__"
 
 
 def _available_memory(device: torch.device) -> int:

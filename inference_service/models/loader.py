@@ -24,7 +24,7 @@ from huggingface_hub import snapshot_download
 from inference_service import progress
 from inference_service.config import DEMO_MODEL_ID, ModelConfig, default_cache_dir
 from inference_service.errors import ModelLoadError
-from inference_service.models import demo
+from inference_service.models import demo, rope
 from inference_service.worker.weights.gguf.convert import conversion_name, convert_gguf, file_sha256, is_converted
 
 logger = logging.getLogger(__name__)
@@ -230,9 +230,10 @@ def load_model(
     device: torch.device | str,
     attn_implementation: str,
     trust_remote_code: bool = False,
+    rope_scaling: tuple[str, float] | None = None,
 ) -> torch.nn.Module:
     """The causal LM (or text-to-text encoder-decoder) in `path`, in eval mode on `device`, never
-    reaching out to the hub.
+    reaching out to the hub; `rope_scaling` (models/rope.py) replaces the config's RoPE scaling.
 
     safetensors win over `.bin` when a folder holds both; `.bin` files are unpickled with
     `weights_only=True`, so a checkpoint can't run code when it is read.
@@ -244,6 +245,7 @@ def load_model(
         config = AutoConfig.from_pretrained(
             os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
         )
+        rope.apply_rope_scaling(config, rope_scaling)
         auto_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
         attention: str | dict[str, str] = attn_implementation
         if getattr(config, "vision_config", None) is not None:
@@ -253,6 +255,7 @@ def load_model(
             attention = {"text_config": attn_implementation, "vision_config": "sdpa"}
         model = auto_class.from_pretrained(
             os.fspath(folder),
+            config=config,
             dtype=dtype,
             attn_implementation=attention,
             trust_remote_code=trust_remote_code,

@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from inference_service.worker.attention.kv_cache import PagedKVCache, widen
 
 if TYPE_CHECKING:
+    from inference_service.worker.attention.triton_paged import PagedLayout
     from inference_service.worker.kernels.bindings import PagedDecodeKernel
 
 ATTENTION_NAME = "engine_paged"
@@ -59,6 +60,7 @@ class StepMetadata:
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     num_calls: int = 0
     recorded_shapes: dict[int, tuple[int, int, torch.dtype]] | None = None  # shape probe mode
+    gpu_layouts: dict[str, PagedLayout] = field(default_factory=dict)  # the Triton kernel's, built once a step
 
 
 _STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
@@ -105,6 +107,14 @@ def paged_attention(
 
     if meta.decode_only:
         out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap, scales)  # [Sd, H, Dv]
+        return out.unsqueeze(0), None
+    if _use_triton(query, value):  # prefill chunks and decode rows in one launch
+        from inference_service.worker.attention import triton_paged
+
+        out = triton_paged.paged_attention(
+            query[0].transpose(0, 1), key_cache, value_cache, _gpu_layout(meta, "step"),
+            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+        )  # fmt: skip
         return out.unsqueeze(0), None
     out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
     if meta.decode_token_index is not None:
@@ -168,6 +178,13 @@ def attend_decode(
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks (stored in the
     cache's dtype; `scales`: the int8 cache's K and V scales)."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
+    if _use_triton(q, value_cache):
+        from inference_service.worker.attention import triton_paged
+
+        return triton_paged.paged_attention(
+            q_by_seq, key_cache, value_cache, _gpu_layout(meta, "decode"),
+            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+        )  # fmt: skip
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
         return kernel(
             q_by_seq,
@@ -199,6 +216,57 @@ def attend_decode(
         meta.decode_masks[window] = mask
     out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
     return out.squeeze(2)
+
+
+def _use_triton(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """The Triton kernel serves CUDA tensors where Triton imports, for V heads as wide as Q's."""
+    if not query.is_cuda or query.shape[-1] != value.shape[-1]:
+        return False
+    from inference_service.worker.attention import triton_paged
+
+    return triton_paged.available()
+
+
+def _gpu_layout(meta: StepMetadata, which: str) -> PagedLayout:
+    """The step's sequences as the Triton kernel reads them, built once per step: "decode" for q
+    holding the decode rows in order, "step" for q holding every packed row."""
+    layout = meta.gpu_layouts.get(which)
+    if layout is not None:
+        return layout
+    from inference_service.worker.attention.triton_paged import PagedLayout
+
+    block_size = _needed(meta.kv_cache, "KV cache").block_size
+    device = meta.slot_mapping.device
+    starts: list[torch.Tensor] = []
+    lens: list[torch.Tensor] = []
+    contexts: list[torch.Tensor] = []
+    tables: list[torch.Tensor] = []
+    if meta.decode_block_table is not None:
+        context_lens = _needed(meta.decode_context_lens, "decode context lengths")
+        rows = context_lens.shape[0]
+        index = _needed(meta.decode_token_index, "decode rows") if which == "step" else None
+        starts.append(index if index is not None else torch.arange(rows, device=device))
+        lens.append(torch.ones(rows, dtype=torch.long, device=device))
+        contexts.append(context_lens)
+        tables.append(meta.decode_block_table)
+    if which == "step":
+        for chunk in meta.prefills:
+            starts.append(torch.tensor([chunk.token_start], device=device))
+            lens.append(torch.tensor([chunk.num_new], device=device))
+            contexts.append(torch.tensor([chunk.num_computed + chunk.num_new], device=device))
+            tables.append((chunk.context_slots[::block_size] // block_size)[None, :])
+    width = max(t.shape[1] for t in tables)
+    table = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
+    q_len = torch.cat(lens)
+    layout = PagedLayout(
+        q_start=torch.cat(starts).to(torch.int32),
+        q_len=q_len.to(torch.int32),
+        seq_lens=torch.cat(contexts).to(torch.int32),
+        block_table=table.to(torch.int32).contiguous(),
+        max_q_len=int(q_len.max()),
+    )
+    meta.gpu_layouts[which] = layout
+    return layout
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ and the conversion of new K/V rows into it (`csrc/kv_write.cpp`), projections of
 (`csrc/panel_linear.cpp`): for weights stored in panels (kernels/panels.py) at every row count, and
 for projections of many rows from weights kept in rows, faster here than torch's and with no
 dequantized copy of a packed weight. And the small ops between a decode step's projections, one call
-each (`csrc/decode_glue.cpp`, used by runner/decode_step.py). The shared library is plain C ABI called
+each (`csrc/decode_glue.cpp`, used by runner/decode_step.py). For bfloat16 models, projections of a
+few rows from bf16 weights with fp32 accumulation (`csrc/bf16_linear.cpp`). The shared library is plain C ABI called
 through ctypes, so building it needs a C++ compiler and nothing of torch's build tooling: about two
 seconds. Where no compiler works, or `INFERENCE_SERVICE_CPU_KERNELS=off`, the engine keeps torch's
 paths, which compute the same thing more slowly.
@@ -44,6 +45,7 @@ SOURCES = (
     CSRC / "panel_linear.cpp",
     CSRC / "decode_glue.cpp",
     CSRC / "kv_write.cpp",
+    CSRC / "bf16_linear.cpp",
 )
 # Included by the sources: part of the cache key.
 HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h")
@@ -58,6 +60,9 @@ KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.i
 # Up to this many rows the linear kernel beats torch's fp32 GEMM here (measured: 1.9x at 1 row,
 # 2.2x at 8, 1.15x at 32, 1.1x at 48, 0.85x at 64); above it torch's GEMM is used.
 MAX_LINEAR_ROWS = 32
+# The same for bf16 weights (csrc/bf16_linear.cpp): torch's bf16 GEMM on CPU is slow at a few rows and
+# has no such crossover measured yet, so the kernel takes the rows of decode steps and small batches.
+MAX_BF16_LINEAR_ROWS = 32
 # Up to this many rows (by bits of the codes) QuantLinear uses the packed-weight kernel, above it the
 # panel GEMM. Measured over the demo model's projections, 2 threads (benchmarks/quant_kernels.py):
 # 4-bit codes pack cheaper than they compute in the kernel from 8-12 rows, 8-bit ones from 16.
@@ -239,6 +244,39 @@ class SmallBatchLinear:
         status = self._fn(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows, out_features, in_features)
         if status != 0:
             raise RuntimeError(f"linear kernel refused {rows} rows of {in_features} features")
+        return out
+
+
+class BF16Linear:
+    """x [..., K] · weight [N, K]ᵀ (+ bias) → [..., N], all bfloat16, fp32 accumulation, for a few rows."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = _bind(library, "small_batch_linear_bf16", [_POINTER] * 4 + [_I64] * 3)
+        self.uses_dot_product = bool(_bind(library, "bf16_linear_uses_dot_product", [])())
+
+    @staticmethod
+    def supports_weight(weight: torch.Tensor) -> bool:
+        return (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and weight.dim() == 2
+            and weight.is_contiguous()
+            and weight.shape[1] % 8 == 0
+        )
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x bf16 [..., K]; weight bf16 [N, K] and bias bf16 [N] (or None), contiguous."""
+        out_features, in_features = weight.shape
+        x = x.contiguous()
+        rows = x.numel() // in_features
+        out = x.new_empty(*x.shape[:-1], out_features)
+        if rows == 0:
+            return out
+        status = self._fn(
+            x.data_ptr(), weight.data_ptr(), _pointer(bias), out.data_ptr(), rows, out_features, in_features
+        )
+        if status != 0:
+            raise RuntimeError(f"bf16 linear kernel refused {rows} rows of {in_features} features")
         return out
 
 
@@ -512,6 +550,19 @@ def panel_kernel_for(device: torch.device, dtype: torch.dtype) -> PanelLinear | 
     return PanelLinear(library) if library is not None else None
 
 
+def bf16_linear_kernel_for(device: torch.device, dtype: torch.dtype) -> BF16Linear | None:
+    """The native few-row bf16 linear where it applies (bf16 on CPU) and builds; None: torch's GEMM."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or _switched_off():
+        return None
+    library = load_library()
+    return BF16Linear(library) if library is not None else None
+
+
+def load_bf16_linear() -> BF16Linear | None:
+    library = load_library()
+    return BF16Linear(library) if library is not None else None
+
+
 def quant_kernel_for(device: torch.device, dtype: torch.dtype) -> QuantLinearKernel | None:
     """The native packed-weight linear where it applies (fp32 on CPU) and builds; None: dequantize."""
     library = _library_for(device, dtype)
@@ -549,12 +600,16 @@ def load_small_batch_linear() -> SmallBatchLinear | None:
 
 
 def _library_for(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
-    if device.type != "cpu" or dtype != torch.float32:
-        return None
-    if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
-        logger.info("native CPU kernels disabled by %s", ENV_SWITCH)
+    if device.type != "cpu" or dtype != torch.float32 or _switched_off():
         return None
     return load_library()
+
+
+def _switched_off() -> bool:
+    if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
+        logger.info("native CPU kernels disabled by %s", ENV_SWITCH)
+        return True
+    return False
 
 
 @functools.cache

@@ -29,7 +29,8 @@ from inference_service.worker.attention.paged import StepMetadata, attend_decode
 from inference_service.worker.kernels import panels
 from inference_service.worker.kernels.bindings import DecodeGlue
 from inference_service.worker.kernels.packed import PackedWeight
-from inference_service.worker.linears import native
+from inference_service.worker.linears import bf16, native
+from inference_service.worker.linears.bf16 import BF16NativeLinear
 from inference_service.worker.linears.native import NativeLinear
 from inference_service.worker.linears.panelled import PanelledLinear
 from inference_service.worker.linears.quant import QuantLinear
@@ -231,9 +232,10 @@ def fuse_projections(modules: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:
-    """nn.Linear itself or our NativeLinear: not a library's subclass with its own weight format
-    (bitsandbytes' int8 and 4-bit layers)."""
-    return type(module) in (torch.nn.Linear, NativeLinear) and cast(torch.nn.Linear, module).weight.is_contiguous()
+    """nn.Linear itself or our NativeLinear / BF16NativeLinear: not a library's subclass with its own
+    weight format (bitsandbytes' int8 and 4-bit layers)."""
+    plain = type(module) in (torch.nn.Linear, NativeLinear, BF16NativeLinear)
+    return plain and cast(torch.nn.Linear, module).weight.is_contiguous()
 
 
 def _same_packing(modules: list[QuantLinear]) -> bool:
@@ -269,8 +271,9 @@ def _fuse_linears(modules: list[torch.nn.Linear]) -> torch.nn.Module:
     weight = torch.cat([m.weight.detach() for m in modules])
     bias = torch.cat([m.bias.detach() for m in modules]) if modules[0].bias is not None else None
     fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    fused.__class__ = type(modules[0])  # NativeLinear keeps its kernel
-    fused.__dict__.update({k: v for k, v in modules[0].__dict__.items() if k in native.KERNELS})
+    fused.__class__ = type(modules[0])  # NativeLinear and BF16NativeLinear keep their kernels
+    kernels = native.KERNELS + bf16.KERNELS
+    fused.__dict__.update({k: v for k, v in modules[0].__dict__.items() if k in kernels})
     fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     fused.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
     for module, rows in _row_slices(modules, weight):
