@@ -51,6 +51,12 @@ class ModelConfig:
     served_model_name: str | None = None
     reasoning_parser: str | None = None  # a name of REASONING_PARSERS; None: from the chat template
     tool_call_parser: str | None = None  # a name of TOOL_CALL_PARSERS; None: from the chat template
+    # Tensor parallelism (TGI's flags): shards, each a process holding a slice of every layer.
+    # None: 1, or with `sharded` every CUDA device.
+    num_shard: int | None = None
+    sharded: bool | None = None  # None: sharded when num_shard > 1
+    master_addr: str = "localhost"  # where the shards meet (shard 0 listens)
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         _require(
@@ -78,6 +84,16 @@ class ModelConfig:
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not {self.tool_call_parser!r}",
         )
+        _require(self.num_shard is None or self.num_shard >= 1, "--num-shard must be >= 1")
+        _require(
+            not (self.sharded is False and (self.num_shard or 1) > 1),
+            f"--sharded false contradicts --num-shard {self.num_shard}",
+        )
+        _require(
+            not (self.sharded and self.num_shard == 1), "--sharded true needs --num-shard > 1 (or unset: every GPU)"
+        )
+        _require(0 < self.master_port < 65536, "--master-port must be a port number (1-65535)")
+        _require(self.master_addr.strip() != "", "--master-addr must not be empty")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from inference_service.api.responses import ResponsesRoutes
 from inference_service.api.tgi import TgiRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.errors import ECHO_CHARS, NotFoundError, UnavailableError, shortened
+from inference_service.errors import ECHO_CHARS, NotFoundError, ServerFailed, UnavailableError, shortened
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.requests import RequestObserver
 from textgen.v1 import generate_pb2 as pb
@@ -82,7 +82,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @unary_errors
     async def Health(self, request: pb.HealthRequest, context: Context) -> httpbody_pb2.HttpBody:
-        self._backend.engine()
+        engine = self._backend.engine()
+        if engine.failure is not None:  # TGI's /health fails once a shard is gone
+            raise ServerFailed(engine.failure)
         if self._draining:
             raise UnavailableError("the server is shutting down")
         return httpbody_pb2.HttpBody()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig
@@ -39,6 +40,7 @@ from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
 from inference_service.worker.runner.decode_step import decode_step_for
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.shard_group import ShardGroup
 from inference_service.worker.transformers_runner.runner import ATTENTION_IMPL, TransformersRunner
 from inference_service.worker.weights import schemes
 from inference_service.worker.weights.at_load import quantize_at_load, weights_nbytes
@@ -71,34 +73,32 @@ class LoadedModel:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """Load the model named by the config and return an engine ready to serve it."""
+    """Load the model named by the config and return an engine ready to serve it (one shard:
+    engine.shards.build_engine serves --num-shard)."""
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     loaded = load(config)
     with progress.phase("preparing the engine", "prepared the engine", total=3) as phase:
-        return _build(config, loaded, phase)
+        return build_from(config, loaded, phase)
 
 
-def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> LLMEngine:
-    dtype = next(loaded.model.parameters()).dtype
-    linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
-    native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
-    if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
-        native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+def build_from(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    phase: progress.Phase,
+    shard_runner: Callable[[ModelRunner], Runner] | None = None,
+    group: ShardGroup | None = None,
+) -> LLMEngine:
+    """The engine over a loaded model; with `group` (tensor parallel: the model is this shard's
+    slice) the paged runner is wrapped by `shard_runner`."""
+    native_linears = install_native_linears(loaded)
     phase.update()
     runner: Runner
     if loaded.fallback_reason is None:
-        shapes = probe_layer_shapes(loaded.model, loaded.device)
-        num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
-        kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
-        runner = ModelRunner(
-            loaded.model,
-            kv_cache,
-            loaded.device,
-            decode_kernel_for(loaded.device, dtype),
-            decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
-        )
+        model_runner, num_blocks = paged_runner(config, loaded, group)
+        runner = model_runner if shard_runner is None else shard_runner(model_runner)
     else:  # blocks stay the memory budget of the per-request caches
+        dtype = next(loaded.model.parameters()).dtype
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
         runner = TransformersRunner(loaded.model, loaded.device)
         logger.warning(
@@ -146,6 +146,38 @@ def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> 
         info.speculate,
     )
     return engine
+
+
+def install_native_linears(loaded: LoadedModel) -> int:
+    """Route the model's projections through the native kernels where they take them; returns how many."""
+    dtype = next(loaded.model.parameters()).dtype
+    linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
+    native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
+    if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
+        native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+    return native_linears
+
+
+def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | None = None) -> tuple[ModelRunner, int]:
+    """The paged runner and its KV cache's block count. With `group` every shard holds shard 0's
+    count of blocks (of its own heads), and all of them must call this together (the shape probe
+    runs the model)."""
+    dtype = next(loaded.model.parameters()).dtype
+    shapes = probe_layer_shapes(loaded.model, loaded.device)
+    num_blocks = 0
+    if group is None or group.is_first:
+        num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
+    if group is not None:
+        num_blocks = cast(int, group.broadcast_object(num_blocks, loaded.device))
+    kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
+    runner = ModelRunner(
+        loaded.model,
+        kv_cache,
+        loaded.device,
+        decode_kernel_for(loaded.device, dtype),
+        decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
+    )
+    return runner, num_blocks
 
 
 def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:

@@ -33,6 +33,8 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.decode_step = decode_step  # decode-only steps of Llama-style models, in fewer calls
 
+    lost = None  # nothing it runs on can be lost (Runner.lost)
+
     # -- one step -------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         meta, input_ids, position_ids = self._prepare(scheduled)
@@ -43,6 +45,9 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """The request ended; the paged runner keeps nothing per request (its blocks are the
         scheduler's)."""
+
+    def close(self) -> None:
+        """Nothing outlives a step here."""
 
     def describe(self) -> str:
         attention = "native" if self.decode_kernel else "torch"
