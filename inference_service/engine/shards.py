@@ -30,8 +30,9 @@ from inference_service.engine.llm_engine import LLMEngine
 from inference_service.errors import ModelLoadError
 from inference_service.models import loader
 from inference_service.outputs import Runner
+from inference_service.worker.linears.parallel import ShardingRefused
 from inference_service.worker.runner.model_runner import ModelRunner
-from inference_service.worker.runner.shard_model import ShardingRefused, shard_model
+from inference_service.worker.runner.shard_model import shard_model
 from inference_service.worker.runner.sharded import ShardedRunner, follow
 from inference_service.worker.shard_group import ShardAddress, ShardGroup, ShardLost
 
@@ -120,10 +121,6 @@ def _check_shardable(loaded: builder.LoadedModel, world_size: int) -> None:
         raise ShardingRefused(
             "this model runs through transformers' attention (the fallback runner), which is not sharded "
             f"({loaded.fallback_reason}); serve it with one shard"
-        )
-    if loaded.quantize is not None:
-        raise ShardingRefused(
-            f"{loaded.quantize} weights are not sharded yet; serve full-precision weights, or one shard"
         )
 
 

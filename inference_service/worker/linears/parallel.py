@@ -16,11 +16,23 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from inference_service.worker.kernels.packed import PackedWeight
+from inference_service.worker.linears.quant import QuantLinear
 from inference_service.worker.shard_group import ShardGroup
 
 
-def column_slice(linear: torch.nn.Linear, rows: torch.Tensor) -> torch.nn.Linear:
-    """An `nn.Linear` computing output `rows` (int64 indices) of `linear`."""
+class ShardingRefused(ValueError):
+    """A weight can't be cut into this many shards; the message says why."""
+
+
+def column_slice(linear: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
+    """A module computing output `rows` (int64 indices) of `linear` (an nn.Linear or a QuantLinear,
+    whose codes, scales and offsets are cut by output row: exact for every scheme)."""
+    if isinstance(linear, QuantLinear):
+        bias = linear.bias[rows].contiguous() if linear.bias is not None else None
+        return QuantLinear(packed_rows(linear.packed, rows), bias, linear.input_perm)
+    if type(linear) is not torch.nn.Linear:
+        raise _not_cut(linear)
     weight = linear.weight.detach()[rows]  # [n, K]
     sliced = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None, device=weight.device)
     sliced.to(weight.dtype)
@@ -45,7 +57,17 @@ class RowParallelLinear(torch.nn.Module):
         self.group = group
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, columns: torch.Tensor, group: ShardGroup) -> RowParallelLinear:
+    def from_linear(cls, linear: torch.nn.Module, columns: torch.Tensor, group: ShardGroup) -> RowParallelLinear:
+        """`columns`: a contiguous run of input indices."""
+        if isinstance(linear, QuantLinear):
+            if linear.input_perm is not None:
+                raise ShardingRefused("GPTQ act-order (desc_act) weights can't be cut by input columns")
+            start, end = int(columns[0]), int(columns[-1]) + 1
+            quant = QuantLinear(packed_columns(linear.packed, start, end))
+            bias = linear.bias.clone() if linear.bias is not None else None
+            return cls(quant, bias, linear.in_features, group)
+        if type(linear) is not torch.nn.Linear:
+            raise _not_cut(linear)
         weight = linear.weight.detach()[:, columns].contiguous()  # [N, k]
         inner = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
         inner.to(weight.dtype)
@@ -107,6 +129,51 @@ class VocabParallelHead(torch.nn.Module):
         if not parts:
             return local
         return torch.cat(parts, dim=-1)[..., : self.out_features]
+
+
+def _not_cut(module: torch.nn.Module) -> ShardingRefused:
+    return ShardingRefused(f"tensor parallelism cuts nn.Linear and quantized projections, not {type(module).__name__}")
+
+
+def packed_rows(packed: PackedWeight, rows: torch.Tensor) -> PackedWeight:
+    """Output `rows` of a packed weight: every row keeps its codes and its groups' scales and offsets."""
+    return PackedWeight(
+        packed.bits,
+        packed.codes[rows].contiguous(),
+        packed.scales[rows].contiguous(),
+        packed.offsets[rows].contiguous(),
+        packed.group_size,
+        packed.in_features,
+    )
+
+
+def packed_columns(packed: PackedWeight, start: int, end: int) -> PackedWeight:
+    """Input columns [start, end) of a packed weight, cut along its groups: whole groups (their
+    scales and offsets sliced), or a part of one group (a per-channel scheme's: that group's scale
+    and offset for the part). Anything else would need new scales: refused."""
+    width, group_size = end - start, packed.group_size
+    if start % group_size == 0 and width % group_size == 0:
+        groups = slice(start // group_size, end // group_size)
+        new_group_size = group_size
+    elif start // group_size == (end - 1) // group_size and (group_size % width == 0 or end == packed.in_features):
+        groups = slice(start // group_size, start // group_size + 1)
+        new_group_size = width
+    else:
+        raise ShardingRefused(
+            f"input columns [{start}, {end}) cut across quantization groups of {group_size}: "
+            "use a number of shards whose slices hold whole groups"
+        )
+    if packed.bits == 4 and (start % 2 or width % 2):
+        raise ShardingRefused("4-bit codes (two per byte) can't be cut at an odd column")
+    codes = packed.codes[:, start:end] if packed.bits == 8 else packed.codes[:, start // 2 : end // 2]
+    return PackedWeight(
+        packed.bits,
+        codes.contiguous(),
+        packed.scales[:, groups].contiguous(),
+        packed.offsets[:, groups].contiguous(),
+        new_group_size,
+        width,
+    )
 
 
 def vocab_range(vocab_size: int, group: ShardGroup) -> tuple[int, int]:

@@ -8,8 +8,9 @@ shards, N a multiple of them) the one KV head its query heads share, held by sev
 attention function and the KV cache then see this shard's heads only, with no change: they learn
 the head counts from the tensors.
 
-It runs before the native linears go in (they take the slices like any nn.Linear), on the full
-precision model: quantized linears are not cut (refused, with the reason).
+It runs before the native linears go in (they take the slices like any nn.Linear). Quantized
+projections (QuantLinear: every scheme's group-wise codes) are cut along their groups
+(linears/parallel.py); the head and the embedding must be full precision.
 """
 
 from __future__ import annotations
@@ -21,16 +22,14 @@ import torch
 
 from inference_service.worker.linears.parallel import (
     RowParallelLinear,
+    ShardingRefused,
     VocabParallelEmbedding,
     VocabParallelHead,
     column_slice,
     vocab_rows,
 )
+from inference_service.worker.linears.quant import QuantLinear
 from inference_service.worker.shard_group import ShardGroup
-
-
-class ShardingRefused(ValueError):
-    """This model can't be cut into this many shards; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -100,16 +99,17 @@ def _check(model: Any, num_shards: int) -> tuple[_Names, int, int, int]:
         attn, mlp = layer.self_attn, getattr(layer, names.mlp) if names.mlp else layer
         modules = [getattr(attn, n, None) for n in (names.q, names.k, names.v, names.o)]
         modules += [getattr(mlp, n, None) for n in (*names.column, names.row)]
-        if any(type(m) is not torch.nn.Linear for m in modules):
-            raise ShardingRefused(
-                "tensor parallelism cuts full-precision nn.Linear projections only (not quantized ones)"
-            )
+        for module in modules:
+            if type(module) is not torch.nn.Linear and not isinstance(module, QuantLinear):
+                kind = type(module).__name__
+                raise ShardingRefused(f"tensor parallelism cuts nn.Linear and packed quantized projections, not {kind}")
         width = getattr(mlp, names.column[0]).out_features
         if width % num_shards:
             raise ShardingRefused(f"an MLP of width {width} can't be split evenly over {num_shards} shards")
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(embed, torch.nn.Embedding) or type(head) is not torch.nn.Linear or head.bias is not None:
-        raise ShardingRefused("tensor parallelism needs a plain embedding and a head without bias")
+    head_kind_ok = type(head) is torch.nn.Linear or isinstance(head, QuantLinear)
+    if not isinstance(embed, torch.nn.Embedding) or not head_kind_ok or head.bias is not None:
+        raise ShardingRefused("tensor parallelism needs a plain embedding and a linear head without bias")
     return names, heads, kv_heads, head_dim
 
 
@@ -157,14 +157,16 @@ def _set_head_counts(attn: Any, num_heads: int, num_kv_heads: int) -> None:
 
 def _shard_vocabulary(model: Any, group: ShardGroup) -> None:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight is embed.weight
+    tied = getattr(head, "weight", None) is embed.weight
     rows, start = vocab_rows(embed.weight, group)
     scale = getattr(embed, "embed_scale", None)
     parallel_embed = VocabParallelEmbedding(rows, start, embed.num_embeddings, group, scale)
     model.set_input_embeddings(parallel_embed)
-    inner = torch.nn.Linear(head.in_features, rows.shape[0], bias=False, device=rows.device)
+    inner: torch.nn.Module
     if tied:
+        inner = torch.nn.Linear(head.in_features, rows.shape[0], bias=False, device=rows.device)
         inner.weight = parallel_embed.weight  # still one tensor: the panel layout leaves it alone
-    else:
-        inner.weight = torch.nn.Parameter(vocab_rows(head.weight, group)[0], requires_grad=False)
+    else:  # the last shard's padding rows repeat the last token's: their logits are cut off
+        last = head.out_features - 1
+        inner = column_slice(head, torch.arange(start, start + rows.shape[0]).clamp(max=last))
     model.set_output_embeddings(VocabParallelHead(inner, head.out_features, group))
