@@ -17,8 +17,10 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +40,8 @@ from inference_service.worker.shard_group import ShardAddress, ShardGroup, Shard
 
 logger = logging.getLogger(__name__)
 
+# How often a follower looks whether shard 0's process is still there.
+SERVER_POLL_S = 1.0
 # Seconds the followers get to leave their loop after Stop before they are terminated.
 FOLLOWER_EXIT_S = 10.0
 
@@ -129,6 +133,17 @@ def _connect(config: EngineConfig, rank: int, world_size: int) -> ShardGroup:
     return ShardGroup.connect(address, rank, world_size, loader.resolve_device(config.model.device))
 
 
+def _exit_with(server_pid: int) -> None:
+    """End this follower when shard 0's process is gone, whatever this one is doing (loading, waiting
+    for a rendezvous that will never come): a follower never outlives its server."""
+    while True:
+        time.sleep(SERVER_POLL_S)
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+
+
 class Followers:
     """Shards 1..N-1: their processes, and a watcher that tells the runner when one ends unasked."""
 
@@ -142,7 +157,9 @@ class Followers:
         # The fork server imports torch and the engine once; every follower forks from it after.
         context.set_forkserver_preload([__name__])
         processes = [
-            context.Process(target=follower_main, args=(config, rank, world_size), name=f"shard-{rank}", daemon=True)
+            context.Process(
+                target=follower_main, args=(config, rank, world_size, os.getpid()), name=f"shard-{rank}", daemon=True
+            )
             for rank in range(1, world_size)
         ]
         for process in processes:
@@ -183,9 +200,10 @@ class Followers:
             process.join(FOLLOWER_EXIT_S)
 
 
-def follower_main(config: EngineConfig, rank: int, world_size: int) -> None:
+def follower_main(config: EngineConfig, rank: int, world_size: int, server_pid: int) -> None:
     """A follower shard's process: join, load this shard's slice, follow shard 0's steps until Stop."""
     logging.basicConfig(level=logging.WARNING, format=f"shard {rank}: %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with, args=(server_pid,), name="server-watcher", daemon=True).start()
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     config = for_shard(config, rank)
