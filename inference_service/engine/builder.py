@@ -166,7 +166,9 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
     shapes = probe_layer_shapes(loaded.model, loaded.device)
     num_blocks = 0
     if group is None or group.is_first:
-        num_blocks = plan_num_blocks(config.cache, shapes, dtype, loaded.device)
+        # On CPU every shard's cache comes out of the same memory: the budget holds all of them.
+        sharing = group.world_size if group is not None and loaded.device.type == "cpu" else 1
+        num_blocks = plan_num_blocks(config.cache, shapes * sharing, dtype, loaded.device)
     if group is not None:
         num_blocks = cast(int, group.broadcast_object(num_blocks, loaded.device))
     kv_cache = PagedKVCache(shapes, num_blocks, config.cache.block_size, dtype, loaded.device)
