@@ -37,7 +37,7 @@ from inference_service.engine.builder import warm_up  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
 
 BENCH_DIR = common.RAW_DIR / "tp-llama"
-FULL = {"runs": 5, "prompt_tokens": 128, "new_tokens": 64, "batch": 8}
+FULL = {"runs": 3, "prompt_tokens": 64, "new_tokens": 32, "batch": 4}
 QUICK = {"runs": 1, "prompt_tokens": 16, "new_tokens": 8, "batch": 2}
 
 
