@@ -1,15 +1,22 @@
-"""A bystander beside a long prompt: how long a short request takes while the engine prefills a
-4k-token prompt, against the same request on an idle engine, in the same run.
+"""Bystanders beside a long prompt: how long short requests take while the engine prefills a
+4k-token prompt, against the same requests on an idle engine, under the scheduler's two ways of
+counting a step's budget, in the same run.
 
-The bystander is a short prompt asking for one token (greedy), the request a client uses to check
-that the server answers. Alone, it costs one short step. Beside a long prompt it waits for the step
-in progress, then shares the next steps with the long prompt's chunks: the scheduler gives it its
-prompt in the next step (engine/scheduler.py), so its latency is about two steps of the long
-prefill, set by the step budget (--max-batch-prefill-tokens), not by the long prompt's length.
+Two bystanders, each timed through the async engine (the server's engine thread), so it arrives in
+the middle of a step as a real request does:
 
-Each bystander is timed from its submission to its final output, through the async engine (the
-server's engine thread), so it arrives in the middle of a step as a real request does. The long
-prompt is submitted `--delay` seconds before it and cancelled once the bystander is done.
+- a **new request**: a short prompt asking for one token (greedy), the request a client uses to check
+  that the server answers; timed from its submission to its final output. It waits for the step in
+  progress, then for the step that computes it.
+- a **stream**: the same prompt generating `--stream-tokens` tokens; its per-token latency is the
+  median gap between its tokens. Each of its tokens waits for a step that also carries a prefill chunk.
+
+The long prompt is submitted `--delay` seconds before the bystander and cancelled once it is done.
+Each run also times a long prompt alone (its time to first token: what the policy costs it).
+
+Policies (engine/step_cost.py): `tokens` counts a step's budget in tokens, whatever their context,
+and gives prefills the whole budget in every step; `work` (the engine's default) counts a chunk's
+attention over its context too, and gives prefills a small pool in a step that carries streams.
 
 Usage: python benchmarks/bystander_latency.py [--quick] [--model-id ID] [--long-tokens N] [--runs N]
 """
@@ -31,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, tiny_model  # noqa: E402
 from inference_service.config import DEMO_MODEL_ID  # noqa: E402
 from inference_service.engine.async_engine import AsyncEngine  # noqa: E402
+from inference_service.engine.step_cost import StepCost  # noqa: E402
 
 BYSTANDER = "Hello, how are you?"
+POLICIES = ("tokens", "work")
 
 
 async def timed(engine: AsyncEngine, request) -> float:
@@ -41,20 +50,46 @@ async def timed(engine: AsyncEngine, request) -> float:
     return time.perf_counter() - started
 
 
-async def measure(engine: AsyncEngine, bystander, long_requests, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Each run takes two long prompts of its own (fresh tokens: the prefix cache must not answer them)."""
-    await timed(engine, bystander)  # warm-up
-    alone, beside, long_alone = [], [], []
-    for _ in range(args.runs):
-        alone.append(await timed(engine, bystander))
-        long_alone.append(await timed(engine, next(long_requests)))  # what the step budget costs a long prompt
-        long_task = asyncio.create_task(engine.generate(next(long_requests)))
-        await asyncio.sleep(args.delay)  # the long prefill is under way
-        beside.append(await timed(engine, bystander))
+async def per_token(engine: AsyncEngine, request) -> float:
+    """The median gap between a stream's tokens (its first token excluded)."""
+    stamps = []
+    async for _ in engine.generate_stream(request):
+        stamps.append(time.perf_counter())
+    return statistics.median(b - a for a, b in itertools.pairwise(stamps))
+
+
+async def beside(engine: AsyncEngine, long_request, bystander, delay: float) -> float:
+    long_task = asyncio.create_task(engine.generate(long_request))
+    await asyncio.sleep(delay)  # the long prefill is under way
+    try:
+        return await bystander
+    finally:
         long_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await long_task
-    return {"alone_s": alone, "beside_s": beside, "long_alone_s": long_alone}
+
+
+async def measure(engine: AsyncEngine, set_policy, requests, long_requests, args) -> dict[str, dict[str, list[float]]]:
+    """Each run measures both policies, one after the other; every long prompt is fresh random tokens
+    (the prefix cache must not answer it)."""
+    one, stream = requests
+    await timed(engine, one)  # warm-up
+    times = {
+        policy: {key: [] for key in ("alone_s", "beside_s", "stream_alone_s", "stream_beside_s", "long_alone_s")}
+        for policy in POLICIES
+    }
+    for _ in range(args.runs):
+        for policy in POLICIES:
+            set_policy(policy)
+            row = times[policy]
+            row["alone_s"].append(await timed(engine, one))
+            row["stream_alone_s"].append(await per_token(engine, stream))
+            row["long_alone_s"].append(await timed(engine, next(long_requests)))
+            row["beside_s"].append(await beside(engine, next(long_requests), timed(engine, one), args.delay))
+            row["stream_beside_s"].append(
+                await beside(engine, next(long_requests), per_token(engine, stream), args.delay)
+            )
+    return times
 
 
 def main() -> None:
@@ -62,61 +97,78 @@ def main() -> None:
     parser.add_argument("--model-id", default=DEMO_MODEL_ID)
     parser.add_argument("--quick", action="store_true", help="the tiny model and a short long prompt")
     parser.add_argument("--long-tokens", type=int, default=4000)
+    parser.add_argument("--stream-tokens", type=int, default=9)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--delay", type=float, default=1.0, help="seconds between the long prompt and the bystander")
     parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, help="default: the device's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:  # a smoke run: the tiny model (unless another is named), a prompt of 400 tokens
-        args.long_tokens, args.runs, args.delay = 400, 1, 0.01
+        args.long_tokens, args.runs, args.delay, args.stream_tokens = 400, 1, 0.01, 3
         if args.model_id == DEMO_MODEL_ID:
             args.model_id = tiny_model.TINY_MODEL_ID
 
     engine, _ = common.load_engine(
         tiny_model.resolve(args.model_id), max_batch_prefill_tokens=args.max_batch_prefill_tokens
     )
+    costs = {"tokens": StepCost(), "work": engine.scheduler.cost}
+
+    def set_policy(policy: str) -> None:  # between requests: the engine thread is idle
+        engine.scheduler.cost = costs[policy]
+
     rng = random.Random(0)
     long_requests = (
         common.validated([rng.randrange(3, engine.info.vocab_size) for _ in range(args.long_tokens)], 1)
         for _ in itertools.count()
     )
-    bystander = common.validated(engine.tokenizer.encode(BYSTANDER), 1)
+    prompt = engine.tokenizer.encode(BYSTANDER)
+    requests = (common.validated(prompt, 1), common.validated(prompt, args.stream_tokens))
     async_engine = AsyncEngine(engine, max_concurrent_requests=8)
     async_engine.start()
     try:
-        times = asyncio.run(measure(async_engine, bystander, long_requests, args))
+        times = asyncio.run(measure(async_engine, set_policy, requests, long_requests, args))
     finally:
         asyncio.run(async_engine.shutdown(timeout_s=5))
 
-    alone, beside = statistics.median(times["alone_s"]), statistics.median(times["beside_s"])
+    med = {policy: {key: statistics.median(values) for key, values in row.items()} for policy, row in times.items()}
+    rows = []
+    for policy in POLICIES:
+        m = med[policy]
+        rows.append(
+            [
+                policy,
+                common.fmt(m["alone_s"], 3),
+                common.fmt(m["beside_s"], 3),
+                common.ratio(m["beside_s"], m["alone_s"]),
+                common.fmt(m["stream_alone_s"] * 1000, 0),
+                common.fmt(m["stream_beside_s"] * 1000, 0),
+                common.ratio(m["stream_beside_s"], m["stream_alone_s"]),
+                common.fmt(m["long_alone_s"], 2),
+                common.ratio(m["long_alone_s"], med["tokens"]["long_alone_s"]),
+            ]
+        )
     table = common.markdown_table(
-        ["bystander", "median s", "runs (s)"],
         [
-            ["alone", common.fmt(alone, 3), ", ".join(common.fmt(t, 3) for t in times["alone_s"])],
-            [
-                f"beside a {args.long_tokens}-token prompt",
-                common.fmt(beside, 3),
-                ", ".join(common.fmt(t, 3) for t in times["beside_s"]),
-            ],
-            [
-                f"the {args.long_tokens}-token prompt alone (prefill)",
-                common.fmt(statistics.median(times["long_alone_s"]), 3),
-                ", ".join(common.fmt(t, 3) for t in times["long_alone_s"]),
-            ],
+            "policy",
+            "new request alone s",
+            "beside s",
+            "beside ÷ alone",
+            "stream ms/token alone",
+            "beside",
+            "beside ÷ alone",
+            f"{args.long_tokens}-token prompt alone, TTFT s",
+            "÷ tokens policy",
         ],
+        rows,
     )
     budget = engine.info.max_batch_prefill_tokens
-    prefill_tps = args.long_tokens / statistics.median(times["long_alone_s"])
     summary = (
-        f"beside ÷ alone: {common.ratio(beside, alone)} (step budget {budget} tokens); "
-        f"the long prompt alone prefills {prefill_tps:.0f} tokens/s"
+        f"step budget {budget}; medians of {args.runs} run(s), both policies in every run; "
+        f"context scale {costs['work'].context_scale:.0f} keys, stream share {costs['work'].stream_share:g}"
     )
     print(f"{common.machine_line(common.machine())}\n{common.command_line()}\n\n{table}\n\n{summary}")
     folder = common.output_dir(args.out, args.quick)
-    common.write_json(
-        folder / "bystander_latency.json",
-        {"args": vars(args), "step_budget": budget, **times, "ratio": beside / alone, "prefill_tps": prefill_tps},
-    )
+    common.write_json(folder / "bystander_latency.json", {"args": vars(args), "step_budget": budget, **times})
 
 
 if __name__ == "__main__":

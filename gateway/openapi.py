@@ -45,6 +45,15 @@ _SPECIAL = {
     ".google.protobuf.ListValue": {"type": "array", "items": {}},
     ".google.api.HttpBody": {"type": "string"},
 }
+# Repeated Values whose entries have one known shape or null (the legacy logprobs of an echoed prompt).
+_VALUE_ITEMS = {
+    ".textgen.v1.CompletionLogprobs.token_logprobs": {"type": "number", "nullable": True},
+    ".textgen.v1.CompletionLogprobs.top_logprobs": {
+        "type": "object",
+        "additionalProperties": {"type": "number"},
+        "nullable": True,
+    },
+}
 # The Lua filter prints each TopTokens as the plain list of its tokens (TGI's list of lists).
 _FLATTENED = {".textgen.v1.TopTokens": "tokens"}
 TGI_ERRORS = {
@@ -151,6 +160,8 @@ class _Schemas:
         properties = {}
         for index, field in enumerate(message.field):
             properties[field.name] = self._field(field, comments.get(*path, 2, index))
+            if f"{type_name}.{field.name}" in _VALUE_ITEMS:
+                properties[field.name]["items"] = dict(_VALUE_ITEMS[f"{type_name}.{field.name}"])
         schema: dict[str, Any] = {"type": "object", "properties": properties}
         if comments.get(*path):
             schema["description"] = comments.get(*path)

@@ -32,7 +32,7 @@
 
 -- Kept equal to the proto's 64-bit integer and float response fields by a unit test.
 local INT64_FIELDS = {"seed", "num_steps", "weights_memory_bytes"}
-local FLOAT_FIELDS = {"logprob", "waiting_served_ratio", "token_logprobs", "temperature", "top_p"}
+local FLOAT_FIELDS = {"logprob", "waiting_served_ratio", "temperature", "top_p"}
 -- Repeated fields TGI leaves out when empty (the transcoder prints `[]`).
 local OMIT_WHEN_EMPTY = {"top_tokens", "best_of_sequences"}
 

@@ -159,6 +159,9 @@ class LimitsConfig:
     # A grammar's budget at validation (compile + first mask): over it, the request is refused (422).
     grammar_compile_timeout_ms: int = 2000
     grammar_max_states: int = 50_000  # lexer DFA states of one grammar (1-2 kB each)
+    # Vision-language models: images per request, and bytes of one image fetched or sent (TGI's default).
+    max_images_per_request: int = 8
+    max_image_fetch_size: int = 1_073_741_824
 
     def __post_init__(self) -> None:
         _require(self.max_input_tokens is None or self.max_input_tokens > 0, "--max-input-tokens must be > 0")
@@ -172,6 +175,8 @@ class LimitsConfig:
         _require(0.0 < self.watermark_gamma < 1.0, "--watermark-gamma must be in (0, 1)")
         _require(self.grammar_compile_timeout_ms > 0, "--grammar-compile-timeout-ms must be > 0")
         _require(self.grammar_max_states > 0, "--grammar-max-states must be > 0")
+        _require(self.max_images_per_request >= 0, "--max-images-per-request must be >= 0")
+        _require(self.max_image_fetch_size > 0, "--max-image-fetch-size must be > 0")
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,18 @@ ENGINE_FLAGS = (
     Flag("--max-stop-sequences", "limits.max_stop_sequences", "Most stop sequences per request.", int),
     Flag("--max-top-n-tokens", "limits.max_top_n_tokens", "Largest top_n_tokens per request.", int),
     Flag(
+        "--max-images-per-request",
+        "limits.max_images_per_request",
+        "Most images in one request (vision-language models); more get INVALID_ARGUMENT (TGI routes 422, OpenAI 400).",
+        int,
+    ),
+    Flag(
+        "--max-image-fetch-size",
+        "limits.max_image_fetch_size",
+        "Largest image in bytes, fetched from a URL or sent inline (TGI's flag).",
+        int,
+    ),
+    Flag(
         "--max-input-tokens",
         "limits.max_input_tokens",
         "Longest prompt in tokens.",
@@ -262,7 +274,9 @@ ENGINE_FLAGS = (
     Flag(
         "--max-batch-prefill-tokens",
         "scheduler.max_batch_prefill_tokens",
-        "Token budget of one engine step (prefill chunks + decodes).",
+        "Budget of one engine step in tokens' work (prefill chunks + decodes): a prompt token deep in a "
+        "long context counts more (its attention), and in a step that carries streams, prefill chunks that "
+        "leave part of their prompt for later share 1/16 of it. Default 256 on CPU, 4096 on GPU.",
         int,
         default_text="by device",
     ),

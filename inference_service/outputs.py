@@ -41,6 +41,8 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     # Encoder-decoders: the encoder's input, on the request's first chunk (again after a preemption).
     encoder_token_ids: list[int] | None = None
+    # Images: (row of this chunk, embedding rows [n, H]) that replace those rows' token embeddings.
+    image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_known_tokens(self) -> int:
@@ -114,6 +116,8 @@ class PrefillToken:
     id: int
     text: str
     logprob: float | None  # None for the first prompt token
+    # The `top_n_tokens` most likely tokens at this position (none for the first prompt token).
+    top_tokens: list[Token] = field(default_factory=list)
 
 
 @dataclass
@@ -214,6 +218,11 @@ class EngineInfo:
     forced_eos_token_id: int | None = None
     # When the model was loaded (Unix seconds): the `created` of OpenAI's model card.
     loaded_at: int = 0
+    # Vision-language models: the checkpoint's architecture (`architecture` is its text model's);
+    # None for a text-only model, which refuses images.
+    vision_architecture: str | None = None
+    max_images_per_request: int = 0
+    max_image_fetch_size: int = 0  # bytes of one fetched or decoded image
 
     @property
     def is_encoder_decoder(self) -> bool:

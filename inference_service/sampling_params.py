@@ -6,7 +6,7 @@ with every default decided there; the engine never sees protobuf or an API's voc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -65,6 +65,21 @@ class Grammar(Protocol):
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, as the model's processor prepared it (front end) for the vision
+    encoder (engine, at admission). Its embedding rows replace the prompt tokens at `positions`."""
+
+    positions: tuple[int, ...]  # prompt indices of its placeholder tokens, one per embedding row
+    content_hash: bytes  # of the image's bytes: keys its tokens in the prefix cache
+    pixel_values: Any  # the processor's tensor for this image alone
+    extras: dict[str, Any] = field(default_factory=dict)  # per-image processor outputs (image_sizes, grid)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One generation as the engine runs it: the front end's output, every default decided."""
 
@@ -73,6 +88,7 @@ class EngineRequest:
     stopping: StoppingParams
     grammar: Grammar | None = None  # the output must match it
     text_prefix: str = ""  # put before the final generated_text (TGI's return_full_text: the prompt)
+    images: tuple[ImageInput, ...] = ()  # in prompt order
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -80,7 +80,7 @@ class OpenAIRoutes:
     async def Completion(self, request: pb.CompletionRequest, context: Context) -> pb.CompletionResponse:
         with self._backend.observer.track("Completion", context) as call:
             engine = self._backend.engine()
-            plan, choices = await self._backend.front_end().completion(request, stream=False)
+            plan, choices = await self._backend.front_end().completion(request)
             call.validated(choices[0])
             results = await engine.generate_all(choices)
             call.finished(results[0])
@@ -91,7 +91,7 @@ class OpenAIRoutes:
         self, request: pb.CompletionRequest, context: Context
     ) -> AsyncIterator[pb.CompletionResponse]:
         with self._backend.observer.track("CompletionStream", context) as call:
-            plan, choices = await self._backend.front_end().completion(request, stream=True)
+            plan, choices = await self._backend.front_end().completion(request)
             header = _header(self._backend.engine().info.model_id, "cmpl")
             readers = [
                 CompletionChoiceStream(i, plan.prompts[i // plan.num_choices], plan) for i in range(len(choices))

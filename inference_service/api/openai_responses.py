@@ -15,12 +15,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from google.protobuf import struct_pb2
+
 from inference_service import __version__
 from inference_service.frontend.answer_stream import AnswerStream
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
 from inference_service.frontend.reasoning import split_reasoning
 from inference_service.frontend.tool_parsers import parse_tool_calls
-from inference_service.outputs import FinishReason, GenerateResult, RequestOutput, Token
+from inference_service.outputs import FinishReason, GenerateResult, PrefillToken, RequestOutput, Token
 from textgen.v1 import generate_pb2 as pb
 
 SYSTEM_FINGERPRINT = f"{__version__}-native"
@@ -219,32 +221,80 @@ def _add(delta: pb.ChatCompletionDelta, item: tuple) -> None:
 
 # -- text completions ------------------------------------------------------------------------------
 def completion_logprobs(
-    tokens: Sequence[Token], top_tokens: Sequence[Sequence[Token]], offset: int
+    tokens: Sequence[Token],
+    top_tokens: Sequence[Sequence[Token]],
+    offset: int,
+    prompt: tuple[str, Sequence[PrefillToken]] | None = None,
+    token_bytes: TokenBytes | None = None,
 ) -> pb.CompletionLogprobs:
-    """The legacy shape: parallel lists, and `top_logprobs` as one {token: logprob} object each."""
+    """The legacy shape: parallel lists, and `top_logprobs` as one {token: logprob} object each.
+    `prompt`: with `echo`, the prompt's text and tokens, whose entries come first (from offset 0)."""
     logprobs = pb.CompletionLogprobs()
+    if prompt is not None:
+        _add_prompt_entries(logprobs, *prompt, token_bytes)
     for i, token in enumerate(tokens):
         if token.special:
             continue
-        logprobs.tokens.append(token.text)
-        logprobs.token_logprobs.append(_logprob(token.logprob))
-        logprobs.text_offset.append(offset)
+        top = top_tokens[i] if i < len(top_tokens) else ()
+        _add_entry(logprobs, token.text, token.logprob, top, offset, token_bytes)
         offset += len(token.text)
-        top = logprobs.top_logprobs.add()
-        top.update({t.text: _logprob(t.logprob) for t in (top_tokens[i] if i < len(top_tokens) else ())})
     return logprobs
+
+
+def _add_entry(
+    logprobs: pb.CompletionLogprobs,
+    text: str,
+    logprob: float | None,
+    top: Sequence[Token],
+    offset: int,
+    token_bytes: TokenBytes | None,
+) -> None:
+    """One token's entry; a logprob of None (the first prompt token's) is JSON's null, and so are
+    its alternatives. Alternatives are keyed by text (part of a character: its bytes, escaped);
+    where two share a key, the likelier one's value stays."""
+    logprobs.tokens.append(text)
+    logprobs.text_offset.append(offset)
+    chosen, alternatives = logprobs.token_logprobs.add(), logprobs.top_logprobs.add()
+    if logprob is None:
+        chosen.null_value = alternatives.null_value = struct_pb2.NULL_VALUE
+        return
+    chosen.number_value = _logprob(logprob)
+    by_text: dict[str, float] = {}
+    for token in sorted(top, key=lambda t: -t.logprob):
+        by_text.setdefault(_text_and_bytes(token, token_bytes)[0], _logprob(token.logprob))
+    alternatives.struct_value.update(by_text)
+
+
+def _add_prompt_entries(
+    logprobs: pb.CompletionLogprobs, prompt: str, tokens: Sequence[PrefillToken], token_bytes: TokenBytes | None
+) -> None:
+    """The echoed prompt's tokens, each at the character of the prompt where it starts. A first token
+    the text does not hold (a BOS the tokenizer added) is listed, as vLLM does, but takes no room."""
+    text, cursor, characters = prompt.encode(), 0, 0
+    for position, token in enumerate(tokens):
+        shown, raw = _text_and_bytes(Token(token.id, token.text, 0.0, False), token_bytes)
+        inside = cursor < len(text) and text[cursor] & 0xC0 == 0x80  # a token may start inside a character
+        _add_entry(logprobs, shown, token.logprob, token.top_tokens, characters - inside, token_bytes)
+        if position > 0 or text.startswith(raw, cursor):
+            taken = text[cursor : cursor + len(raw)]
+            characters += sum(1 for byte in taken if byte & 0xC0 != 0x80)  # lead bytes: one per character
+            cursor += len(taken)
 
 
 def completion_choice(
     index: int, text: str, result: GenerateResult | RequestOutput, plan: CompletionPlan, echoed: str, offset: int
 ) -> pb.CompletionChoice:
     """`echoed`: the prompt when this choice's first text is sent with `echo`, else ""; `offset`:
-    characters of this choice's text sent before (logprobs' text offsets count the prompt too)."""
+    characters of this choice's text sent before (logprobs' text offsets count the prompt too).
+    With `echo` and `logprobs`, the prompt's logprobs come with its text."""
     choice = pb.CompletionChoice(index=index, text=echoed + text)
     if result.finish_reason is not None:
         choice.finish_reason = finish_reason(result.finish_reason, False)
     if plan.logprobs is not None:
-        choice.logprobs.CopyFrom(completion_logprobs(result.tokens, result.top_tokens, len(echoed) + offset))
+        prompt = (echoed, result.prefill_tokens or ()) if echoed else None
+        choice.logprobs.CopyFrom(
+            completion_logprobs(result.tokens, result.top_tokens, len(echoed) + offset, prompt, plan.token_bytes)
+        )
     return choice
 
 
@@ -290,9 +340,11 @@ class CompletionChoiceStream:
         if output.finished and output.generated_text is not None:
             text = output.generated_text[len(self._sent) :] if output.generated_text.startswith(self._sent) else ""
         echoed = self.prompt if self.plan.echo and not self._echoed else ""
-        if not text and not echoed and output.finish_reason is None:
-            return []
-        choice = completion_choice(self.index, text, output, self.plan, echoed, len(self._sent))
+        scored = self.plan.logprobs is not None and any(not token.special for token in output.tokens)
+        if not (text or echoed or scored or output.finish_reason is not None):
+            return []  # nothing to tell yet; a token with no text of its own (part of a character) still has a logprob
+        before = len(self._sent) + (len(self.prompt) if self.plan.echo and self._echoed else 0)  # text sent before
+        choice = completion_choice(self.index, text, output, self.plan, echoed, before)
         self._sent, self._echoed = self._sent + text, True
         if output.finish_reason is not None:
             self.num_prompt_tokens, self.num_generated_tokens = output.num_prompt_tokens, output.num_generated_tokens

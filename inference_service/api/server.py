@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from inference_service.api import pings
 from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
-from inference_service.api.decoding import DecodeErrorInterceptor
+from inference_service.api.decoding import DecodeErrorInterceptor, WholeMessageInterceptor
 from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loading
@@ -77,7 +77,9 @@ class ApiServer:
         # Set when the engine can no longer generate (a model shard died): NOT_SERVING, and `serve` exits.
         self.failed = asyncio.Event()
         self._failure_watch: asyncio.Future | None = None
-        interceptors = self.observability.server_interceptors()
+        # First: every unary request is read as a stream, where a call that ends without a message shows.
+        interceptors: list[grpc.aio.ServerInterceptor] = [WholeMessageInterceptor()]
+        interceptors += self.observability.server_interceptors()
         if server_config.api_key:
             interceptors.append(ApiKeyInterceptor(server_config.api_key))
         interceptors.append(DecodeErrorInterceptor())  # last: it wraps the servicer's own handlers

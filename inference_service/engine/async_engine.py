@@ -75,6 +75,7 @@ class AsyncEngine:
         self._engine = engine
         self.info: EngineInfo = engine.info
         self.tokenizer = engine.tokenizer
+        self.processor = engine.processor  # a vision-language model's (the front end's), else None
         self.grammar_compiler: GrammarCompiler | None = engine.grammar_compiler  # the front end's
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0

@@ -20,10 +20,11 @@ from inference_service import progress
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
+from inference_service.engine.step_cost import StepCost
 from inference_service.errors import ModelLoadError
 from inference_service.models import context, demo, loader
 from inference_service.models.prequantized import load_prequantized
-from inference_service.models.registry import check_architecture, probe_model
+from inference_service.models.registry import check_architecture, is_vision_language, probe_model
 from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
 from inference_service.sample.grammar import GrammarBudget, GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
@@ -39,6 +40,7 @@ from inference_service.worker.kernels.bindings import (
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
 from inference_service.worker.runner.decode_step import decode_step_for
+from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
 from inference_service.worker.shard_group import ShardGroup
 from inference_service.worker.transformers_runner.runner import ATTENTION_IMPL, TransformersRunner
@@ -70,6 +72,7 @@ class LoadedModel:
     quantize: str | None = None  # the scheme serving; None: full precision
     num_quantized: int = 0  # linears replaced by quantized ones
     fallback_reason: str | None = None  # why transformers' attention serves it; None: the paged path
+    processor: Any = None  # a vision-language model's processor (the front end's); None: text only
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -125,7 +128,10 @@ def build_from(
         config.scheduler.max_batch_size,
         grammar_compiler,
         speculator,
+        # Prefill chunks are counted in work: attention over a long context costs as much as the weights.
+        StepCost.for_hidden_size(getattr(loaded.model.config.get_text_config(), "hidden_size", None)),
     )
+    engine.processor = loaded.processor
     logger.info(
         "engine ready: %s (%s, %s), weights %s (%.1f MiB, %d quantized linears), %d KV blocks of %d "
         "tokens, max_total_tokens=%d, attention: %s, %s, native linears: %d, prefix caching: %s, "
@@ -178,6 +184,7 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
         loaded.device,
         decode_kernel_for(loaded.device, dtype),
         decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype)),
+        ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None,
     )
     return runner, num_blocks
 
@@ -227,6 +234,11 @@ def load(config: EngineConfig) -> LoadedModel:
         model, num_quantized = load_weights(FALLBACK_ATTENTION if fallback_reason else attention.ATTENTION_NAME)
         phase.update()
         tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
+        processor = (
+            loader.load_processor(resolved.path, config.model.trust_remote_code)
+            if is_vision_language(hf_config)
+            else None
+        )
         phase.update()
     if fallback_reason is None:
         try:
@@ -238,6 +250,10 @@ def load(config: EngineConfig) -> LoadedModel:
             # it was loaded with, and builds no causal mask for it).
             with progress.phase("loading weights", "loaded weights again", total=1), progress.library_bars_off():
                 model, num_quantized = load_weights(FALLBACK_ATTENTION)
+    if processor is not None and fallback_reason is not None:
+        raise ModelLoadError(
+            f"vision-language architecture '{hf_config.model_type}' needs the paged attention: {fallback_reason}"
+        )
     return LoadedModel(
         model,
         tokenizer,
@@ -247,6 +263,7 @@ def load(config: EngineConfig) -> LoadedModel:
         scheme,
         num_quantized,
         fallback_reason,
+        processor,
     )
 
 
@@ -326,6 +343,9 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         max_best_of=limits.max_best_of,
         max_stop_sequences=limits.max_stop_sequences,
         max_top_n_tokens=limits.max_top_n_tokens,
+        vision_architecture=loaded.model.config.model_type if loaded.processor is not None else None,
+        max_images_per_request=limits.max_images_per_request,
+        max_image_fetch_size=limits.max_image_fetch_size,
         # The fallback's per-request caches share nothing: prefix caching is the paged path's.
         prefix_caching=config.cache.prefix_caching and loaded.fallback_reason is None,
         speculate=config.scheduler.speculate,

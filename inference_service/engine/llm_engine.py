@@ -25,6 +25,8 @@ from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
+from inference_service.engine.step_cost import StepCost
+from inference_service.engine.vision_stage import ImageEncoder, VisionStage
 from inference_service.errors import GenerationError, InferenceError, RequestCancelled, RunnerLost
 from inference_service.outputs import (
     EngineInfo,
@@ -58,6 +60,7 @@ class LiveRequest:
     pending: list[Token] = field(default_factory=list)  # held back: may be the start of a stop sequence
     pending_top: list[list[Token]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_n_tokens
     sent_prefill: bool = False
 
 
@@ -82,6 +85,7 @@ class LLMEngine:
         max_batch_size: int | None,
         grammar_compiler: GrammarCompiler | None = None,
         speculator: Speculator | None = None,
+        step_cost: StepCost | None = None,
     ):
         self.info = info
         self.tokenizer = tokenizer
@@ -91,8 +95,12 @@ class LLMEngine:
         self.sampler = sampler
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=info.prefix_caching)
         self.prefix_cache = PrefixCache(self.kv, prefix_cache_salt(info))
-        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache)
+        self.scheduler = Scheduler(self.kv, max_batch_prefill_tokens, max_batch_size, self.prefix_cache, step_cost)
         self.speculator = speculator  # None: one token per request and step
+        # Vision-language models: the encoder's stage at admission (None: text only).
+        encoder = runner if info.vision_architecture and isinstance(runner, ImageEncoder) else None
+        self.vision = VisionStage(encoder) if encoder is not None else None
+        self.processor: object | None = None  # the model's processor, for the front end (vision models)
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.live: dict[str, LiveRequest] = {}
         self.num_steps = 0
@@ -107,6 +115,10 @@ class LLMEngine:
         if request_id in self.live:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, list(spec.prompt_token_ids), spec.sampling, spec.stopping)
+        if spec.images:
+            if self.vision is None:
+                raise ValueError("this engine's model takes no images")
+            request.with_images(spec.images)
         start = self.info.decoder_start_token_id
         if start is not None:  # an encoder-decoder: the prompt feeds the encoder, the decoder starts from one token
             request.encoder_token_ids = request.prompt_token_ids
@@ -189,6 +201,10 @@ class LLMEngine:
         started = time.perf_counter()
         self._forward_clock.start()
         try:
+            if self.vision is not None:
+                self.vision.prepare(
+                    plan.scheduled, {item.request_id: self.live[item.request_id].request for item in plan.scheduled}
+                )
             step_logits = self.runner.execute(plan.scheduled)
         except RunnerLost:  # no later step can run either: the caller stops serving
             stats.failed, stats.total_s = True, time.perf_counter() - started
@@ -281,6 +297,13 @@ class LLMEngine:
         offset = first - item.num_computed_tokens
         logprobs = torch.log_softmax(logits[offset : end - item.num_computed_tokens], dim=-1)  # [m, V]
         live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
+        top_n = min(live.spec.sampling.top_n_tokens, logprobs.shape[-1])
+        if top_n > 0:
+            values, ids = logprobs.topk(top_n, dim=-1)
+            live.prompt_top.extend(
+                list(zip(row_ids, row_values, strict=True))
+                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+            )
 
     def _on_token(
         self, request_id: str, sampled: SamplerOutput, row: int, guess: Sequence[int] = ()
@@ -316,10 +339,7 @@ class LLMEngine:
         added = live.text.add(token_id, special)
         live.pending.append(Token(token_id, added.text, sampled.logprobs[row], special))
         live.pending_top.append(
-            [
-                Token(i, self._token_text(i), lp, self._is_special(i))
-                for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)
-            ]
+            [self._top_token(i, lp) for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)]
         )
         grammar = live.sampling.grammar
         return self._finish_reason(request, token_id, added.stop_matched, grammar is not None and grammar.is_complete)
@@ -415,7 +435,14 @@ class LLMEngine:
     def _prefill_tokens(self, live: LiveRequest) -> list[PrefillToken]:
         ids = live.request.prompt_token_ids
         logprobs = [None, *live.prompt_logprobs]
-        return [PrefillToken(i, self._token_text(i), lp) for i, lp in zip(ids, logprobs, strict=False)]
+        tops = [[], *live.prompt_top]
+        return [
+            PrefillToken(i, self._token_text(i), lp, [self._top_token(t, tlp) for t, tlp in top])
+            for i, lp, top in zip(ids, logprobs, tops + [[]] * (len(ids) - len(tops)), strict=False)
+        ]
+
+    def _top_token(self, token_id: int, logprob: float) -> Token:
+        return Token(token_id, self._token_text(token_id), logprob, self._is_special(token_id))
 
     def _token_text(self, token_id: int) -> str:
         return decode(self.tokenizer, [token_id], skip_special_tokens=False)

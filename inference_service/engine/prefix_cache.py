@@ -114,7 +114,7 @@ class PrefixCache:
         size = self.block_size
         parent = hashes[-1] if hashes else self.salt
         for position in range(len(hashes), num_blocks):
-            parent = hash_block(parent, request.token_ids(position * size, (position + 1) * size))
+            parent = hash_block(parent, request.block_key(position * size, (position + 1) * size))
             hashes.append(parent)
         return hashes
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference_service.outputs import FinishReason, RequestTimings
-from inference_service.sampling_params import SamplingParams, StoppingParams
+from inference_service.sampling_params import ImageInput, SamplingParams, StoppingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +56,30 @@ class Request:
     # Encoder-decoders: the caller's prompt, read by the encoder; `prompt_token_ids` is then the
     # decoder's start (its K/V is what the blocks budget).
     encoder_token_ids: list[int] | None = None
+    # Images: their placeholders' positions and pixels; the encoder's rows for each, computed once
+    # at the first admission and kept across preemptions; the prompt ids the block hashes read, each
+    # image token standing for its image's content (None: the prompt ids themselves).
+    images: tuple[ImageInput, ...] = ()
+    image_embeds: list[Any] | None = None
+    hash_token_ids: list[int] | None = field(default=None, repr=False)
+
+    def with_images(self, images: tuple[ImageInput, ...]) -> None:
+        self.images = images
+        if images:
+            ids = list(self.prompt_token_ids)
+            for image in images:
+                content_id = int.from_bytes(image.content_hash[:8], "little", signed=True)
+                for position in image.positions:
+                    ids[position] = content_id
+            self.hash_token_ids = ids
+
+    def block_key(self, start: int, end: int) -> list[int]:
+        """What the prefix cache hashes for tokens [start, end): the tokens, an image's by content."""
+        if self.hash_token_ids is None or start >= len(self.hash_token_ids):
+            return self.token_ids(start, end)
+        if end <= len(self.hash_token_ids):
+            return self.hash_token_ids[start:end]
+        return self.hash_token_ids[start:] + self.token_ids(len(self.hash_token_ids), end)
 
     @property
     def num_input_tokens(self) -> int:

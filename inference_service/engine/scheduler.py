@@ -17,7 +17,13 @@ another:
    (shortest remaining first), so a lone long prompt still uses the whole budget.
 
 The budget bounds how long a step takes, and so how long a new arrival waits for the step in
-progress; it is sized per device (engine.builder: small on CPU).
+progress; it is sized per device (engine.builder: small on CPU). Prefill chunks are counted in work,
+not tokens (`engine.step_cost`): a chunk deep into a long prompt attends over all the keys before it,
+so it gets fewer tokens for the same time. And in a step that carries streams (decodes, or a short
+prompt that gives its first token in it), the chunks that leave part of their prompt for later share
+only a small pool of work: a stream's next token waits for the weights' read plus a bounded slice of
+a long prefill, not for a full budget of it. Chunks that end their prompt are not held to the pool:
+a burst of short prompts still fills the budget, and each gets its first token in one step.
 
 When the KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
 recomputed later from its prompt and the tokens it already generated.
@@ -33,6 +39,7 @@ computing right now is passed over until that is done.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +48,7 @@ from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
+from inference_service.engine.step_cost import StepCost
 from inference_service.outputs import ScheduledRequest, SchedulerOutput
 
 # A request still prefilling first gets at most this share of a step's budget (1/PREFILL_SLICES):
@@ -54,22 +62,71 @@ class _Chunk:
 
     request: Request
     num_new: int
+    work: float = 0.0
+    decode: bool = False
+
+    @property
+    def leaves_prompt(self) -> bool:
+        """A prefill chunk that stops short of its prompt's end: nobody gets a token from it now."""
+        return not self.decode and self.num_new < _pending(self.request)
 
 
 class _StepPlan:
-    """The chunks of one step, in step order (decodes, then prefills), and its budget left."""
+    """The chunks of one step, in step order (decodes, then prefills), its tokens and work left, and
+    the pool that bounds the chunks leaving part of their prompt for later (`open_pool`)."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, cost: StepCost):
         self.chunks: dict[str, _Chunk] = {}
         self.left = budget
+        self.budget = budget
+        self.cost = cost
+        self.pool = math.inf
+        self.pool_slice = math.inf
 
-    def add(self, request: Request, num_new: int) -> None:
-        self.chunks[request.request_id] = _Chunk(request, num_new)
-        self.left -= num_new + len(request.draft_token_ids)
+    def open_pool(self, pool: float) -> None:
+        """A stream waits on this step: chunks that leave part of their prompt share `pool` (a slice
+        each first, as the budget is shared)."""
+        self.pool, self.pool_slice = pool, max(1.0, pool / PREFILL_SLICES)
+
+    @property
+    def work_left(self) -> float:
+        """The prefills' work left (decodes count as tokens only, as ever: they never wait for work)."""
+        return self.budget - sum(chunk.work for chunk in self.chunks.values() if not chunk.decode)
+
+    @property
+    def pool_left(self) -> float:
+        return self.pool - sum(chunk.work for chunk in self.chunks.values() if chunk.leaves_prompt)
+
+    @property
+    def decode_work(self) -> float:
+        return sum(chunk.work for chunk in self.chunks.values() if chunk.decode)
+
+    def add_decode(self, request: Request) -> None:
+        work = self.cost.work(request.num_computed_tokens, 1 + len(request.draft_token_ids))
+        self.chunks[request.request_id] = _Chunk(request, 1, work, decode=True)
+        self.left -= 1 + len(request.draft_token_ids)
+
+    def add_prefill(self, request: Request, num_new: int) -> None:
+        self.chunks[request.request_id] = _Chunk(request, num_new, self.cost.work(request.num_computed_tokens, num_new))
+        self.left -= num_new
 
     def grow(self, chunk: _Chunk, extra: int) -> None:
+        chunk.work += self.cost.work(chunk.request.num_computed_tokens + chunk.num_new, extra)
         chunk.num_new += extra
         self.left -= extra
+
+    def fit(self, start: int, pending: int, work: float, top_up: bool = False) -> int:
+        """Tokens for a prefill chunk from `start` (0: none this step): within `work`, the step's
+        work and tokens left and, for a chunk that leaves part of its prompt, the pool."""
+        if self.left <= 0 or self.work_left <= 0:
+            return 0
+        num = self.cost.fit(start, pending, min(work, self.work_left))
+        if num < pending:
+            pool_left = self.pool_left
+            if pool_left <= 0:
+                return 0
+            num = min(num, self.cost.fit(start, pending, pool_left if top_up else min(pool_left, self.pool_slice)))
+        return min(num, self.left)
 
     def drop(self, request: Request) -> None:
         """Take a preempted request out (before its guesses are forgotten)."""
@@ -92,12 +149,14 @@ class Scheduler:
         max_batch_prefill_tokens: int,
         max_batch_size: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        cost: StepCost | None = None,
     ):
         self.kv = kv_cache_manager
         # Inert unless the KV cache manager was made with prefix caching.
         self.prefix = prefix_cache or PrefixCache(kv_cache_manager, cache_salt())
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_batch_size = max_batch_size
+        self.cost = cost or StepCost()  # the default counts tokens only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -127,9 +186,9 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(self.max_batch_prefill_tokens)
+        budget = self.max_batch_prefill_tokens
+        plan = _StepPlan(budget, self.cost)
         preempted: list[str] = []
-        slice_size = max(1, self.max_batch_prefill_tokens // PREFILL_SLICES)
 
         # 1. Decodes (and their guesses), oldest first.
         for request in list(self.running):
@@ -140,31 +199,40 @@ class Scheduler:
             with_drafts = self._allocate_with_drafts(request, 1, plan.left) is not None
             if not with_drafts and not self._allocate_or_preempt(request, 1, plan, preempted):
                 break  # the request preempted itself: nothing newer is left
-            plan.add(request, 1)
+            plan.add_decode(request)
+
+        # A stream waits on this step: the chunks that leave part of their prompt share a small pool.
+        if plan.chunks or self._short_arrival(budget // PREFILL_SLICES):
+            plan.open_pool(self.cost.stream_pool(budget, plan.decode_work))
+        slice_work = budget / PREFILL_SLICES
 
         # 2a. A slice each for the running prefills, oldest first...
         for request in list(self.running):
-            if plan.left <= 0:
+            if plan.left <= 0 or plan.work_left <= 0:
                 break
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
                 continue
             request.draft_token_ids = []  # guesses ride on decodes only
-            num_new = min(_pending(request), slice_size, plan.left)
+            num_new = plan.fit(request.num_computed_tokens, _pending(request), slice_work)
+            if num_new == 0:
+                continue  # the pool is spent: it moves on in the next step
             if not self._allocate_or_preempt(request, num_new, plan, preempted):
                 break
-            plan.add(request, num_new)
+            plan.add_prefill(request, num_new)
 
         # 2b. ...then for waiting requests, admitted FIFO. Admitting new work while preempting
         # would only thrash the pool.
         admitted: list[str] = []
         index = 0
-        while not preempted and index < len(self.waiting) and plan.left > 0 and self._has_seat():
+        while not preempted and index < len(self.waiting) and plan.left > 0 and plan.work_left > 0 and self._has_seat():
             request = self.waiting[index]
             hit = self.prefix.lookup(request)
             if hit.wait:  # its prefix is being computed this very moment: reuse it in a step or two
                 index += 1
                 continue
-            num_new = min(request.num_tokens - hit.num_tokens, slice_size, plan.left)
+            num_new = plan.fit(hit.num_tokens, request.num_tokens - hit.num_tokens, slice_work)
+            if num_new == 0:
+                break  # FIFO: the pool is spent, nobody skips ahead of it
             if self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids) is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]
@@ -175,12 +243,15 @@ class Scheduler:
                 request.timings.num_cached_tokens = hit.num_tokens
             self.prefix.admitted(request, hit)
             admitted.append(request.request_id)
-            plan.add(request, num_new)
+            plan.add_prefill(request, num_new)
 
         # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption).
         for chunk in sorted(plan.chunks.values(), key=lambda c: _pending(c.request) - c.num_new):
-            extra = min(_pending(chunk.request) - chunk.num_new, plan.left)
             request = chunk.request
+            rest = _pending(request) - chunk.num_new
+            if rest <= 0:
+                continue
+            extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, math.inf, top_up=True)
             end = request.num_computed_tokens + chunk.num_new + extra
             if extra > 0 and self.kv.allocate_slots(request.request_id, end) is not None:
                 plan.grow(chunk, extra)
@@ -190,6 +261,10 @@ class Scheduler:
         for chunk in chunks:
             chunk.request.timings.batch_sizes.append(len(scheduled))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
+
+    def _short_arrival(self, slice_work: int) -> bool:
+        """Whether the next request to admit is a prompt that gives its first token in this step."""
+        return bool(self.waiting) and self._has_seat() and self.cost.work(0, self.waiting[0].num_tokens) <= slice_work
 
     def _has_seat(self) -> bool:
         return self.max_batch_size is None or len(self.running) < self.max_batch_size

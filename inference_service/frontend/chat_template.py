@@ -3,8 +3,9 @@
 The template is the tokenizer's (`tokenizer_config.json`'s `chat_template`, or the
 `chat_template.jinja` beside it: transformers reads both) unless `--chat-template FILE` replaces it.
 Messages are OpenAI's dicts; before rendering they are brought to what templates expect:
-- content given as a list of parts becomes one string (text parts joined; an image part becomes
-  TGI's markdown `![](url)`, since no model here reads images);
+- content given as a list of parts becomes one string (text parts joined); for a vision-language
+  model, content holding images stays a list of `{"type": "text"}` and `{"type": "image"}` parts
+  (`chat_images` rewrote them), which its template turns into the model's image placeholders;
 - an assistant message that called tools keeps its `tool_calls`; for a template that does not know
   them, its content becomes the calls as the JSON text the model wrote (the grammar's format);
 - a last assistant message is continued (assistant prefill), not closed, as TGI and vLLM do.
@@ -81,13 +82,15 @@ class ChatTemplate:
         documents: list[dict[str, Any]] | None = None,
         tool_prompt: str | None = None,
         variables: dict[str, Any] | None = None,
+        image_parts: bool = False,
     ) -> str:
-        """The prompt text (special tokens included: tokenize it without adding more)."""
+        """The prompt text (special tokens included: tokenize it without adding more).
+        `image_parts`: content lists holding images are kept as parts (a vision model's template)."""
         if not self.available:
             raise TemplateError(NO_TEMPLATE)
         if not messages:
             raise TemplateError("`messages` must not be empty")
-        messages = [self._prepared(message) for message in messages]
+        messages = [self._prepared(message, image_parts) for message in messages]
         if tools and not self._uses("tools"):
             messages = _with_tool_prompt(messages, tools, tool_prompt or DEFAULT_TOOL_PROMPT)
             tools = None
@@ -110,12 +113,14 @@ class ChatTemplate:
         """A dict of named templates: transformers picks "default" (or "tool_use" with tools) itself."""
         return None if isinstance(self.source, dict) else self.source
 
-    def _prepared(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _prepared(self, message: dict[str, Any], image_parts: bool = False) -> dict[str, Any]:
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool", "developer"):
             raise TemplateError(f"unknown message role {quoted(role)}: use system, user, assistant or tool")
         prepared = {key: value for key, value in message.items() if value is not None}
-        prepared["content"] = _content_text(message.get("content"))
+        content = message.get("content")
+        keep = image_parts and isinstance(content, list) and any(p.get("type") == "image" for p in content)
+        prepared["content"] = content if keep else _content_text(content)
         if role == "developer":  # OpenAI's newer name for system
             prepared["role"] = "system"
         calls = message.get("tool_calls")
@@ -147,8 +152,6 @@ def _content_text(content: Any) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             texts.append(str(part.get("text", "")))
-        elif kind == "image_url":
-            texts.append(f"![]({(part.get('image_url') or {}).get('url', '')})")
         else:
             raise TemplateError(f"unsupported content part type {quoted(kind)}: use 'text'")
     return "".join(texts)

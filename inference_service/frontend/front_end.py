@@ -10,16 +10,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from inference_service.errors import ModelLoadError
-from inference_service.frontend import anthropic, openai, reasoning, tgi, tool_parsers
+from inference_service.frontend import anthropic, images, openai, reasoning, tgi, tool_parsers
 from inference_service.frontend.anthropic import MessagesPlan
+from inference_service.frontend.chat_images import ImageSource, collect_images
 from inference_service.frontend.chat_template import ChatTemplate, load_template_file
+from inference_service.frontend.images import LoadedImage, markdown_image_urls
 from inference_service.frontend.openai import ChatPlan, CompletionPlan
 from inference_service.frontend.parameters import GenerateRequest, TokenSpan
 from inference_service.frontend.token_bytes import token_bytes_reader
 from inference_service.frontend.validation import ValidatedRequest, Validator, tokenize
+from inference_service.frontend.vision import VisionPrompts, check_image_count
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sampling_params import EngineRequest
@@ -39,6 +43,7 @@ class FrontEnd:
         rng: random.Random | None = None,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        processor: Any = None,
     ):
         self.info = info
         self.tokenizer = tokenizer
@@ -47,7 +52,9 @@ class FrontEnd:
         self.reasoning = reasoning.reasoning_syntax(reasoning_parser, self.chat_template.source)
         self.tool_syntax = tool_parsers.tool_syntax(tool_call_parser, self.chat_template.source)
         self.token_bytes = token_bytes_reader(tokenizer)
-        self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler)
+        # A vision-language model's own processor (images → pixel values and placeholder tokens).
+        self.vision = VisionPrompts(processor, info) if processor is not None and info.vision_architecture else None
+        self.validator = Validator(tokenizer, info, rng=rng, grammar_compiler=grammar_compiler, vision=self.vision)
         self.has_fill_in_middle = openai.has_fill_in_middle(tokenizer)
         self._rng = rng or random.SystemRandom()
 
@@ -74,6 +81,7 @@ class FrontEnd:
             template,
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
+            processor=getattr(engine, "processor", None),
         )
 
     # -- TGI ------------------------------------------------------------------------------
@@ -85,7 +93,28 @@ class FrontEnd:
         self, request: pb.GenerateRequest, *, stream: bool, compat_route: bool = False
     ) -> ValidatedRequest:
         converted = tgi.request_from_pb(request, compat_route=compat_route, pipeline_tag=self.info.pipeline_tag)
+        if self.vision is not None and markdown_image_urls(converted.inputs):
+            return await asyncio.to_thread(self._validate_with_images, converted, stream)
         return await self.validate(converted, stream=stream)
+
+    def _validate_with_images(self, request: GenerateRequest, stream: bool) -> ValidatedRequest:
+        """TGI's Markdown images `![](url)` in `inputs` (a text-only model reads them as text)."""
+        request.images = self._load_images(markdown_image_urls(request.inputs))
+        if self.vision is not None:
+            request.inputs = self.vision.with_placeholders(request.inputs)
+        return self.validator.validate(request, stream=stream)
+
+    def _load_images(self, sources: Sequence[ImageSource]) -> list[LoadedImage]:
+        """Fetched and decoded on this worker thread, after the count is checked (nothing is
+        fetched for a request that is refused anyway)."""
+        check_image_count(self.info, len(sources))
+        max_size = self.info.max_image_fetch_size
+        return [
+            images.load_url(source, max_size)
+            if isinstance(source, str)
+            else images.decode(source, max_size, f"image {index} of the request")
+            for index, source in enumerate(sources)
+        ]
 
     def best_of_variants(self, validated: ValidatedRequest) -> list[EngineRequest]:
         """TGI's `best_of`: that many sequences, each freshly seeded (one request when 1)."""
@@ -104,12 +133,15 @@ class FrontEnd:
         return plan, await asyncio.to_thread(self._chat_choices, plan, request.HasField("seed"), stream)
 
     def _chat_choices(self, plan: ChatPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
+        messages, sources = collect_images(plan.messages)
+        loaded = self._load_images(sources) if sources else []
         prompt = self.chat_template.render(
-            plan.messages,
+            messages,
             tools=plan.tools,
             documents=plan.documents,
             tool_prompt=plan.tool_prompt,
             variables=plan.template_variables,
+            image_parts=bool(loaded),
         )
         if plan.reasoning is not None:  # the thoughts come first, free of any grammar
             plan.reasoning_inside = reasoning.starts_inside(plan.reasoning, prompt)
@@ -118,25 +150,26 @@ class FrontEnd:
                     plan.parameters.grammar, plan.reasoning, plan.reasoning_inside
                 )
         generate = GenerateRequest(
-            inputs=prompt, parameters=plan.parameters, add_special_tokens=False, strip_stop=True
+            inputs=prompt, parameters=plan.parameters, add_special_tokens=False, strip_stop=True, images=loaded
         )  # the template already wrote the special tokens
         validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
         return self._choices(validated.engine_request, plan.num_choices, seed_requested)
 
-    async def completion(
-        self, request: pb.CompletionRequest, *, stream: bool
-    ) -> tuple[CompletionPlan, list[EngineRequest]]:
-        """Each prompt validated; `n` requests per prompt, prompt by prompt."""
+    async def completion(self, request: pb.CompletionRequest) -> tuple[CompletionPlan, list[EngineRequest]]:
+        """Each prompt validated; `n` requests per prompt, prompt by prompt. Unary and streamed
+        alike: a stream sends the echoed prompt's logprobs in its first chunk (TGI's streams refuse
+        `decoder_input_details`; OpenAI's have a place for them)."""
         plan = openai.completion_plan(request, has_fill_in_middle=self.has_fill_in_middle)
-        return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"), stream)
+        plan.token_bytes = self.token_bytes
+        return plan, await asyncio.to_thread(self._completion_choices, plan, request.HasField("seed"))
 
-    def _completion_choices(self, plan: CompletionPlan, seed_requested: bool, stream: bool) -> list[EngineRequest]:
+    def _completion_choices(self, plan: CompletionPlan, seed_requested: bool) -> list[EngineRequest]:
         choices = []
         for prompt in plan.prompts:
             generate = GenerateRequest(
                 inputs=openai.with_suffix(prompt, plan.suffix), parameters=plan.parameters, strip_stop=True
             )
-            validated = self.validator.prepare(generate, do_sample=plan.do_sample, stream=stream)
+            validated = self.validator.prepare(generate, do_sample=plan.do_sample)
             choices += self._choices(validated.engine_request, plan.num_choices, seed_requested)
         return choices
 

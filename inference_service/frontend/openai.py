@@ -72,6 +72,7 @@ class CompletionPlan:
     echo: bool
     include_usage: bool
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    token_bytes: Callable[[int], bytes] | None = None  # id → its bytes (logprobs of part of a character)
 
 
 # -- shared parameters ---------------------------------------------------------------------------
@@ -155,6 +156,9 @@ def _message(message: pb.ChatMessage) -> dict[str, Any]:
     if message.HasField("content"):
         converted["content"] = value_to_python(message.content) if message.content.ByteSize() else None
     converted.setdefault("content", None)
+    converted.pop("images", None)
+    if message.images:  # raw bytes, not the base64 JSON would carry
+        converted["images"] = [image.data for image in message.images]
     for call in converted.get("tool_calls", ()):
         call.pop("index", None)
         call.setdefault("type", "function")

@@ -8,6 +8,7 @@ engine's `EngineRequest`. None (or the falsy default) in `GenerateParameters` me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference_service.sample.grammar import GrammarSpec
 
@@ -54,6 +55,8 @@ class GenerateRequest:
     add_special_tokens: bool = True
     # OpenAI's routes end the text before a matched stop sequence; TGI's keep it.
     strip_stop: bool = False
+    # Images (`images.LoadedImage`), one per image placeholder in `inputs`, in order.
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ from typing import Any
 
 from inference_service.errors import ValidationError, quoted, shortened
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest, TokenSpan
+from inference_service.frontend.vision import VisionPrompts, check_image_count, refuse_images
 from inference_service.outputs import EngineInfo
 from inference_service.sample.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, grammar_spec_from_tgi
-from inference_service.sampling_params import EngineRequest, SamplingParams, StoppingParams
+from inference_service.sampling_params import EngineRequest, ImageInput, SamplingParams, StoppingParams
 
 
 @dataclass
@@ -85,8 +86,10 @@ class Validator:
         *,
         rng: random.Random | None = None,
         grammar_compiler: GrammarCompiler | None = None,
+        vision: VisionPrompts | None = None,
     ):
         self._tokenizer = tokenizer
+        self._vision = vision  # a vision-language model's processor; None: text only
         self._info = info
         self._rng = rng or random.SystemRandom()
         self._grammar_compiler = grammar_compiler  # None: grammar support disabled
@@ -122,7 +125,7 @@ class Validator:
         top_n_tokens = self._check_top_n_tokens(params.top_n_tokens)
         _check(request.inputs != "", "`inputs` cannot be empty")
         self._check_truncate(params.truncate)
-        prompt_token_ids = self._tokenize(request, params.truncate)
+        prompt_token_ids, images = self._tokenize(request, params.truncate)
         max_new_tokens = self._check_lengths(len(prompt_token_ids), params.max_new_tokens)
         forced = self._forced_tokens(params.forced_bos_token, max_new_tokens)
         engine_request = EngineRequest(
@@ -133,6 +136,7 @@ class Validator:
             ),
             grammar=self._compile_grammar(params.grammar),
             text_prefix=request.inputs if params.return_full_text else "",
+            images=images,
         )
         return ValidatedRequest(
             engine_request,
@@ -184,14 +188,30 @@ class Validator:
             f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}",
         )
 
-    def _tokenize(self, request: GenerateRequest, truncate: int | None) -> list[int]:
-        """The prompt's ids, keeping the last `truncate` (TGI truncates on the left)."""
+    def _tokenize(self, request: GenerateRequest, truncate: int | None) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's ids, keeping the last `truncate` (TGI truncates on the left), and its images."""
+        if request.images:
+            return self._tokenize_with_images(request, truncate)
         try:
             token_ids = list(self._tokenizer.encode(request.inputs, add_special_tokens=request.add_special_tokens))
         except Exception as error:  # any tokenizer failure is the caller's input
             raise ValidationError(f"tokenizer error {shortened(str(error), 200)}") from error
         _check(len(token_ids) > 0, "`inputs` cannot be empty")
-        return token_ids if truncate is None else token_ids[-truncate:]
+        return (token_ids if truncate is None else token_ids[-truncate:]), ()
+
+    def _tokenize_with_images(
+        self, request: GenerateRequest, truncate: int | None
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        check_image_count(self._info, len(request.images))
+        vision = self._vision
+        if vision is None:
+            refuse_images(self._info)
+        token_ids, images = vision.prepare(request.inputs, request.images, request.add_special_tokens)
+        _check(
+            truncate is None or truncate >= len(token_ids),
+            f"`truncate` ({truncate}) would cut the prompt's images: its {len(token_ids)} tokens hold them",
+        )
+        return token_ids, images
 
     def _forced_tokens(self, forced_bos_token: str | None, max_new_tokens: int) -> tuple[tuple[int, int], ...]:
         """(output index, token id) pairs the output must hold, as `generate` forces them: the first

@@ -237,7 +237,7 @@ def load_model(
     safetensors win over `.bin` when a folder holds both; `.bin` files are unpickled with
     `weights_only=True`, so a checkpoint can't run code when it is read.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     folder = _checkpoint_folder(path, "model", "config.json")
     try:
@@ -245,10 +245,16 @@ def load_model(
             os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
         )
         auto_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        attention: str | dict[str, str] = attn_implementation
+        if getattr(config, "vision_config", None) is not None:
+            # The vision tower attends over whole images with transformers' SDPA; only the language
+            # model's attention is ours (paged) or the one asked for.
+            auto_class = AutoModelForImageTextToText
+            attention = {"text_config": attn_implementation, "vision_config": "sdpa"}
         model = auto_class.from_pretrained(
             os.fspath(folder),
             dtype=dtype,
-            attn_implementation=attn_implementation,
+            attn_implementation=attention,
             trust_remote_code=trust_remote_code,
             weights_only=True,
             local_files_only=True,
@@ -277,6 +283,23 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"the tokenizer in {folder} is not a fast tokenizer (tokenizer.json)")
     return tokenizer
+
+
+def load_processor(path: str | os.PathLike, trust_remote_code: bool = False):
+    """A vision-language model's processor (images → pixel values and image placeholder tokens)."""
+    from transformers import AutoProcessor
+
+    folder = _checkpoint_folder(path, "processor", "processor_config.json", "preprocessor_config.json")
+    try:
+        processor = AutoProcessor.from_pretrained(
+            os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except Exception as error:
+        logger.debug("loading the processor in %s failed", folder, exc_info=True)
+        raise ModelLoadError(f"could not load the image processor in {folder}: {_first_line(error)}") from None
+    if not hasattr(processor, "image_token") or not hasattr(processor, "tokenizer"):
+        raise ModelLoadError(f"the processor in {folder} names no image token: it can't place images in a prompt")
+    return processor
 
 
 def _checkpoint_folder(path: str | os.PathLike, what: str, *expected: str) -> Path:

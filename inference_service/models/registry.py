@@ -56,10 +56,38 @@ ENCODER_DECODER_REASON = (
 )
 
 
+# Vision-language models served on the paged path, images merged into the prompt's embeddings
+# (tests/integration/test_vision_models.py checks each against transformers' generate); the
+# others are refused by name, with the reason.
+VISION_ARCHITECTURES = ("llava", "llava_next")
+VISION_NOT_YET = {
+    "mllama": "its cross-attention to the image does not fit the paged cache yet",
+    "qwen2_vl": "its multimodal rotary positions (3 per token) are not passed through the paged runner yet",
+    "qwen2_5_vl": "its multimodal rotary positions (3 per token) are not passed through the paged runner yet",
+    "paligemma": "its image and prefix tokens attend both ways, a mask the paged attention does not build yet",
+    "gemma3": "an image's tokens attend to each other both ways, a mask the paged attention does not build yet",
+    "idefics3": "its image tiles interleave image tokens with text tokens, not placed by this engine yet",
+    "smolvlm": "its image tiles interleave image tokens with text tokens, not placed by this engine yet",
+}
+
+
+def is_vision_language(config) -> bool:
+    """A checkpoint with a vision tower (LLaVA, Qwen2-VL, Idefics3, PaliGemma, Gemma 3, Mllama...)."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def check_architecture(config) -> str | None:
     """Refuse what can't work before spending time loading weights; the reason a known architecture
     needs the fallback runner (None: the paged path, pending the probe)."""
     model_type = getattr(config, "model_type", "unknown")
+    if is_vision_language(config):
+        if model_type not in VISION_ARCHITECTURES:
+            why = VISION_NOT_YET.get(model_type, "its image inputs are not supported yet")
+            raise ModelLoadError(
+                f"vision-language architecture '{model_type}' is not supported: {why}; "
+                f"of the vision-language models, this engine serves {', '.join(VISION_ARCHITECTURES)}"
+            )
+        return None
     if getattr(config, "is_encoder_decoder", False):
         if model_type not in ENCODER_DECODER_ARCHITECTURES:
             raise ModelLoadError(
@@ -131,8 +159,11 @@ def _plain_last_logits(model: torch.nn.Module, token_ids: list[int], device: tor
     try:
         with torch.inference_mode():
             out = model(input_ids=torch.tensor([token_ids], device=device), use_cache=False)
-    finally:
-        model.set_attn_implementation(ATTENTION_NAME)
+    finally:  # a vision tower keeps transformers' SDPA (loader.load_model)
+        vision = is_vision_language(model.config)
+        model.set_attn_implementation(
+            {"text_config": ATTENTION_NAME, "vision_config": "sdpa"} if vision else ATTENTION_NAME
+        )
     return out.logits[0, -1].float()
 
 

@@ -4,6 +4,7 @@ No timing is asserted: these prove the scripts work, the numbers are for the ful
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,53 @@ def test_tensor_parallel_bench_quick(tmp_path, tiny_model_dir):
     for workload in ("single", "batch"):
         assert summary[workload]["identical"]
         assert summary[workload]["decode_ms_per_step_ratio"] > 0
+
+
+def test_step_overhead_counts_a_decode_step(tmp_path, tiny_model_dir):
+    counts = tmp_path / "counts.json"
+    run_script(
+        "step_overhead.py",
+        *("--model-id", str(tiny_model_dir), "--batch-size", "2", "--steps", "2", "--warmup-steps", "1"),
+        *("--json", str(counts)),
+    )
+    result = json.loads(counts.read_text())
+    assert result["batch_size"] == 2 and result["steps"] == 2
+    steps = [calls for where, calls in result["per_function"].items() if re.search(r"llm_engine.py:\d+\(step\)", where)]
+    assert steps == [1.0]  # per step, so the engine's own step() once
+    assert result["python_calls"] > 100 and result["torch_calls"] > 0 and result["aten_ops"] > 0
+    assert sum(result["per_aten_op"].values()) == result["aten_ops"]
+    assert any(name.startswith("aten.") and "float32[" in name for name in result["per_aten_op_operands"])
+    diff = run_script("step_overhead.py", "--diff", str(counts), str(counts)).stdout
+    assert "python_calls: " in diff and "(+0.0 per step)" in diff and "per_function: 0 changed" in diff
+
+
+def test_compare_commits_exports_a_commit_and_sets_ratios_side_by_side(tmp_path):
+    from benchmarks import compare_commits
+
+    sha = compare_commits.export("HEAD", tmp_path / "trees")
+    assert (tmp_path / "trees" / sha[:12] / "benchmarks" / "compare_commits.py").is_file()
+
+    def engine_run(folder: Path, decode: float) -> Path:
+        folder.mkdir(parents=True)
+        row = {"batch_size": 8, "engine": {"decode_tok_s": decode, "prefill_tok_s": 600.0}}
+        row["hf"] = {"decode_tok_s": 100.0, "prefill_tok_s": 600.0}
+        (folder / "engine.json").write_text(json.dumps({"results": [row]}))
+        return folder
+
+    runs = {
+        "before": [engine_run(tmp_path / "b1", 320.0), engine_run(tmp_path / "b2", 300.0)],
+        "after": [engine_run(tmp_path / "a1", 300.0), engine_run(tmp_path / "a2", 294.0)],
+    }
+    table, summary = compare_commits.summarize("engine", runs, {"before": "old", "after": "new"})
+    decode = summary["batch 8 decode ÷ transformers"]
+    assert decode["before"] == [3.2, 3.0] and decode["after"] == [3.0, 2.94]
+    assert decode["after_over_before"] == pytest.approx(2.97 / 3.1)
+    assert "| batch 8 decode ÷ transformers | 3.10 (3.20 / 3.00) | 2.97 (3.00 / 2.94) | 0.958 |" in table
+    assert summary["batch 8 prefill ÷ transformers"]["after_over_before"] == 1.0
+
+
+def test_vision_bench_quick(tmp_path):
+    run_script("vision_bench.py", "--quick", "--out", str(tmp_path))
+    table = (tmp_path / "vision.md").read_text()
+    assert "Throughput ratio" in table and "Follow-up turn" in table
+    assert json.loads((tmp_path / "vision.json").read_text())["params"]["requests"] == 4

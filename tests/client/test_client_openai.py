@@ -187,9 +187,14 @@ async def test_complete_with_logprobs_and_echo(client):
     (choice,) = reply.choices
     logprobs = choice.logprobs
     assert choice.text.startswith("the quick") and len(choice.text) > len("the quick")
-    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
-    assert logprobs.text_offset[0] == len("the quick") and logprobs.text_offset == sorted(logprobs.text_offset)
-    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+    # The prompt's tokens first (the BOS the tokenizer added, "the", " ", "quick"), then the 5 generated.
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4 + 5
+    assert logprobs.tokens[1:4] == ["the", " ", "quick"] and logprobs.text_offset[:4] == [0, 0, 3, 4]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing predicts the first
+    assert logprobs.text_offset[4] == len("the quick") and logprobs.text_offset == sorted(logprobs.text_offset)
+    for chosen, top in zip(logprobs.token_logprobs[1:4], logprobs.top_logprobs[1:4], strict=True):
+        assert chosen < 0 and 1 <= len(top) <= 2 and list(top.values()) == sorted(top.values(), reverse=True)
+    for chosen, top in zip(logprobs.token_logprobs[4:], logprobs.top_logprobs[4:], strict=True):
         assert 1 <= len(top) <= 2 and list(top.values()) == sorted(top.values(), reverse=True)
         assert chosen >= max(top.values()) - 1e-5  # greedy: the most likely token
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import anthropic
 import grpc
@@ -15,9 +14,9 @@ import openai
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from inference_service.frontend import anthropic as messages_frontend
 from tests.conftest import GrpcServerThread
 from tests.e2e import test_openai_reasoning_tools as reasoning_tools
+from tests.scripted_model import write_scripted_model
 from tests.tool_schemas import TIME_ZONE_PARAMETERS
 from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
@@ -348,8 +347,8 @@ def test_overloaded_is_429_rate_limit_error_streams_included(start_grpc_server, 
 
 
 # -- a reasoning model's thoughts and native tool calls --------------------------------------------
-# A Qwen3-like template (reasoning parser qwen3, tool-call parser hermes by default); a regex grammar
-# makes the tiny model write `<think>…</think>` then an answer, token by token.
+# A Qwen3-like template (reasoning parser qwen3, tool-call parser hermes by default): the tool grammar
+# makes the tiny model write a Hermes call.
 @pytest.fixture(scope="module")
 def thinking_gateway(tiny_engine_config, tmp_path_factory, start_gateway):
     template = tmp_path_factory.mktemp("qwen-like-template") / "chat.jinja"
@@ -365,21 +364,6 @@ def thinking_client(thinking_gateway) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=thinking_gateway.url, api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture
-def think_then_answer(monkeypatch):
-    """Messages requests carry the regex grammar (Anthropic's API has no field for one): the grammar
-    is added to the chat request a Messages request becomes, as OpenAI's `response_format` would."""
-    original = messages_frontend.chat_request
-    grammar = {"response_format": {"type": "regex", "value": reasoning_tools.THINK_THEN_ANSWER}}
-
-    def with_grammar(request, **options):
-        converted = original(request, **options)
-        converted.MergeFrom(json_format.ParseDict(grammar, pb.ChatCompletionRequest()))
-        return converted
-
-    monkeypatch.setattr(messages_frontend, "chat_request", with_grammar)
-
-
 def raw_messages_text(gateway, request: dict) -> str:
     """The engine's own text for a Messages request, before any parsing (same plan, same grammar)."""
     server = gateway.server
@@ -388,18 +372,41 @@ def raw_messages_text(gateway, request: dict) -> str:
     return server.call(server.engine.generate(choices[0])).generated_text
 
 
-def test_thoughts_are_a_thinking_block_unary_and_streamed(thinking_gateway, thinking_client, think_then_answer):
-    arguments = {"model": "m", "messages": MESSAGES, "max_tokens": 80, "extra_body": GREEDY}
-    raw = raw_messages_text(thinking_gateway, {"messages": MESSAGES, "max_tokens": 80, **GREEDY})
-    assert re.fullmatch(reasoning_tools.THINK_THEN_ANSWER, raw)
+# A DeepSeek-R1-like template: the generation prompt opens the thoughts, so the reply starts inside
+# them. A scripted tiny model (tests/scripted_model.py) writes thoughts, `</think>` and an answer, token
+# by token (the byte tokenizer splits the marker into seven tokens): nothing in the server is patched.
+OPENS_THOUGHTS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+THOUGHTS, ANSWER = "quick sing", "the brown"
 
-    message = thinking_client.messages.create(**arguments)
+
+@pytest.fixture(scope="module")
+def opened_thoughts_gateway(byte_tokenizer, tiny_engine_config, tmp_path_factory, start_gateway):
+    folder = tmp_path_factory.mktemp("opens-thoughts")
+    (line_break,) = byte_tokenizer("\n", add_special_tokens=False).input_ids  # the prompt's last token
+    write_scripted_model(folder, byte_tokenizer, line_break, f"{THOUGHTS}</think>{ANSWER}", OPENS_THOUGHTS_TEMPLATE)
+    model = dataclasses.replace(tiny_engine_config.model, model_id=str(folder))
+    server = GrpcServerThread(dataclasses.replace(tiny_engine_config, model=model))
+    yield start_gateway(server)
+    server.stop(timeout_s=1.0)
+
+
+def test_thoughts_are_a_thinking_block_unary_and_streamed(opened_thoughts_gateway):
+    gateway = opened_thoughts_gateway
+    assert gateway.server.front_end.reasoning.name == "qwen3"  # chosen from the template
+    raw = raw_messages_text(gateway, {"messages": MESSAGES, "max_tokens": 40, **GREEDY})
+    assert raw == f"{THOUGHTS}</think>{ANSWER}"  # the prompt opened the thoughts: the model closes them
+
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=60)
+    arguments = {"model": "m", "messages": MESSAGES, "max_tokens": 40, "extra_body": GREEDY}
+    message = client.messages.create(**arguments, thinking={"type": "enabled", "budget_tokens": 1024})
     thinking, text = message.content
     assert thinking.type == "thinking" and thinking.signature == "" and text.type == "text"
-    assert raw == f"<think>{thinking.thinking}</think>\n{text.text}" and thinking.thinking and text.text
-    assert message.stop_reason == "end_turn"
+    assert (thinking.thinking, text.text) == (THOUGHTS, ANSWER) and message.stop_reason == "end_turn"
 
-    with thinking_client.messages.stream(**arguments) as stream:
+    with client.messages.stream(**arguments) as stream:
         events = list(stream)
         final = stream.get_final_message()
     starts = [e for e in events if e.type == "content_block_start"]
@@ -407,10 +414,10 @@ def test_thoughts_are_a_thinking_block_unary_and_streamed(thinking_gateway, thin
     assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1]
     deltas = [e.delta for e in events if e.type == "content_block_delta"]
     thoughts = [d.thinking for d in deltas if d.type == "thinking_delta"]
-    assert "".join(thoughts) == thinking.thinking and len(thoughts) > 1  # token by token, markers held back
-    assert "".join(d.text for d in deltas if d.type == "text_delta") == text.text
+    assert "".join(thoughts) == THOUGHTS and len(thoughts) > 1  # token by token, the marker held back
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == ANSWER
     assert not any("<" in (getattr(d, "thinking", None) or getattr(d, "text", None) or "") for d in deltas)
-    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == thinking.thinking
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == THOUGHTS
 
 
 def test_hermes_tool_call_is_a_tool_use_block(thinking_gateway, thinking_client):

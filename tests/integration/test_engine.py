@@ -104,8 +104,9 @@ async def test_preempted_requests_are_recomputed_and_still_exact(make_engine, re
     assert engine.stats().num_preemptions > 0
 
 
-async def test_logprobs_and_prompt_logprobs_equal_reference_log_softmax(make_engine, reference):
-    engine = make_engine()
+@pytest.mark.parametrize("budget", [None, 5], ids=["whole-prompt", "chunked-prompt"])
+async def test_logprobs_and_prompt_logprobs_equal_reference_log_softmax(make_engine, reference, budget):
+    engine = make_engine(max_batch_prefill_tokens=budget) if budget else make_engine()
     request, result = await _run(
         engine, PROMPTS[1], max_new_tokens=6, details=True, decoder_input_details=True, top_n_tokens=3
     )
@@ -113,10 +114,13 @@ async def test_logprobs_and_prompt_logprobs_equal_reference_log_softmax(make_eng
     with torch.inference_mode():
         logprobs = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)  # [L, V]
     num_prompt = len(request.prompt_token_ids)
-    assert result.prefill_tokens[0].logprob is None
+    assert result.prefill_tokens[0].logprob is None and result.prefill_tokens[0].top_tokens == []
     assert [p.id for p in result.prefill_tokens] == request.prompt_token_ids
     for position, token in enumerate(result.prefill_tokens[1:], start=1):
         assert token.logprob == pytest.approx(logprobs[position - 1, token.id].item(), abs=1e-4)
+        expected_top = torch.topk(logprobs[position - 1], 3)  # the prompt's alternatives too (OpenAI's echo)
+        assert [t.id for t in token.top_tokens] == expected_top.indices.tolist()
+        assert [t.logprob for t in token.top_tokens] == pytest.approx(expected_top.values.tolist(), abs=1e-4)
     for offset, (token, top) in enumerate(zip(result.tokens, result.top_tokens, strict=True)):
         row = logprobs[num_prompt - 1 + offset]
         assert token.logprob == pytest.approx(row[token.id].item(), abs=1e-4)

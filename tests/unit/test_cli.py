@@ -48,6 +48,8 @@ SAMPLES = {
     "--disable-grammar-support": (None, True),
     "--grammar-compile-timeout-ms": ("500", 500),
     "--grammar-max-states": ("1000", 1000),
+    "--max-images-per-request": ("3", 3),
+    "--max-image-fetch-size": ("1000000", 1000000),
     "--max-batch-prefill-tokens": ("512", 512),
     "--max-batch-size": ("8", 8),
     "--waiting-served-ratio": ("1.2", 1.2),

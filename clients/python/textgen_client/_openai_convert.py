@@ -105,9 +105,14 @@ def _completion_logprobs(choice: pb.CompletionChoice) -> CompletionLogprobs | No
     if not choice.HasField("logprobs"):
         return None
     logprobs = choice.logprobs
-    # A Struct's keys come in no particular order: most likely first, as OpenAI lists them.
-    top = [dict(sorted(json_format.MessageToDict(s).items(), key=lambda item: -item[1])) for s in logprobs.top_logprobs]
-    return CompletionLogprobs(list(logprobs.tokens), list(logprobs.token_logprobs), top, list(logprobs.text_offset))
+    # None where the wire has null (the first token of an echoed prompt). A Struct's keys come in no
+    # particular order: most likely first, as OpenAI lists them.
+    chosen = [json_format.MessageToDict(v) for v in logprobs.token_logprobs]
+    top = [
+        None if v.HasField("null_value") else dict(sorted(json_format.MessageToDict(v).items(), key=lambda i: -i[1]))
+        for v in logprobs.top_logprobs
+    ]
+    return CompletionLogprobs(list(logprobs.tokens), chosen, top, list(logprobs.text_offset))
 
 
 def chat_completion(message: pb.ChatCompletionResponse) -> ChatCompletion:

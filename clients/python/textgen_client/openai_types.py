@@ -117,9 +117,10 @@ class CompletionLogprobs:
     """OpenAI's (legacy) logprobs of a text completion, one entry per token of `text`."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    """The `logprobs` most likely tokens at each position, token text -> logprob."""
+    token_logprobs: list[float | None]
+    """None for the first token of a prompt sent back with `echo` (nothing before it predicts it)."""
+    top_logprobs: list[dict[str, float] | None]
+    """The `logprobs` most likely tokens at each position, token text -> logprob (None as above)."""
     text_offset: list[int]
 
 

@@ -168,9 +168,10 @@ def attend_decode(
             q_by_seq,
             key_cache,
             value_cache,
-            _needed(meta.decode_block_table, "decode block table"),
-            _needed(meta.decode_context_lens, "decode context lengths"),
-            _needed(meta.kv_cache, "KV cache").block_size,
+            # Checked inline, not through `_needed`: this runs per layer of every decode step.
+            meta.decode_block_table if meta.decode_block_table is not None else _needed(None, "decode block table"),
+            meta.decode_context_lens if meta.decode_context_lens is not None else _needed(None, "context lengths"),
+            (meta.kv_cache if meta.kv_cache is not None else _needed(None, "KV cache")).block_size,
             scaling,
             window,
             softcap,

@@ -6,13 +6,17 @@ paged attention, and returns logits for the rows that need them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from inference_service.outputs import ScheduledRequest, StepLogits
+from inference_service.sampling_params import ImageInput
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.attention.paged import PrefillChunk, StepMetadata, step_context
 from inference_service.worker.kernels.bindings import PagedDecodeKernel
 from inference_service.worker.runner.decode_step import DecodeStep
+from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.step_rows import RowsToKeep
 
 
@@ -26,12 +30,14 @@ class ModelRunner:
         device: torch.device,
         decode_kernel: PagedDecodeKernel | None = None,
         decode_step: DecodeStep | None = None,
+        image_encoder: ImageEncoder | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.decode_kernel = decode_kernel
         self.decode_step = decode_step  # decode-only steps of Llama-style models, in fewer calls
+        self.image_encoder = image_encoder  # vision-language models: images → embedding rows
 
     lost = None  # nothing it runs on can be lost (Runner.lost)
 
@@ -39,8 +45,31 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         meta, input_ids, position_ids = self._prepare(scheduled)
         rows = RowsToKeep.of(scheduled)
-        logits = self.forward(meta, input_ids, position_ids, rows.keep)  # [K, V]
+        embeds = self._merged_embeddings(scheduled, input_ids)
+        logits = self.forward(meta, input_ids, position_ids, rows.keep, embeds)  # [K, V]
         return rows.step_logits(scheduled, logits, num_attention_calls=meta.num_calls)
+
+    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's embedding rows [num_tokens, H] (the vision encoder, batched by shape)."""
+        if self.image_encoder is None:
+            raise RuntimeError("this model has no image encoder")
+        return self.image_encoder.encode_images(images)
+
+    def _merged_embeddings(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's input embeddings with image rows in place of their placeholders ([1, T, H]);
+        None when no chunk holds an image token (the model embeds the ids itself)."""
+        if not any(item.image_rows for item in scheduled):
+            return None
+        with torch.inference_mode():
+            model: Any = self.model  # a transformers PreTrainedModel (torch types its methods as tensors)
+            embeds = model.get_input_embeddings()(input_ids).clone()  # [1, T, H]
+            token_start = 0
+            for item in scheduled:
+                for row, rows in item.image_rows:
+                    start = token_start + row
+                    embeds[0, start : start + rows.shape[0]] = rows.to(embeds.device, embeds.dtype)
+                token_start += item.num_new_tokens
+        return embeds
 
     def release(self, request_id: str) -> None:
         """The request ended; the paged runner keeps nothing per request (its blocks are the
@@ -55,15 +84,26 @@ class ModelRunner:
         return f"decode attention: {attention}, decode steps: {steps}"
 
     def forward(
-        self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int]
+        self,
+        meta: StepMetadata,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep_rows: list[int],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V])."""
-        if meta.decode_only and self.decode_step is not None:
+        """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V]). `inputs_embeds`
+        (images merged in) replaces the ids' embeddings."""
+        if meta.decode_only and self.decode_step is not None and inputs_embeds is None:
             with torch.inference_mode():
                 return self.decode_step.forward(meta, input_ids, position_ids, keep_rows)
         keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(meta):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
+            if inputs_embeds is not None:
+                out = self.model(
+                    inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, logits_to_keep=keep
+                )
+            else:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return out.logits[0].float()
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:

@@ -965,6 +965,7 @@ class ChatMessage(_message.Message):
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     name: _builtins.str
     tool_call_id: _builtins.str
@@ -975,6 +976,13 @@ class ChatMessage(_message.Message):
     def content(self) -> _struct_pb2.Value: ...
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ImageData]:
+        """Images for a vision-language model, as bytes (no base64, no URL): each `{"type": "image"}`
+        content part takes the next one; those no part names come before the message's text.
+        OpenAI's `image_url` parts (https URLs or data: URIs) work too.
+        """
+
     def __init__(
         self,
         *,
@@ -985,10 +993,11 @@ class ChatMessage(_message.Message):
         tool_call_id: _builtins.str | None = ...,
         reasoning_content: _builtins.str | None = ...,
         reasoning: _builtins.str | None = ...,
+        images: _abc.Iterable[Global___ImageData] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "tool_call_id", b"tool_call_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "_reasoning", b"_reasoning", "_reasoning_content", b"_reasoning_content", "_tool_call_id", b"_tool_call_id", "content", b"content", "images", b"images", "name", b"name", "reasoning", b"reasoning", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
@@ -1008,6 +1017,27 @@ class ChatMessage(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_call_id) -> _WhichOneofReturnType__tool_call_id | None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ImageData(_message.Message):
+    """One image's bytes: PNG, JPEG, WebP or GIF (its first frame)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImageData: _TypeAlias = ImageData  # noqa: Y015
 
 @_typing.final
 class FunctionDefinition(_message.Message):
@@ -2040,7 +2070,10 @@ Global___CompletionRequest: _TypeAlias = CompletionRequest  # noqa: Y015
 
 @_typing.final
 class CompletionLogprobs(_message.Message):
-    """The legacy logprobs object of a text completion."""
+    """The legacy logprobs object of a text completion: parallel lists, one entry per token. With `echo`
+    the prompt's tokens come first; the first prompt token's logprob and alternatives are null
+    (nothing before it predicts it), so both lists hold Values: a number or an object, or null.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -2051,17 +2084,21 @@ class CompletionLogprobs(_message.Message):
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
-    def token_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Value]:
+        """a number, or null"""
+
     @_builtins.property
-    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]: ...
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Value]:
+        """{token: logprob}, or null"""
+
     @_builtins.property
     def text_offset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[_builtins.str] | None = ...,
-        token_logprobs: _abc.Iterable[_builtins.float] | None = ...,
-        top_logprobs: _abc.Iterable[_struct_pb2.Struct] | None = ...,
+        token_logprobs: _abc.Iterable[_struct_pb2.Value] | None = ...,
+        top_logprobs: _abc.Iterable[_struct_pb2.Value] | None = ...,
         text_offset: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015

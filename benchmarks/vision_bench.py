@@ -1,0 +1,189 @@
+"""Vision-language serving: continuous batching of image+text requests against transformers' static
+batches, and a follow-up turn with the same image against the first turn (prefix caching).
+
+Model: a small random LLaVA-1.5 built here (CLIP vision tower, Llama text model, its processor; no
+download), 128x128 images in 8x8 patches, so 256 image tokens per image. Both parts run in one process
+on the same weights; ratios are taken within the run (this CPU is shared and noisy).
+
+- Batching: 16 requests, each a different image and a short question, greedy, EOS ignored, 32 new
+  tokens each, all submitted at once to the engine; transformers runs the same processor outputs as
+  one padded `generate` batch of 16 (left padding; its vision tower once per image, like ours).
+  Reported: generated tokens per second of each, and their ratio (goal ≥ 2.5×).
+- Follow-up turn: a conversation's first turn (image + question), then a second turn whose history
+  holds the same image and the first reply. Reported: time to first token of each (the second
+  reuses the image's KV blocks and skips the vision encoder's work for its cached tokens; goal ≥ 3×).
+
+Usage: python benchmarks/vision_bench.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "protos"))
+
+import torch  # noqa: E402
+from google.protobuf import json_format  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig  # noqa: E402
+from inference_service.engine.async_engine import AsyncEngine  # noqa: E402
+from inference_service.engine.builder import build_engine  # noqa: E402
+from inference_service.frontend.front_end import FrontEnd  # noqa: E402
+from tests.tiny_vision import save_llava  # noqa: E402
+from textgen.v1 import generate_pb2 as pb  # noqa: E402
+
+FULL = {"requests": 16, "new_tokens": 32, "hidden": 384, "layers": 6, "image": 128}
+QUICK = {"requests": 4, "new_tokens": 4, "hidden": 64, "layers": 2, "image": 32}
+
+
+def image_uri(index: int, size: int) -> str:
+    colour = ((37 * index) % 256, (91 * index + 50) % 256, (53 * index + 120) % 256)
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat(messages: list[dict], max_tokens: int) -> pb.ChatCompletionRequest:
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return json_format.ParseDict(body, pb.ChatCompletionRequest())
+
+
+def user_turn(index: int, size: int, text: str) -> dict:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": image_uri(index, size)}},
+            {"type": "text", "text": text},
+        ],
+    }
+
+
+async def engine_batch(engine: AsyncEngine, front_end: FrontEnd, params: dict) -> tuple[float, list]:
+    requests = []
+    for index in range(params["requests"]):
+        _, [request] = await front_end.chat(
+            chat([user_turn(index, params["image"], f"what is in picture {index}")], params["new_tokens"]),
+            stream=False,
+        )
+        stopping = request.stopping.__class__(max_new_tokens=params["new_tokens"], ignore_eos=True)
+        requests.append(request.__class__(**{**request.__dict__, "stopping": stopping}))
+    started = time.perf_counter()
+    await asyncio.gather(*(engine.generate(request) for request in requests))
+    return time.perf_counter() - started, requests
+
+
+def transformers_batch(model, requests, pad_id: int, new_tokens: int) -> float:
+    width = max(len(r.prompt_token_ids) for r in requests)
+    ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in requests])
+    mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in requests])
+    pixels = torch.cat([image.pixel_values for r in requests for image in r.images])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values=pixels,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return time.perf_counter() - started
+
+
+async def first_token_seconds(engine: AsyncEngine, front_end: FrontEnd, request: pb.ChatCompletionRequest):
+    _, [engine_request] = await front_end.chat(request, stream=False)
+    started = time.perf_counter()
+    stream = engine.generate_stream(engine_request)
+    ttft = None
+    text = []
+    async for output in stream:
+        if ttft is None and output.tokens:
+            ttft = time.perf_counter() - started
+        text += [token.text for token in output.tokens]
+    return ttft, "".join(text)
+
+
+async def follow_up(engine: AsyncEngine, front_end: FrontEnd, params: dict) -> tuple[float, float]:
+    first_turn = [user_turn(999, params["image"], "describe this picture in detail")]
+    first_ttft, reply = await first_token_seconds(engine, front_end, chat(first_turn, 8))
+    second_turn = [*first_turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "and its colour?"}]
+    second_ttft, _ = await first_token_seconds(engine, front_end, chat(second_turn, 8))
+    return first_ttft, second_ttft
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    params = QUICK if args.quick else FULL
+    out = common.output_dir(args.out, args.quick)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = save_llava(
+            Path(scratch), hidden_size=params["hidden"], num_layers=params["layers"], image_size=params["image"]
+        )
+        config = EngineConfig(
+            model=ModelConfig(model_id=str(folder), device="cpu", dtype="float32"),
+            cache=CacheConfig(max_batch_total_tokens=16384),
+            limits=LimitsConfig(max_total_tokens=1024),
+        )
+        engine = build_engine(config)
+        from transformers import AutoModelForImageTextToText
+
+        reference = AutoModelForImageTextToText.from_pretrained(folder).eval()
+
+        async def run():
+            async_engine = AsyncEngine(engine, max_concurrent_requests=64)
+            async_engine.start()
+            try:
+                front_end = FrontEnd.for_engine(async_engine)
+                await engine_batch(async_engine, front_end, {**params, "requests": 2})  # warm-up
+                seconds, requests = await engine_batch(async_engine, front_end, params)
+                first, second = await follow_up(async_engine, front_end, params)
+                return seconds, requests, first, second
+            finally:
+                await async_engine.shutdown(timeout_s=1)
+
+        engine_seconds, requests, first_ttft, second_ttft = asyncio.run(run())
+        pad_id = engine.tokenizer.pad_token_id
+        transformers_batch(reference, requests[:2], pad_id, 2)  # warm-up
+        hf_seconds = transformers_batch(reference, requests, pad_id, params["new_tokens"])
+    generated = params["requests"] * params["new_tokens"]
+    rows = [
+        ["engine (continuous batching, paged)", common.fmt(generated / engine_seconds), common.fmt(engine_seconds, 2)],
+        ["transformers (one static batch)", common.fmt(generated / hf_seconds), common.fmt(hf_seconds, 2)],
+    ]
+    table = common.markdown_table(["image+text requests", "tokens/s", "seconds"], rows)
+    summary = (
+        f"{table}\n\nThroughput ratio: {common.ratio(hf_seconds, engine_seconds)} "
+        f"({params['requests']} requests, {params['new_tokens']} new tokens each, one image each).\n"
+        f"Follow-up turn with the same image: TTFT {first_ttft * 1000:.0f} ms → {second_ttft * 1000:.0f} ms "
+        f"({common.ratio(first_ttft, second_ttft)} faster).\n\n{common.machine_line(common.machine())}\n"
+    )
+    print(summary)
+    (out / "vision.md").write_text(summary)
+    common.write_json(
+        out / "vision.json",
+        {
+            "params": params,
+            "engine_seconds": engine_seconds,
+            "transformers_seconds": hf_seconds,
+            "first_turn_ttft_s": first_ttft,
+            "follow_up_ttft_s": second_ttft,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

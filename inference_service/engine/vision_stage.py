@@ -1,0 +1,62 @@
+"""The vision encoder's stage: images become embedding rows once, at admission, and each step's
+prompt chunks carry the rows that replace their image placeholders.
+
+- Requests admitted in the same step have their images encoded in one call (the runner batches
+  images of one shape); a request keeps its rows until it ends, so a preemption recomputes only
+  the language model's K/V, not the encoder.
+- A chunk may cut through an image (chunked prefill): it gets the slice of the image's rows that
+  falls inside it. Tokens reused from the prefix cache are never run, so their rows are not needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from inference_service.engine.request import Request
+from inference_service.outputs import ScheduledRequest
+from inference_service.sampling_params import ImageInput
+
+
+@runtime_checkable
+class ImageEncoder(Protocol):
+    def encode_images(self, images: list[ImageInput]) -> list[Any]:
+        """One tensor [num_tokens, H] per image, in order."""
+        ...
+
+
+class VisionStage:
+    """Runs the encoder for newly admitted requests and hands each chunk its image rows."""
+
+    def __init__(self, encoder: ImageEncoder):
+        self.encoder = encoder
+        self.num_encoded_images = 0
+
+    def prepare(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
+        """Encode what this step's chunks need and is not encoded yet, then attach the rows."""
+        pending = [
+            requests[item.request_id]
+            for item in scheduled
+            if requests[item.request_id].images and requests[item.request_id].image_embeds is None
+        ]
+        if pending:
+            images = [image for request in pending for image in request.images]
+            rows = self.encoder.encode_images(images)
+            self.num_encoded_images += len(images)
+            for request in pending:
+                request.image_embeds, rows = rows[: len(request.images)], rows[len(request.images) :]
+        for item in scheduled:
+            request = requests[item.request_id]
+            if request.images:
+                item.image_rows = chunk_rows(request, item.num_computed_tokens, item.num_known_tokens)
+
+
+def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]]:
+    """(row in the chunk, embedding rows) for the image tokens among tokens [start, start + count)."""
+    end = start + count
+    rows = []
+    for image, embeds in zip(request.images, request.image_embeds or (), strict=True):
+        first, last = image.positions[0], image.positions[-1] + 1  # one run of placeholders
+        low, high = max(first, start), min(last, end)
+        if low < high:
+            rows.append((low - start, embeds[low - first : high - first]))
+    return rows

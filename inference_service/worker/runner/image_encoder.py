@@ -1,0 +1,54 @@
+"""A vision-language model's image encoder (vision tower + projector), run through the model's own
+`get_image_features`: images of one shape are stacked into one batch, each image's rows come back
+as [num_tokens, H] in the language model's dtype, and their count is checked against its
+placeholders (a mismatch is a bug to report, never rows merged at the wrong places).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from inference_service.sampling_params import ImageInput
+
+
+class ImageEncoder:
+    """Encodes images for one loaded vision-language model."""
+
+    def __init__(self, model: Any, device: torch.device):
+        # model: a transformers PreTrainedModel, whose attributes torch types as tensors
+        self.model = model
+        self.device = device
+        self.inner: Any = getattr(model, "model", model)  # the VLM body that has get_image_features
+        self.dtype = model.get_input_embeddings().weight.dtype
+
+    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        groups: dict[tuple, list[int]] = {}
+        for index, image in enumerate(images):
+            groups.setdefault(_shape_key(image), []).append(index)
+        rows: list[torch.Tensor | None] = [None] * len(images)
+        for indices in groups.values():
+            for index, embeds in zip(indices, self._encode_group([images[i] for i in indices]), strict=True):
+                rows[index] = embeds
+        return [r for r in rows if r is not None]
+
+    def _encode_group(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        pixels = torch.cat([image.pixel_values for image in images]).to(self.device)
+        extras = {key: torch.cat([image.extras[key] for image in images]).to(self.device) for key in images[0].extras}
+        with torch.inference_mode():
+            features: Any = self.inner.get_image_features(pixel_values=pixels.to(self.dtype), **extras)
+        features = getattr(features, "pooler_output", features)
+        sizes = [image.num_tokens for image in images]
+        if isinstance(features, torch.Tensor):
+            features = features.reshape(-1, features.shape[-1]).split(sizes)
+        else:
+            features = [f.reshape(-1, f.shape[-1]) for f in features]
+        got = [f.shape[0] for f in features]
+        if got != sizes:
+            raise RuntimeError(f"the image encoder gave {got} rows for images of {sizes} placeholder tokens")
+        return [f.to(self.dtype) for f in features]
+
+
+def _shape_key(image: ImageInput) -> tuple:
+    return (tuple(image.pixel_values.shape[1:]), tuple(sorted(image.extras)))
