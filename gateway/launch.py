@@ -196,7 +196,7 @@ async def _serve(server, envoy: Envoy, signals: StopSignals, grpc_port: int) -> 
     supervising = asyncio.ensure_future(keep_running(envoy))
     loading = asyncio.ensure_future(server.load_engine())
     stopping = asyncio.ensure_future(signals.stop.wait())
-    ready = None
+    ready = failing = None
     try:
         await asyncio.wait({loading, stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and loading.exception() is not None:
@@ -210,10 +210,11 @@ async def _serve(server, envoy: Envoy, signals: StopSignals, grpc_port: int) -> 
             if ready.done():
                 ready.result()
                 logger.info("ready: TGI REST API on %s, gRPC API on port %d", envoy.url(), grpc_port)
-                await asyncio.wait({stopping, supervising}, return_when=asyncio.FIRST_COMPLETED)
-        return 1 if supervising.done() and not stopping.done() else 0
+                failing = asyncio.ensure_future(server.failed.wait())  # a model shard died: exit 1, as TGI
+                await asyncio.wait({stopping, supervising, failing}, return_when=asyncio.FIRST_COMPLETED)
+        return 1 if (supervising.done() or server.failed.is_set()) and not stopping.done() else 0
     finally:
-        for task in (supervising, stopping, ready):
+        for task in (supervising, stopping, ready, failing):
             if task is not None:
                 task.cancel()
         if loading.done() and not loading.cancelled() and loading.exception() is None:

@@ -89,7 +89,7 @@ class ReplicaSet:
         # The replica's own gRPC port, thread share and metrics port (the configured one + its index,
         # or any free one with 0), for Prometheus to scrape each replica.
         metrics_port = self._server_config.prometheus_port
-        for name in ("--grpc-port", "--prometheus-port", "--num-threads", "--api-key"):
+        for name in ("--grpc-port", "--prometheus-port", "--num-threads", "--api-key", "--master-port"):
             args = _without(args, name)  # the key goes in the environment, out of sight of ps
         if self._engine_config.model.device.startswith("cuda"):  # cuda:N → its own GPU, seen as cuda
             args = [*_without(args, "--device"), "--device", "cuda"]
@@ -100,6 +100,8 @@ class ReplicaSet:
             str(self._threads),
             "--prometheus-port",
             str(metrics_port + replica.index if metrics_port else 0),
+            "--master-port",  # each replica's shards meet on their own port
+            str(self._engine_config.model.master_port + replica.index),
         ]
         serve = [sys.executable, "-m", "inference_service", "serve", *args]
         setpriv = shutil.which("setpriv")

@@ -68,6 +68,12 @@ class ModelConfig:
     rope_factor: float | None = None
     # Decode batch sizes for CUDA graphs (TGI's list; "0": none); worker/runner/cuda_graphs.py plans them.
     cuda_graphs: str = "1,2,4,8,16,32"
+    # Tensor parallelism (TGI's flags): shards, each a process holding a slice of every layer.
+    # None: 1, or with `sharded` every CUDA device.
+    num_shard: int | None = None
+    sharded: bool | None = None  # None: sharded when num_shard > 1
+    master_addr: str = "localhost"  # where the shards meet (shard 0 listens)
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         _require(
@@ -106,6 +112,16 @@ class ModelConfig:
             f"--rope-factor must be a number > 0, not {self.rope_factor!r}",
         )
         parse_cuda_graphs(self.cuda_graphs)
+        _require(self.num_shard is None or self.num_shard >= 1, "--num-shard must be >= 1")
+        _require(
+            not (self.sharded is False and (self.num_shard or 1) > 1),
+            f"--sharded false contradicts --num-shard {self.num_shard}",
+        )
+        _require(
+            not (self.sharded and self.num_shard == 1), "--sharded true needs --num-shard > 1 (or unset: every GPU)"
+        )
+        _require(0 < self.master_port < 65536, "--master-port must be a port number (1-65535)")
+        _require(self.master_addr.strip() != "", "--master-addr must not be empty")
 
 
 # --kv-cache-dtype values: the model's dtype, fp32, half the bytes (fp16, bf16), or int8 codes with a

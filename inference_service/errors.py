@@ -155,5 +155,16 @@ class UnauthorizedError(InferenceError):
         super().__init__(message)
 
 
+class RunnerLost(RuntimeError):
+    """The model can't run another step (a tensor-parallel shard is gone): the engine stops serving,
+    every request in flight ends with `ServerFailed`, and new ones are refused with it."""
+
+
+class ServerFailed(UnavailableError):
+    """The server can no longer generate (a model shard failed); it reports NOT_SERVING and exits."""
+
+    retryable = False  # a request in flight may have done work; one refused at admission may go elsewhere
+
+
 class ModelLoadError(Exception):
     """The model can't be loaded or served exactly; the message says why in one line."""

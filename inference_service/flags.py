@@ -57,7 +57,13 @@ def read_secret_file(path: str) -> str:
         raise ValueError(f"cannot read {path!r}") from None
 
 
+def parse_bool_value(text: str) -> bool:
+    """A flag that takes `true` or `false` as its value (TGI's `--sharded <true|false>`), unlike a switch."""
+    return parse_bool(text)
+
+
 _TYPE_NAMES = {
+    parse_bool_value: "true or false",
     int: "an integer",
     float: "a number",
     str: "a string",
@@ -216,6 +222,24 @@ MODEL_FLAGS = (
         "Decode batch sizes to capture as CUDA graphs (TGI's), comma-separated; 0 for none. Checked and "
         "planned (a batch pads to the next size); CUDA decode steps still run without graphs for now.",
     ),
+    Flag(
+        "--num-shard",
+        "model.num_shard",
+        "Tensor parallelism: run the model as N shards, one process each (shard 0 serves, the others "
+        "follow its steps), every layer's heads, MLP and vocabulary split between them; gloo on CPU, NCCL "
+        "on CUDA (one GPU per shard).",
+        int,
+        default_text="1; with --sharded true, every CUDA device",
+    ),
+    Flag(
+        "--sharded",
+        "model.sharded",
+        "Whether to shard the model (true or false); true without --num-shard uses every CUDA device.",
+        parse_bool_value,
+        default_text="true when --num-shard > 1",
+    ),
+    Flag("--master-addr", "model.master_addr", "Address where the shards meet (shard 0 listens there)."),
+    Flag("--master-port", "model.master_port", "Port where the shards meet (shard 0 listens there).", int),
 )
 
 ENGINE_FLAGS = (

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from inference_service.errors import InferenceError
+from inference_service.errors import InferenceError, RunnerLost
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +82,10 @@ class Runner(Protocol):
 
     device: torch.device
 
+    # Set once the runner can never run another step (a tensor-parallel shard is gone); else None.
+    @property
+    def lost(self) -> RunnerLost | None: ...
+
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         """One forward pass over the step's chunks; the logits of the rows to sample."""
         ...
@@ -92,6 +96,10 @@ class Runner(Protocol):
 
     def describe(self) -> str:
         """How steps run, for the startup log line (decode attention, decode steps)."""
+        ...
+
+    def close(self) -> None:
+        """The engine stops: release what outlives a step (tensor-parallel shard processes)."""
         ...
 
 

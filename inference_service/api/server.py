@@ -41,6 +41,8 @@ HEALTH_SERVICES = ("", SERVICE_NAME)  # "" is the whole server
 # SERVING as long as the process answers, loading and draining included: what a liveness probe asks
 # (the services above say whether to send requests, which is readiness).
 LIVENESS_SERVICE = "liveness"
+# `serve`'s exit status once the engine can no longer generate (a model shard died).
+EXIT_ENGINE_FAILED = 1
 # After the engine drained, handlers only have their last messages to send.
 STOP_GRACE_S = 5.0
 
@@ -72,6 +74,9 @@ class ApiServer:
             engine_config.scheduler, metrics=self.observability.metrics.render, observer=self.observability.requests
         )
         self.health = HealthServicer()
+        # Set when the engine can no longer generate (a model shard died): NOT_SERVING, and `serve` exits.
+        self.failed = asyncio.Event()
+        self._failure_watch: asyncio.Future | None = None
         # First: every unary request is read as a stream, where a call that ends without a message shows.
         interceptors: list[grpc.aio.ServerInterceptor] = [WholeMessageInterceptor()]
         interceptors += self.observability.server_interceptors()
@@ -142,13 +147,24 @@ class ApiServer:
         self.servicer.attach(engine, front_end)
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._failure_watch = asyncio.ensure_future(self._watch_failure(engine))
         logger.info("serving %s", engine.info.model_id)
         return engine
+
+    async def _watch_failure(self, engine: AsyncEngine) -> None:
+        """Once the engine can no longer generate: NOT_SERVING for good (liveness too: restart me)."""
+        reason = await engine.wait_failed()
+        logger.error("not serving any more: %s", reason)
+        for service in (*HEALTH_SERVICES, LIVENESS_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.failed.set()
 
     async def shutdown(self, timeout_s: float | None = None, cut: asyncio.Event | None = None) -> None:
         """NOT_SERVING, stop admitting, give in-flight requests `timeout_s` (or until `cut` is set:
         a second stop signal), cancel the rest, stop."""
         timeout_s = self.config.graceful_termination_timeout if timeout_s is None else timeout_s
+        if self._failure_watch is not None and not self.failed.is_set():
+            self._failure_watch.cancel()
         logger.info("draining (up to %.1fs; Ctrl-C again stops at once)", timeout_s)
         for service in HEALTH_SERVICES:  # not ready; still alive
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -222,6 +238,13 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
         await server.stop_now()
         logger.info("stopped (%s) while the model was loading", signals.name)
         return 0
-    await stopping
+    failing = asyncio.ensure_future(server.failed.wait())
+    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    if failing.done():  # as TGI's launcher when a shard crashes: stop, and exit with an error
+        stopping.cancel()
+        await server.shutdown(timeout_s=0.0)
+        logger.error("exiting: the model can no longer run")
+        return EXIT_ENGINE_FAILED
+    failing.cancel()
     await server.shutdown(cut=signals.now)
     return 0

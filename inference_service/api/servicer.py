@@ -26,7 +26,14 @@ from inference_service.api.tgi import TgiRoutes
 from inference_service.config import SchedulerConfig
 from inference_service.engine import lora_control
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.errors import ECHO_CHARS, NotFoundError, UnavailableError, ValidationError, shortened
+from inference_service.errors import (
+    ECHO_CHARS,
+    NotFoundError,
+    ServerFailed,
+    UnavailableError,
+    ValidationError,
+    shortened,
+)
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.models.lora_registry import AdapterInfo
 from inference_service.observability.requests import RequestObserver
@@ -84,7 +91,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @unary_errors
     async def Health(self, request: pb.HealthRequest, context: Context) -> httpbody_pb2.HttpBody:
-        self._backend.engine()
+        engine = self._backend.engine()
+        if engine.failure is not None:  # TGI's /health fails once a shard is gone
+            raise ServerFailed(engine.failure)
         if self._draining:
             raise UnavailableError("the server is shutting down")
         return httpbody_pb2.HttpBody()

@@ -21,10 +21,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from inference_service.config import EngineConfig
-from inference_service.engine.builder import build_engine, warm_up
+from inference_service.engine.builder import warm_up
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
-from inference_service.errors import OverloadedError, UnavailableError
+from inference_service.engine.shards import build_engine
+from inference_service.errors import OverloadedError, RunnerLost, ServerFailed, UnavailableError
 from inference_service.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sampling_params import EngineRequest
@@ -32,6 +33,7 @@ from inference_service.sampling_params import EngineRequest
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # the engine thread re-checks for shutdown this often when idle
+_FAILURE_POLL_S = 0.1  # how often the server looks whether the engine failed
 # Test-only: milliseconds the engine thread sleeps after each step, so a tiny model's request can
 # last minutes (the long-request tests). Unset in any real deployment.
 STEP_DELAY_ENV = "INFERENCE_SERVICE_TEST_STEP_DELAY_MS"
@@ -96,12 +98,18 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self._step_delay_s = _step_delay_s()
+        # Why the engine can no longer generate (a model shard is gone); None while it can.
+        self.failure: str | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model, size the cache and warm up (blocking; raises ModelLoadError)."""
         engine = build_engine(config)
-        warm_up(engine)
+        try:
+            warm_up(engine)
+        except BaseException:
+            engine.close()
+            raise
         return cls(engine, config.limits.max_concurrent_requests)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -129,6 +137,12 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
         return len(aborted)
+
+    async def wait_failed(self) -> str:
+        """Return (why) once the engine can no longer generate; never while it can."""
+        while self.failure is None:
+            await asyncio.sleep(_FAILURE_POLL_S)
+        return self.failure
 
     @property
     def is_draining(self) -> bool:
@@ -244,6 +258,10 @@ class AsyncEngine:
 
     def _admit(self, count: int) -> None:
         with self._lock:
+            if self.failure is not None:
+                refused = ServerFailed(self.failure)
+                refused.retryable = True  # nothing ran: another replica may serve it
+                raise refused
             if self._draining or self._stopping.is_set():
                 raise UnavailableError("the server is shutting down")
             if self._num_in_flight + count > self._max_concurrent:
@@ -259,10 +277,16 @@ class AsyncEngine:
         engine = self._engine
         while not self._stopping.is_set():
             try:
-                self._apply_commands(block=not engine.has_unfinished())
-                outputs = engine.step() if engine.has_unfinished() else []
+                if self.failure is None and engine.runner.lost is not None:  # seen while idle
+                    raise engine.runner.lost
+                self._apply_commands(block=not engine.has_unfinished() or self.failure is not None)
+                outputs = engine.step() if engine.has_unfinished() and self.failure is None else []
                 if outputs and self._step_delay_s:  # 0 unless a test slows the engine down
                     time.sleep(self._step_delay_s)
+            except RunnerLost as error:  # no step can run any more: end everything, refuse the rest
+                logger.error("the engine can no longer generate: %s", error)
+                self.failure = f"the model can no longer run: {error}"
+                outputs = engine.fail_all(ServerFailed(self.failure))
             except Exception:  # noqa: BLE001 — a bug must not kill the engine thread
                 logger.exception("engine step failed")
                 outputs = engine.fail_all()
@@ -273,6 +297,7 @@ class AsyncEngine:
             output = engine.abort_request(request_id, "server shutting down")
             if output is not None:
                 self._deliver([output])
+        engine.close()
 
     def _apply_commands(self, block: bool) -> None:
         outputs: list[RequestOutput] = []
@@ -290,6 +315,8 @@ class AsyncEngine:
         if isinstance(command, AddRequest):
             if command.request_id not in self._streams:  # its caller is already gone
                 return []
+            if self.failure is not None:  # admitted just before the failure
+                return [RequestOutput(command.request_id, error=ServerFailed(self.failure))]
             try:
                 self._engine.add_request(command.request_id, command.request)
             except Exception as error:  # noqa: BLE001

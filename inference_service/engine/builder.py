@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig
@@ -49,6 +50,7 @@ from inference_service.worker.lora.weights import LoraTable
 from inference_service.worker.runner.decode_step import decode_step_for
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.shard_group import ShardGroup
 from inference_service.worker.transformers_runner.runner import ATTENTION_IMPL, TransformersRunner
 from inference_service.worker.weights import schemes
 from inference_service.worker.weights.at_load import quantize_at_load, weights_nbytes
@@ -84,50 +86,34 @@ class LoadedModel:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """Load the model named by the config and return an engine ready to serve it."""
+    """Load the model named by the config and return an engine ready to serve it (one shard:
+    engine.shards.build_engine serves --num-shard)."""
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     loaded = load(config)
     with progress.phase("preparing the engine", "prepared the engine", total=3) as phase:
-        return _build(config, loaded, phase)
+        return build_from(config, loaded, phase)
 
 
-def _build(config: EngineConfig, loaded: LoadedModel, phase: progress.Phase) -> LLMEngine:
-    dtype = next(loaded.model.parameters()).dtype
-    linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
-    native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
-    if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
-        native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
-    bf16_kernel = bf16_linear_kernel_for(loaded.device, dtype)
-    if bf16_kernel:  # decode steps of a bf16 model: bf16 weights, fp32 accumulation
-        native_linears += bf16_linear.install(loaded.model, bf16_kernel)
+def build_from(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    phase: progress.Phase,
+    shard_runner: Callable[[ModelRunner], Runner] | None = None,
+    group: ShardGroup | None = None,
+) -> LLMEngine:
+    """The engine over a loaded model; with `group` (tensor parallel: the model is this shard's
+    slice) the paged runner is wrapped by `shard_runner`."""
+    if shard_runner is not None and config.model.lora_enabled:
+        raise ModelLoadError("LoRA adapters are not served with --num-shard > 1 yet: serve them on one shard")
+    native_linears = install_native_linears(loaded)
     phase.update()
     runner: Runner
+    dtype = next(loaded.model.parameters()).dtype
     if loaded.fallback_reason is None:
-        shapes = probe_layer_shapes(loaded.model, loaded.device)
-        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-        kv_writer = kv_writer_for(loaded.device, dtype)
-        decode_kernel = decode_kernel_for(loaded.device, dtype)
-        decode_step = decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype))
-        image_encoder = ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None
-
-        def runner_over(kv_cache: PagedKVCache) -> ModelRunner:
-            return ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel, decode_step, image_encoder)
-
-        if loaded.device.type == "cuda" and _sized_by_memory(config.cache):
-            num_blocks = profile_kv_blocks(
-                runner_over,
-                shapes,
-                dtype,
-                loaded.device,
-                config.cache,
-                _profile_tokens(config, loaded),
-                kv_dtype=kv_dtype,
-            )
-        else:
-            num_blocks = plan_num_blocks(config.cache, shapes, kv_dtype, loaded.device)
-        block_size = config.cache.block_size
-        runner = runner_over(PagedKVCache(shapes, num_blocks, block_size, dtype, loaded.device, kv_dtype, kv_writer))
+        model_runner, num_blocks = paged_runner(config, loaded, group)
+        kv_dtype = model_runner.kv_cache.kv_dtype if model_runner.kv_cache is not None else dtype
+        runner = model_runner if shard_runner is None else shard_runner(model_runner)
     else:  # blocks stay the memory budget of the per-request caches (in the model's dtype)
         kv_dtype = dtype
         num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
@@ -224,6 +210,52 @@ def enable_lora(config: EngineConfig, loaded: LoadedModel, runner: Runner) -> Ad
         except AdapterError as error:
             raise ModelLoadError(str(error)) from error
     return registry
+
+
+def install_native_linears(loaded: LoadedModel) -> int:
+    """Route the model's projections through the native kernels where they take them; returns how many."""
+    dtype = next(loaded.model.parameters()).dtype
+    linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
+    native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
+    if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
+        native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
+    bf16_kernel = bf16_linear_kernel_for(loaded.device, dtype)
+    if bf16_kernel:  # decode steps of a bf16 model: bf16 weights, fp32 accumulation
+        native_linears += bf16_linear.install(loaded.model, bf16_kernel)
+    return native_linears
+
+
+def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | None = None) -> tuple[ModelRunner, int]:
+    """The paged runner and its KV cache's block count. With `group` every shard holds shard 0's
+    count of blocks (of its own heads), and all of them must call this together (the shape probe
+    runs the model)."""
+    dtype = next(loaded.model.parameters()).dtype
+    shapes = probe_layer_shapes(loaded.model, loaded.device)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    decode_kernel = decode_kernel_for(loaded.device, dtype)
+    decode_step = decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype))
+    image_encoder = ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None
+
+    def runner_over(kv_cache: PagedKVCache) -> ModelRunner:
+        return ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel, decode_step, image_encoder)
+
+    num_blocks = 0
+    if group is None and loaded.device.type == "cuda" and _sized_by_memory(config.cache):
+        profile_tokens = _profile_tokens(config, loaded)
+        num_blocks = profile_kv_blocks(
+            runner_over, shapes, dtype, loaded.device, config.cache, profile_tokens, kv_dtype=kv_dtype
+        )
+    elif group is None or group.is_first:
+        # On CPU every shard's cache comes out of the same memory: the budget holds all of them.
+        sharing = group.world_size if group is not None and loaded.device.type == "cpu" else 1
+        num_blocks = plan_num_blocks(config.cache, shapes * sharing, kv_dtype, loaded.device)
+    if group is not None:
+        num_blocks = cast(int, group.broadcast_object(num_blocks, loaded.device))
+    kv_writer = kv_writer_for(loaded.device, dtype)
+    block_size = config.cache.block_size
+    return runner_over(
+        PagedKVCache(shapes, num_blocks, block_size, dtype, loaded.device, kv_dtype, kv_writer)
+    ), num_blocks
 
 
 def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:

@@ -27,7 +27,7 @@ from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
 from inference_service.engine.vision_stage import ImageEncoder, VisionStage
-from inference_service.errors import GenerationError, InferenceError, NotFoundError, RequestCancelled
+from inference_service.errors import GenerationError, InferenceError, NotFoundError, RequestCancelled, RunnerLost
 from inference_service.models.lora_registry import AdapterRegistry
 from inference_service.outputs import (
     EngineInfo,
@@ -232,6 +232,9 @@ class LLMEngine:
                     plan.scheduled, {item.request_id: self.live[item.request_id].request for item in plan.scheduled}
                 )
             step_logits = self.runner.execute(plan.scheduled)
+        except RunnerLost:  # no later step can run either: the caller stops serving
+            stats.failed, stats.total_s = True, time.perf_counter() - started
+            raise
         except Exception:  # noqa: BLE001 — contain it to this step's requests
             logger.exception("model step failed for %d requests", len(plan.scheduled))
             stats.failed, stats.total_s = True, time.perf_counter() - started
@@ -433,9 +436,16 @@ class LLMEngine:
             num_prompt_tokens=request.num_input_tokens,
         )
 
-    def fail_all(self) -> list[RequestOutput]:
-        """End every live request with a generation error (an unexpected engine failure, logged by the caller)."""
-        return self._fail_all(list(self.live), "the engine failed")
+    def fail_all(self, error: InferenceError | None = None) -> list[RequestOutput]:
+        """End every live request with a generation error (an unexpected engine failure, logged by the
+        caller), or with copies of `error`."""
+        if error is None:
+            return self._fail_all(list(self.live), "the engine failed")
+        return [self._fail(request_id, type(error)(*error.args)) for request_id in list(self.live)]
+
+    def close(self) -> None:
+        """The engine stops: the runner lets go of what it holds (tensor-parallel shards stop)."""
+        self.runner.close()
 
     def _fail_all(self, request_ids: list[str], detail: str) -> list[RequestOutput]:
         """End these requests, each with its own `GenerationError` (it carries its request's timings)."""

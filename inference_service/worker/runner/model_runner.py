@@ -43,6 +43,8 @@ class ModelRunner:
         self.image_encoder = image_encoder  # vision-language models: images → embedding rows
         self.lora = lora  # resident LoRA adapters (the model's projections are LoRA linears); None: off
 
+    lost = None  # nothing it runs on can be lost (Runner.lost)
+
     # -- one step -------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         meta, input_ids, position_ids = self._prepare(scheduled)
@@ -90,6 +92,9 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """The request ended; the paged runner keeps nothing per request (its blocks are the
         scheduler's)."""
+
+    def close(self) -> None:
+        """Nothing outlives a step here."""
 
     def describe(self) -> str:
         attention = "native" if self.decode_kernel else "torch"

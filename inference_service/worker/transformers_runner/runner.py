@@ -35,6 +35,7 @@ class TransformersRunner:
 
     kv_cache = None  # no paged tensors: blocks are only the memory budget here
     decode_kernel = None
+    lost = None  # nothing it runs on can be lost (Runner.lost)
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
@@ -162,6 +163,10 @@ class TransformersRunner:
     def release(self, request_id: str) -> None:
         """The request ended: its cache goes (a batch it was in stays with the others in it)."""
         self._sequences.pop(request_id, None)
+
+    def close(self) -> None:
+        """The engine stops: the per-request caches go."""
+        self._sequences.clear()
 
     def describe(self) -> str:
         return "decode steps: transformers' layers, one cache per request"
