@@ -63,6 +63,14 @@ def validated(prompt: list[int], max_new_tokens: int):
 
 
 # -- the engine and transformers on the same weights -------------------------------------------
+def one_step_prefill_budget(num_prompts: int, prompt_tokens: int) -> int:
+    """A step budget that prefills `num_prompts` prompts of `prompt_tokens` in one step, as TGI's
+    benchmark does. The budget counts work (engine/step_cost.py: a token deep in a context costs more
+    than one), so twice the tokens: enough for prompts shorter than the model's context scale
+    (3 × its width in keys, 1,728 for the demo model)."""
+    return 2 * num_prompts * prompt_tokens
+
+
 def load_engine(
     model_id: str, *, max_batch_prefill_tokens: int | None = None, dtype: str = "auto", device: str = "auto"
 ):

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     out = common.output_dir(args.out, args.quick)
-    prefill_budget = max(args.batch_sizes) * args.prompt_tokens  # each batch prefills in one step, as TGI's
+    prefill_budget = common.one_step_prefill_budget(max(args.batch_sizes), args.prompt_tokens)
     engine, config = common.load_engine(
         tiny_model.resolve(args.model_id), max_batch_prefill_tokens=prefill_budget, dtype=args.dtype, device=args.device
     )

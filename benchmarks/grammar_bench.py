@@ -146,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     out = common.output_dir(args.out, args.quick)
-    engine, _ = common.load_engine(
-        tiny_model.resolve(args.model_id), max_batch_prefill_tokens=max(args.batch_sizes) * args.prompt_tokens
-    )
+    budget = common.one_step_prefill_budget(max(args.batch_sizes), args.prompt_tokens)
+    engine, _ = common.load_engine(tiny_model.resolve(args.model_id), max_batch_prefill_tokens=budget)
     if engine.grammar_compiler is None:
         raise SystemExit("this model's tokenizer has no grammar support")
     results = measure(engine, args)

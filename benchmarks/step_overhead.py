@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     native = _NativeCalls()
     engine, _ = common.load_engine(
         tiny_model.resolve(args.model_id),
-        max_batch_prefill_tokens=args.batch_size * args.prompt_tokens,
+        max_batch_prefill_tokens=common.one_step_prefill_budget(args.batch_size, args.prompt_tokens),
         dtype=args.dtype,
         device=args.device,
     )
