@@ -7,7 +7,6 @@ the config stays as the user gave it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +16,8 @@ import torch
 from transformers import AutoConfig
 
 from inference_service import progress
-from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, parse_memory
-from inference_service.engine import memory_plan
+from inference_service.config import EngineConfig, LimitsConfig
+from inference_service.engine.kv_sizing import plan_num_blocks, profile_kv_blocks, sized_by_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
@@ -68,8 +67,6 @@ FALLBACK_ATTENTION = "eager"
 DEFAULT_PREFILL_TOKENS = {"cpu": 256, "cuda": 4096}
 # LoRA adapters resident at once when --max-loras is not given (at least those --lora-adapters names).
 DEFAULT_MAX_LORAS = 8
-# Share of memory the KV cache takes when --kv-cache-memory is not given.
-DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 
 
 @dataclass
@@ -240,7 +237,7 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
         return ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel, decode_step, image_encoder)
 
     num_blocks = 0
-    if group is None and loaded.device.type == "cuda" and _sized_by_memory(config.cache):
+    if group is None and loaded.device.type == "cuda" and sized_by_memory(config.cache):
         profile_tokens = _profile_tokens(config, loaded)
         num_blocks = profile_kv_blocks(
             runner_over, shapes, dtype, loaded.device, config.cache, profile_tokens, kv_dtype=kv_dtype
@@ -353,87 +350,11 @@ def _gguf_file(config: EngineConfig, resolved: loader.ResolvedModel):
     return demo.ensure_demo_gguf() if resolved.source == "demo" else config.model.model_id
 
 
-def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks in the pool: from --max-batch-total-tokens, else from the memory budget (`dtype`: what
-    the cache stores, so smaller KV entries fit more blocks)."""
-    if cache.max_batch_total_tokens is not None:
-        return -(-cache.max_batch_total_tokens // cache.block_size)
-    fraction, size = parse_memory(cache.kv_cache_memory) if cache.kv_cache_memory else (None, None)
-    if size is None:
-        fraction = fraction or DEFAULT_KV_FRACTION[device.type]
-        size = int(fraction * _available_memory(device))
-    bytes_per_block = PagedKVCache.bytes_per_token(shapes, dtype) * cache.block_size
-    num_blocks = size // bytes_per_block
-    if num_blocks < 1:
-        raise ModelLoadError(
-            f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; raise --kv-cache-memory"
-        )
-    return num_blocks
-
-
-def _sized_by_memory(cache: CacheConfig) -> bool:
-    """Whether the KV cache takes what memory is left (neither a capacity nor a size was given)."""
-    return cache.max_batch_total_tokens is None and cache.kv_cache_memory is None
-
-
 def _profile_tokens(config: EngineConfig, loaded: LoadedModel) -> int:
     """The largest prefill step the scheduler will run, within the model's stated context."""
     tokens = config.scheduler.max_batch_prefill_tokens or DEFAULT_PREFILL_TOKENS[loaded.device.type]
     stated = context.stated_context_length(loaded.model.config)
     return min(tokens, stated) if stated else tokens
-
-
-def profile_kv_blocks(
-    runner_over,
-    shapes: list[LayerShape],
-    dtype: torch.dtype,
-    device: torch.device,
-    cache: CacheConfig,
-    profile_tokens: int,
-    memory_info=None,
-    kv_dtype: torch.dtype | None = None,
-) -> int:
-    """KV blocks from the memory left after a profiling forward pass of `profile_tokens` tokens
-    (TGI's warm-up; engine/memory_plan.py has the rule). `runner_over(kv_cache)` makes the runner;
-    `memory_info()` → (free, total) bytes, torch.cuda.mem_get_info on the device by default;
-    `kv_dtype`: what the cache stores (None: `dtype`)."""
-    profile_blocks = -(-profile_tokens // cache.block_size)
-    profile_cache = PagedKVCache(shapes, profile_blocks, cache.block_size, dtype, device, kv_dtype)
-    table = list(range(profile_blocks))
-    runner_over(profile_cache).execute(
-        [ScheduledRequest(_PROFILE_ID, 0, profile_tokens, [0] * profile_tokens, table, True)]
-    )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    free, total = memory_info() if memory_info is not None else torch.cuda.mem_get_info(device)
-    bytes_per_block = PagedKVCache.bytes_per_token(shapes, kv_dtype or dtype) * cache.block_size
-    # The profile's own blocks go back to torch's allocator when it is dropped: they count too.
-    num_blocks = memory_plan.kv_blocks_from_memory(free, total, cache.cuda_memory_fraction, bytes_per_block)
-    num_blocks += profile_blocks
-    logger.info(
-        "KV cache sized after a profiling forward of %d tokens: %d blocks (%.1f GiB free of %.1f GiB, "
-        "--cuda-memory-fraction %.2f)",
-        profile_tokens,
-        num_blocks,
-        free / 2**30,
-        total / 2**30,
-        cache.cuda_memory_fraction,
-    )
-    return num_blocks
-
-
-_PROFILE_ID = "__profile__"
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> EngineInfo:

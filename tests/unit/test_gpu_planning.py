@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference_service.config import CacheConfig, parse_cuda_graphs
-from inference_service.engine import builder, memory_plan
+from inference_service.engine import kv_sizing, memory_plan
 from inference_service.worker.attention.kv_cache import PagedKVCache
 from inference_service.worker.runner.cuda_graphs import graph_batch_size, pad_rows, plan_decode_batch
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
@@ -74,7 +74,7 @@ def test_profiling_forward_runs_then_sizes_the_cache(tiny_model_dir):
         return ModelRunner(model, kv_cache, cpu)
 
     free, total = 3 * 2**20, 4 * 2**20
-    blocks = builder.profile_kv_blocks(runner_over, shapes, torch.float32, cpu, cache, 40, lambda: (free, total))
+    blocks = kv_sizing.profile_kv_blocks(runner_over, shapes, torch.float32, cpu, cache, 40, lambda: (free, total))
     bytes_per_block = PagedKVCache.bytes_per_token(shapes, torch.float32) * 16
     assert blocks == int((free - 0.5 * total) * 0.9) // bytes_per_block + 3  # + the profile's 3 blocks
     (profiled,) = caches

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from inference_service import config
-from inference_service.engine import builder
+from inference_service.engine import kv_sizing
 from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import (
     KV_CACHE_DTYPES,
@@ -253,7 +253,7 @@ def test_the_memory_budget_counts_the_smaller_entries():
     """The same --kv-cache-memory holds twice the blocks in fp16/bf16 and ~3.8x in int8."""
     shapes = [LayerShape(3, 64)] * 30  # the demo model's
     blocks = {
-        name: builder.plan_num_blocks(
+        name: kv_sizing.plan_num_blocks(
             config.CacheConfig(kv_cache_memory="256MiB", kv_cache_dtype=name),
             shapes,
             resolve_kv_dtype(name, torch.float32),
