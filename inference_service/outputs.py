@@ -43,6 +43,8 @@ class ScheduledRequest:
     encoder_token_ids: list[int] | None = None
     # Images: (row of this chunk, embedding rows [n, H]) that replace those rows' token embeddings.
     image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Multimodal rotary models (Qwen2-VL) with images: each token's three positions [3, num_new_tokens].
+    rope_positions: torch.Tensor | None = None
     # The LoRA adapter of every row of this request (None: the base model's weights alone).
     adapter_id: str | None = None
 

@@ -303,7 +303,7 @@ def load(config: EngineConfig) -> LoadedModel:
         phase.update()
         tokenizer = loader.load_tokenizer(resolved.path, trust_remote_code=config.model.trust_remote_code)
         processor = (
-            loader.load_processor(resolved.path, config.model.trust_remote_code)
+            loader.load_processor(resolved.path, config.model.trust_remote_code, hf_config.model_type)
             if is_vision_language(hf_config)
             else None
         )

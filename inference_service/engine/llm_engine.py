@@ -21,6 +21,7 @@ from inference_service.engine.detokenizer import TextState, decode, special_toke
 from inference_service.engine.forward_clock import ForwardClock
 from inference_service.engine.isolation import request_error, sample_rows
 from inference_service.engine.kv_cache_manager import KVCacheManager
+from inference_service.engine.mrope import MROPE_ARCHITECTURES
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
@@ -103,7 +104,8 @@ class LLMEngine:
         self.speculator = speculator  # None: one token per request and step
         # Vision-language models: the encoder's stage at admission (None: text only).
         encoder = runner if info.vision_architecture and isinstance(runner, ImageEncoder) else None
-        self.vision = VisionStage(encoder) if encoder is not None else None
+        mrope = info.vision_architecture in MROPE_ARCHITECTURES
+        self.vision = VisionStage(encoder, mrope) if encoder is not None else None
         self.processor: object | None = None  # the model's processor, for the front end (vision models)
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.live: dict[str, LiveRequest] = {}

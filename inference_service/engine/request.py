@@ -62,6 +62,7 @@ class Request:
     # image token standing for its image's content (None: the prompt ids themselves).
     images: tuple[ImageInput, ...] = ()
     image_embeds: list[Any] | None = None
+    rope_positions: Any = None  # multimodal rotary models: `mrope.PromptPositions`, made at admission
     hash_token_ids: list[int] | None = field(default=None, repr=False)
 
     def with_images(self, images: tuple[ImageInput, ...]) -> None:

@@ -6,12 +6,14 @@ prompt chunks carry the rows that replace their image placeholders.
   the language model's K/V, not the encoder.
 - A chunk may cut through an image (chunked prefill): it gets the slice of the image's rows that
   falls inside it. Tokens reused from the prefix cache are never run, so their rows are not needed.
+- Models with multimodal rotary positions (`mrope`) also get each chunk's three positions per token.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from inference_service.engine.mrope import prompt_positions
 from inference_service.engine.request import Request
 from inference_service.outputs import ScheduledRequest
 from inference_service.sampling_params import ImageInput
@@ -27,8 +29,9 @@ class ImageEncoder(Protocol):
 class VisionStage:
     """Runs the encoder for newly admitted requests and hands each chunk its image rows."""
 
-    def __init__(self, encoder: ImageEncoder):
+    def __init__(self, encoder: ImageEncoder, mrope: bool = False):
         self.encoder = encoder
+        self.mrope = mrope  # the language model reads three positions per token (Qwen2-VL)
         self.num_encoded_images = 0
 
     def prepare(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
@@ -48,6 +51,10 @@ class VisionStage:
             request = requests[item.request_id]
             if request.images:
                 item.image_rows = chunk_rows(request, item.num_computed_tokens, item.num_known_tokens)
+                if self.mrope:
+                    if request.rope_positions is None:
+                        request.rope_positions = prompt_positions(len(request.prompt_token_ids), request.images)
+                    item.rope_positions = request.rope_positions.of(item.num_computed_tokens, item.num_new_tokens)
 
 
 def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]]:

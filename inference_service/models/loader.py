@@ -25,6 +25,7 @@ from inference_service import progress
 from inference_service.config import DEMO_MODEL_ID, ModelConfig, default_cache_dir
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo, rope
+from inference_service.models.qwen_vl_processor import QWEN_VL_FAMILIES, load_qwen_vl_processor
 from inference_service.worker.weights.gguf.convert import conversion_name, convert_gguf, file_sha256, is_converted
 
 logger = logging.getLogger(__name__)
@@ -288,15 +289,18 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_processor(path: str | os.PathLike, trust_remote_code: bool = False):
+def load_processor(path: str | os.PathLike, trust_remote_code: bool = False, model_type: str | None = None):
     """A vision-language model's processor (images → pixel values and image placeholder tokens)."""
     from transformers import AutoProcessor
 
     folder = _checkpoint_folder(path, "processor", "processor_config.json", "preprocessor_config.json")
     try:
-        processor = AutoProcessor.from_pretrained(
-            os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
-        )
+        if model_type in QWEN_VL_FAMILIES:
+            processor = load_qwen_vl_processor(folder, trust_remote_code)
+        else:
+            processor = AutoProcessor.from_pretrained(
+                os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
+            )
     except Exception as error:
         logger.debug("loading the processor in %s failed", folder, exc_info=True)
         raise ModelLoadError(f"could not load the image processor in {folder}: {_first_line(error)}") from None

@@ -170,7 +170,21 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
+        if any(item.rope_positions is not None for item in scheduled):
+            pos = _with_rope_positions(scheduled, pos)
         return meta, ids, pos
+
+
+def _with_rope_positions(scheduled: list[ScheduledRequest], pos: torch.Tensor) -> torch.Tensor:
+    """Multimodal rotary positions ([4, 1, T]): the sequence positions (transformers' text row),
+    then each token's three (a request without them has its sequence position in all three)."""
+    three = pos.expand(3, -1).clone()  # [3, T]
+    token_start = 0
+    for item in scheduled:
+        if item.rope_positions is not None:
+            three[:, token_start : token_start + item.num_new_tokens] = item.rope_positions
+        token_start += item.num_new_tokens
+    return torch.cat([pos, three]).unsqueeze(1)
 
 
 def _slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
