@@ -21,9 +21,11 @@ progress; it is sized per device (engine.builder: small on CPU). Prefill chunks 
 not tokens (`engine.step_cost`): a chunk deep into a long prompt attends over all the keys before it,
 so it gets fewer tokens for the same time. And in a step that carries streams (decodes, or a short
 prompt that gives its first token in it), the chunks that leave part of their prompt for later share
-only a small pool of work: a stream's next token waits for the weights' read plus a bounded slice of
-a long prefill, not for a full budget of it. Chunks that end their prompt are not held to the pool:
-a burst of short prompts still fills the budget, and each gets its first token in one step.
+only a small pool of work, one share per long prompt still prefilling: a stream's next token waits
+for the weights' read plus a bounded slice of a long prefill, not for a full budget of it, and a
+burst of long prompts still prefills in large steps beside its own first streams. Chunks that end
+their prompt are not held to the pool: a burst of short prompts still fills the budget, and each
+gets its first token in one step.
 
 When the KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
 recomputed later from its prompt and the tokens it already generated.
@@ -202,9 +204,10 @@ class Scheduler:
             plan.add_decode(request)
 
         # A stream waits on this step: the chunks that leave part of their prompt share a small pool.
-        if plan.chunks or self._short_arrival(budget // PREFILL_SLICES):
-            plan.open_pool(self.cost.stream_pool(budget, plan.decode_work))
         slice_work = budget / PREFILL_SLICES
+        if plan.chunks or self._short_arrival(budget // PREFILL_SLICES):
+            num_long = self._num_long_prompts(plan, slice_work)
+            plan.open_pool(self.cost.stream_pool(budget, plan.decode_work, num_long))
 
         # 2a. A slice each for the running prefills, oldest first...
         for request in list(self.running):
@@ -265,6 +268,17 @@ class Scheduler:
     def _short_arrival(self, slice_work: int) -> bool:
         """Whether the next request to admit is a prompt that gives its first token in this step."""
         return bool(self.waiting) and self._has_seat() and self.cost.work(0, self.waiting[0].num_tokens) <= slice_work
+
+    def _num_long_prompts(self, plan: _StepPlan, slice_work: float) -> int:
+        """Prompts the pool holds back in this step (their rest is more than a slice): running ones
+        still prefilling, and the waiting ones that have a seat."""
+
+        def is_long(request: Request) -> bool:
+            return self.cost.work(request.num_computed_tokens, _pending(request)) > slice_work
+
+        running = sum(1 for r in self.running if r.request_id not in plan.chunks and _pending(r) > 1 and is_long(r))
+        seats = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - len(self.running)
+        return running + sum(1 for r in list(self.waiting)[: max(0, seats)] if is_long(r))
 
     def _has_seat(self) -> bool:
         return self.max_batch_size is None or len(self.running) < self.max_batch_size

@@ -18,9 +18,12 @@ step waited for it; counted in work, the chunk shrinks as its context grows and 
 
 `stream_share`: a step that carries streams (decodes, or a short prompt about to give its first
 token) costs at least the weights' read once, whatever it computes; a long prefill beside it at most
-doubles it when its work is held to about that cost. So in such a step the prefill chunks share
-`max(budget × stream_share, the decodes' own work)`, and the full budget only when no stream waits on
-the step. The default (1) leaves the budget whole: tokens only, no difference between steps.
+doubles it when its work is held to about that cost. So in such a step each prompt still prefilling
+gets that share: the chunks share `max(budget × stream_share × prompts, the decodes' own work)`, at
+most the budget, and the full budget when no stream waits on the step. One long prompt beside a
+stream moves by one share per step; a burst of 16 image prompts, whose first ones already stream,
+is not held to one share among them all (each step would then be mostly the weights' read, and the
+burst's prefill would take ~16× the steps). The default (1) leaves the budget whole: tokens only.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class StepCost:
                 num += 1
         return max(1, min(num, pending))
 
-    def stream_pool(self, budget: int, decode_work: float) -> float:
-        """What the prefill chunks of a step carrying streams may cost together."""
-        return max(budget * self.stream_share, decode_work)
+    def stream_pool(self, budget: int, decode_work: float, num_prompts: int = 1) -> float:
+        """What the prefill chunks of a step carrying streams may cost together, `num_prompts`
+        prompts still prefilling (running or waiting): a share each, at most the budget."""
+        return max(budget * min(1.0, self.stream_share * max(1, num_prompts)), decode_work)

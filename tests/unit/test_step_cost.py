@@ -119,6 +119,28 @@ def test_the_stream_pool_grows_with_the_decodes_work():
     assert COST.stream_pool(64, 2) == 8
     assert COST.stream_pool(64, 40) == 40
     assert StepCost().stream_pool(64, 2) == 64  # tokens only: the whole budget
+    assert COST.stream_pool(64, 2, num_prompts=3) == 24  # a share per prompt still prefilling...
+    assert COST.stream_pool(64, 2, num_prompts=20) == 64  # ...at most the budget
+
+
+def test_a_burst_of_prompts_beside_streams_gets_a_share_each():
+    """Four long prompts arrive while a stream decodes: the step's prefill work is four shares, not
+    one shared by all four (a burst whose first prompts stream already keeps prefilling fast)."""
+    kv = KVCacheManager(num_blocks=1024, block_size=4)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=64, cost=COST)
+    requests = {"stream": _request("stream", 3, max_new=30)}
+    scheduler.add(requests["stream"])
+    _run_step(scheduler, requests)
+    share = 64 * COST.stream_share
+    for index in range(4):
+        requests[f"long{index}"] = _request(f"long{index}", 300)
+        scheduler.add(requests[f"long{index}"])
+    for _ in range(3):
+        plan = _run_step(scheduler, requests)
+        assert plan.scheduled[0].request_id == "stream" and plan.scheduled[0].num_new_tokens == 1
+        assert len(plan.scheduled) == 5  # every prompt moves on
+        work = _prefill_work(plan, COST, {"stream"})
+        assert 3 * share < work <= 4 * share + COST.work(300, 1)  # a chunk may go one token over
 
 
 def test_short_prompts_beside_a_stream_still_fill_the_budget():
