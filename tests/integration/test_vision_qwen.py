@@ -13,8 +13,10 @@ import torch
 
 from inference_service.engine.builder import build_engine
 from inference_service.engine.mrope import prompt_positions
+from tests.image_server import data_uri, image_bytes
 from tests.integration.test_vision_models import BLUE, GREEN, RED, chat_request, chat_tokens, llava_config, run
-from tests.tiny_qwen_vl import save_qwen_vl
+from tests.tiny_qwen_vl import VISION_END, VISION_START, save_qwen_vl
+from textgen.v1 import generate_pb2 as pb
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 # The families differ in their vision tower only: the positions' finer cases run on Qwen2-VL alone.
@@ -199,3 +201,24 @@ def test_prompt_positions_equal_transformers_rope_index(qwen):
     assert positions.delta == int(delta) != 0
     after = positions.of(ids.shape[1] - 2, 4)  # two prompt tokens, then two generated ones
     assert after[:, 2:].tolist() == [[ids.shape[1] + delta, ids.shape[1] + 1 + delta]] * 3
+
+
+@QWEN2_VL_ONLY
+def test_tgi_markdown_images_sit_between_the_vision_markers(qwen):
+    engine, reference, _ = qwen
+    image = f"![]({data_uri(image_bytes(RED))})"
+    inputs = f"<|im_start|>user\n{image}what is in this image<|im_end|>\n<|im_start|>assistant\n"
+    request = pb.GenerateRequest(inputs=inputs, parameters=pb.GenerateParameters(max_new_tokens=8))
+
+    async def tgi(engine, front_end):
+        validated = await front_end.generate(request, stream=False)
+        result = await engine.generate(validated.engine_request)
+        return validated.engine_request, [token.id for token in result.tokens]
+
+    engine_request, tokens = run(engine, tgi)
+    [image_input] = engine_request.images
+    ids, tokenizer = engine_request.prompt_token_ids, engine.tokenizer
+    first, last = image_input.positions[0], image_input.positions[-1]
+    assert ids[first - 1] == tokenizer.convert_tokens_to_ids(VISION_START)
+    assert ids[last + 1] == tokenizer.convert_tokens_to_ids(VISION_END)
+    assert tokens == reference(engine_request)
