@@ -41,6 +41,7 @@ computing right now is passed over until that is done.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -273,12 +274,15 @@ class Scheduler:
         """Prompts the pool holds back in this step (their rest is more than a slice): running ones
         still prefilling, and the waiting ones that have a seat."""
 
+        if not self.waiting and len(plan.chunks) == len(self.running):
+            return 0  # every running request decodes in this step (the usual decode step: no scan)
+
         def is_long(request: Request) -> bool:
             return self.cost.work(request.num_computed_tokens, _pending(request)) > slice_work
 
         running = sum(1 for r in self.running if r.request_id not in plan.chunks and _pending(r) > 1 and is_long(r))
         seats = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - len(self.running)
-        return running + sum(1 for r in list(self.waiting)[: max(0, seats)] if is_long(r))
+        return running + sum(1 for r in itertools.islice(self.waiting, max(0, seats)) if is_long(r))
 
     def _has_seat(self) -> bool:
         return self.max_batch_size is None or len(self.running) < self.max_batch_size
