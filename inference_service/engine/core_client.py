@@ -81,14 +81,16 @@ class CoreClient(AsyncEngine):
         self._receiver = threading.Thread(target=self._receive, name="core-receiver", daemon=True)
 
     @classmethod
-    def fork(cls, config: EngineConfig) -> CoreStart:
+    def fork(cls, config: EngineConfig, start_method: str = "fork") -> CoreStart:
         """Fork the core process now; it loads the model while this process goes on (`CoreStart.wait`).
 
         Called before this process starts a thread (gRPC's, the model loader's): a fork of a process
         that has imported torch and the engine and runs nothing else is as clean as a fork server's,
         and costs milliseconds instead of a second interpreter's imports.
         """
-        context = multiprocessing.get_context("fork")
+        context = multiprocessing.get_context(start_method)  # tests, already running threads: "forkserver"
+        if start_method == "forkserver":
+            context.set_forkserver_preload([core_process.__name__])
         conn, core_end = context.Pipe()
         process = context.Process(
             target=core_process.core_main, args=(config, core_end, os.getpid()), name="engine-core", daemon=True
