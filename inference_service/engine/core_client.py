@@ -88,7 +88,7 @@ class CoreClient(AsyncEngine):
         that has imported torch and the engine and runs nothing else is as clean as a fork server's,
         and costs milliseconds instead of a second interpreter's imports.
         """
-        context = multiprocessing.get_context(start_method)  # tests, already running threads: "forkserver"
+        context: Any = multiprocessing.get_context(start_method)  # tests, already running threads: "forkserver"
         if start_method == "forkserver":
             context.set_forkserver_preload([core_process.__name__])
         conn, core_end = context.Pipe()
