@@ -4,7 +4,6 @@ transfer (the server's API process itself died)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,10 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from rest_helpers import sse_events
+from rest_helpers import engine_core_of, finish_stream, openai_chunks, sse_events, start_stream
 
 from gateway.config import GatewayConfig
 from gateway.envoy import Envoy
+from tests.launched import alive
+
+LONG_STREAM = {"inputs": "hello", "parameters": {"max_new_tokens": 480}}
 
 
 @pytest.fixture
@@ -65,38 +67,12 @@ def served(tiny_model_dir, tmp_path, envoy_installed):
         server.wait(30)
 
 
-def start_stream(envoy: Envoy, path: str, body: dict) -> tuple[subprocess.Popen, bytes]:
-    """curl a stream through Envoy; returns it and its first line, once that has arrived."""
-    curl = subprocess.Popen(
-        ["curl", "-sS", "-N", "--max-time", "60", envoy.url(path), "-H", "Content-Type: application/json"]
-        + ["-d", json.dumps(body)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    first = curl.stdout.readline()
-    assert first.startswith(b"data: {"), first
-    return curl, first
-
-
-def finish_stream(curl: subprocess.Popen, first: bytes) -> subprocess.CompletedProcess:
-    output = first + curl.stdout.read()
-    curl.wait(60)
-    return subprocess.CompletedProcess(curl.args, curl.returncode, output.decode(), curl.stderr.read().decode())
-
-
 def stream_and_signal(envoy: Envoy, server: subprocess.Popen, signum: int) -> subprocess.CompletedProcess:
     """curl a long stream; `signum` goes to the server once the first event has arrived."""
-    curl, first = start_stream(envoy, "/generate_stream", {"inputs": "hello", "parameters": {"max_new_tokens": 480}})
+    curl, first = start_stream(envoy.url("/generate_stream"), LONG_STREAM)
     assert first.startswith(b'data: {"index":1'), first
     server.send_signal(signum)
     return finish_stream(curl, first)
-
-
-def engine_core_of(server: subprocess.Popen) -> int:
-    """The pid of the server's engine-core process (its one child)."""
-    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
 
 
 def test_shutdown_ends_a_stream_with_an_error_event(served):
@@ -113,9 +89,9 @@ def test_a_dead_engine_core_ends_every_stream_with_an_error_event(served):
     """The engine-core process dies (SIGKILL stands for a segfault or the OOM killer): the API process
     ends each stream with a typed error event (TGI's and OpenAI's), reports NOT_SERVING and exits 1."""
     server, envoy = served
-    core = engine_core_of(server)
-    tgi = start_stream(envoy, "/generate_stream", {"inputs": "hello", "parameters": {"max_new_tokens": 480}})
-    openai = start_stream(envoy, "/v1/completions", {"prompt": "hello", "max_tokens": 480, "stream": True})
+    core = engine_core_of(server.pid)
+    tgi = start_stream(envoy.url("/generate_stream"), LONG_STREAM)
+    openai = start_stream(envoy.url("/v1/completions"), {"prompt": "hello", "max_tokens": 480, "stream": True})
     os.kill(core, signal.SIGKILL)
     tgi_result, openai_result = finish_stream(*tgi), finish_stream(*openai)
 
@@ -126,9 +102,7 @@ def test_a_dead_engine_core_ends_every_stream_with_an_error_event(served):
     assert all(event["generated_text"] is None for event in events[:-1])
 
     assert openai_result.returncode == 0, openai_result.stderr
-    lines = [line for line in openai_result.stdout.split("\n\n") if line]
-    assert lines[-1] == "data: [DONE]", lines[-2:]  # OpenAI's end, after the error chunk
-    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    chunks = openai_chunks(openai_result.stdout)  # OpenAI's end, [DONE], after the error chunk
     errors = [chunk for chunk in chunks if "error" in chunk]
     assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", chunks[-2:]
     assert errors[0]["error"]["code"] == "unavailable" and "killed by SIGKILL" in errors[0]["error"]["message"]
@@ -143,7 +117,7 @@ def test_a_dead_api_process_breaks_the_transfer(served):
     """The API process itself dies: Envoy resets the stream after an upstream reset, nothing can
     write an event any more (its engine core follows it out)."""
     server, envoy = served
-    core = engine_core_of(server)
+    core = engine_core_of(server.pid)
     result = stream_and_signal(envoy, server, signal.SIGKILL)
     assert result.returncode == 18, (result.returncode, result.stderr)  # transfer closed, data outstanding
     assert '"generated_text":"' not in result.stdout
@@ -152,11 +126,3 @@ def test_a_dead_api_process_breaks_the_transfer(served):
     while alive(core) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(core)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
