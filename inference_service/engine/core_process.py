@@ -40,9 +40,10 @@ _IDLE_WAIT_S = 0.5  # the idle loop re-checks the pipe's end this often
 
 def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
     """The process's body: load, say Ready (or LoadFailed), serve commands until Stop or the pipe ends."""
-    # Stop signals are the API process's: it drains, then sends Stop (a Ctrl-C reaches the whole group).
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
+    # A Ctrl-C reaches the whole process group: it is the API process's to act on (it drains, then
+    # sends Stop). SIGTERM still ends the core: what is sent to it alone (multiprocessing's own
+    # cleanup when the API process exits early) must stop it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Never outlive the API process, even while loading (the pipe is read only once serving).
     threading.Thread(target=exit_with, args=(api_pid,), name="api-watcher", daemon=True).start()
     try:
