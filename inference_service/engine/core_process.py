@@ -35,6 +35,9 @@ from inference_service.sample.grammar import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
+NOT_HANDED_OVER = (
+    "the model's tokenizer or processor can't be handed to the API process; serve it with --engine-core-process false"
+)
 _IDLE_WAIT_S = 0.5  # the idle loop re-checks the pipe's end this often
 
 
@@ -60,9 +63,14 @@ def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
         logger.exception("the engine core could not load the model")
         _send(conn, wire.LoadFailed(f"the model could not be loaded: {error}"))
         os._exit(1)
-    loop = CoreLoop(engine, conn)
-    loop.send(wire.Ready(engine.info, engine.tokenizer, engine.processor, engine.stats()))
-    loop.run()
+    try:
+        conn.send(wire.Ready(engine.info, engine.tokenizer, engine.processor, engine.stats()))
+    except OSError:  # the API process is gone
+        os._exit(1)
+    except Exception as error:  # noqa: BLE001 — a tokenizer or processor that can't be pickled
+        _send(conn, wire.LoadFailed(f"{NOT_HANDED_OVER}: {error}"))
+        os._exit(1)
+    CoreLoop(engine, conn).run()
     os._exit(0)  # no interpreter teardown: the fork server's atexit handlers are not ours
 
 
