@@ -44,9 +44,11 @@ _IDLE_WAIT_S = 0.5  # the idle loop re-checks the pipe's end this often
 def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
     """The process's body: load, say Ready (or LoadFailed), serve commands until Stop or the pipe ends."""
     # A Ctrl-C reaches the whole process group: it is the API process's to act on (it drains, then
-    # sends Stop). SIGTERM still ends the core: what is sent to it alone (multiprocessing's own
-    # cleanup when the API process exits early) must stop it.
+    # sends Stop). SIGTERM ends the core at once, as it did before the API process took the signals
+    # over (forked, the core inherits its handlers): what is sent to the core alone (the API process
+    # leaving while the model loads, multiprocessing's own cleanup) must stop it, and quietly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Never outlive the API process, even while loading (the pipe is read only once serving).
     threading.Thread(target=exit_with, args=(api_pid,), name="api-watcher", daemon=True).start()
     try:
