@@ -73,7 +73,7 @@ def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
         _send(conn, wire.LoadFailed(f"{NOT_HANDED_OVER}: {error}"))
         os._exit(1)
     CoreLoop(engine, conn).run()
-    os._exit(0)  # no interpreter teardown: the fork server's atexit handlers are not ours
+    os._exit(0)  # no interpreter teardown: the atexit handlers inherited from the API process are not ours
 
 
 def _send(conn: Connection, message: wire.FromCore) -> None:
