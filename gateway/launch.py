@@ -138,9 +138,9 @@ def loopback(hostname: str) -> str:
 
 async def launch(server_config, engine_config, options: LaunchOptions) -> int:
     """Serve until SIGTERM/SIGINT (0) or until Envoy can't be kept running (1)."""
-    from inference_service.api.server import ApiServer
+    from inference_service.api.server import ApiServer, engine_loader
 
-    server = ApiServer(server_config, engine_config)
+    server = ApiServer(server_config, engine_config, engine_loader(server_config, engine_config))
     signals = StopSignals.install()
     grpc_port = await server.start()
     with tempfile.TemporaryDirectory(prefix="inference-service-envoy-") as workdir:

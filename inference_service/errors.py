@@ -46,6 +46,18 @@ class InferenceError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        # Pickled as it is (the engine-core process sends errors): re-running a subclass's __init__
+        # on its finished message would prefix it twice.
+        return _restored, (type(self), self.args, self.__dict__)
+
+
+def _restored(cls: type[InferenceError], args: tuple, state: dict) -> InferenceError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class ValidationError(InferenceError):
     """Bad input: wrong parameter, too many tokens. TGI's message, TGI's prefix."""

@@ -395,6 +395,16 @@ SERVER_FLAGS = (
     Flag("--json-output", "server.json_output", "Log JSON lines instead of text.", parse_bool),
     Flag("--log-level", "server.log_level", "debug, info, warning or error."),
     Flag(
+        "--engine-core-process",
+        "server.engine_core_process",
+        "Run the scheduler and the model in a child process of the server (true or false): if it dies "
+        "(a crash, the OOM killer), the calls in flight end with UNAVAILABLE (REST: an error event) and "
+        "the server reports NOT_SERVING and exits 1. With LoRA adapters or --num-shard the engine stays "
+        "in the server process.",
+        parse_bool_value,
+        default_text="true",
+    ),
+    Flag(
         "--otlp-endpoint",
         "server.otlp_endpoint",
         "OTLP/gRPC collector to export traces to, e.g. http://127.0.0.1:4317 (launch: Envoy's too); "

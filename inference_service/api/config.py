@@ -44,6 +44,9 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # The engine's scheduler and model in a child process (engine/core_process.py): a crash there ends
+    # the calls in flight with UNAVAILABLE, where a crash of the whole server would cut them.
+    engine_core_process: bool = True
     # Pings closer together than this cost a caller a strike (`api.pings`); tests shorten it.
     min_ping_interval_s: float = MIN_PING_INTERVAL_S
 

@@ -29,6 +29,7 @@ from inference_service.api.header_limits import metadata_options
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loading
 from inference_service.config import EngineConfig
+from inference_service.engine import core_client
 from inference_service.engine.async_engine import AsyncEngine
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.hub import Observability
@@ -207,6 +208,15 @@ async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:
     return await future
 
 
+def engine_loader(server_config: ServerConfig, engine_config: EngineConfig) -> Callable[[EngineConfig], AsyncEngine]:
+    """How `serve` and `launch` load the engine: in an engine-core process (--engine-core-process,
+    the default; forked here, so call this before the server starts a thread) unless the config
+    keeps it in this one (core_client.refusal)."""
+    if not server_config.engine_core_process:
+        return AsyncEngine.from_config
+    return core_client.loader_for(engine_config)
+
+
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from the configured PEM files (None: plaintext); requires client
     certificates signed by the client CA when one is given."""
@@ -222,7 +232,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     """Serve until SIGTERM or SIGINT, then drain (a second signal cuts the drain short); returns
     the exit code. Raises ModelLoadError (the model can't be served) or StartupError (can't listen)."""
-    server = ApiServer(server_config, engine_config)
+    server = ApiServer(server_config, engine_config, engine_loader(server_config, engine_config))
     signals = StopSignals.install()
     await server.start()
     loading = asyncio.ensure_future(server.load_engine())

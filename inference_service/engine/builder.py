@@ -130,7 +130,7 @@ def build_from(
     info = make_info(config, loaded, num_blocks)
     sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
     grammar_compiler = (
-        None if config.limits.disable_grammar_support else make_grammar_compiler(loaded, info, config.limits)
+        None if config.limits.disable_grammar_support else make_grammar_compiler(loaded.tokenizer, info, config.limits)
     )
     phase.update()
     speculator = None
@@ -255,14 +255,14 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
     ), num_blocks
 
 
-def make_grammar_compiler(loaded: LoadedModel, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:
+def make_grammar_compiler(tokenizer: Any, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:
     """The grammar compiler over the model's tokenizer; None (grammars refused) where the grammar engine
     can't read the tokenizer (it needs a fast one): the server still serves everything else."""
     budget = GrammarBudget(
         compile_timeout_s=limits.grammar_compile_timeout_ms / 1000, max_lexer_states=limits.grammar_max_states
     )
     try:
-        return GrammarCompiler(loaded.tokenizer, info.vocab_size, info.eos_token_ids, budget=budget)
+        return GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids, budget=budget)
     except Exception as error:  # noqa: BLE001 — a missing feature, not a failed load
         logger.warning("grammar support is off: the grammar engine can't use this tokenizer (%s)", error)
         return None

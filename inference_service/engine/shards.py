@@ -133,7 +133,7 @@ def _connect(config: EngineConfig, rank: int, world_size: int) -> ShardGroup:
     return ShardGroup.connect(address, rank, world_size, loader.resolve_device(config.model.device))
 
 
-def _exit_with(server_pid: int) -> None:
+def exit_with(server_pid: int) -> None:
     """End this follower when shard 0's process is gone, whatever this one is doing (loading, waiting
     for a rendezvous that will never come): a follower never outlives its server."""
     while True:
@@ -203,7 +203,7 @@ class Followers:
 def follower_main(config: EngineConfig, rank: int, world_size: int, server_pid: int) -> None:
     """A follower shard's process: join, load this shard's slice, follow shard 0's steps until Stop."""
     logging.basicConfig(level=logging.WARNING, format=f"shard {rank}: %(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_exit_with, args=(server_pid,), name="server-watcher", daemon=True).start()
+    threading.Thread(target=exit_with, args=(server_pid,), name="server-watcher", daemon=True).start()
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     config = for_shard(config, rank)

@@ -2,7 +2,8 @@
 port; SIGKILL one under load and nothing is lost beyond typed errors of what it had in flight, and
 /health stays 200 (the other replica serves); it is restarted and serves again; SIGTERM stops
 everything. `--routing prefix` keeps a prompt's prefix on one replica (launched with an API key from
-`--api-key-file`, which every replica checks and no command line shows)."""
+`--api-key-file`, which every replica checks and no command line shows). A replica whose engine-core
+process dies ends its streams with typed error events while the other one serves."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+from rest_helpers import engine_core_of, finish_stream, openai_chunks, sse_events, start_stream
 
 from tests.launched import Launched, alive
 from textgen.v1 import generate_pb2 as pb
@@ -193,3 +195,54 @@ def test_prefix_routing_keeps_a_prefix_on_one_replica(launched, tmp_path):
         assert generate(url, shared + f"question {turn}?", 2, headers=auth)[0] == 200
     moved = [steps_of(port) - count for port, count in zip(ports, before, strict=True)]
     assert sorted(moved)[0] == 0 and sorted(moved)[1] > 0, moved  # every turn on the same replica
+
+
+def running_on(port: int) -> int:
+    """Requests running on a replica now (its own gRPC Info)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        info = generate_pb2_grpc.TextGenerationStub(channel).Info(pb.InfoRequest(), timeout=10)
+    return info.stats.num_running
+
+
+def test_a_dead_engine_core_ends_its_streams_with_error_events_while_the_other_replica_serves(launched):
+    """SIGKILL (a segfault, the OOM killer) of one replica's engine-core process: its TGI and OpenAI
+    streams end with typed error events, it goes NOT_SERVING and exits 1 (and is restarted), /health
+    stays 200 and the other replica serves throughout."""
+    run = launched("--num-replicas", "2", "--routing", "prefix")  # a prompt picks its replica
+    url = run.wait_for(READY).group(1)
+    wait_envoy_sees_healthy(run)
+    replicas = replicas_of(run)
+    tgi = start_stream(url + "/generate_stream", {"inputs": "a conversation", "parameters": {"max_new_tokens": 400}})
+    [(index, (pid, port))] = [item for item in replicas.items() if running_on(item[1][1]) == 1]
+    for attempt in range(30):  # an OpenAI stream whose prompt lands on the same replica
+        body = {"prompt": f"another conversation {attempt}", "max_tokens": 400, "stream": True}
+        openai = start_stream(url + "/v1/completions", body)
+        if running_on(port) == 2:
+            break
+        openai[0].kill()  # on the other replica: a client that went away
+        openai[0].wait()
+    assert running_on(port) == 2
+    [(other_pid, other_port)] = [value for key, value in replicas.items() if key != index]
+    poller = HealthPoller(url)
+    poller.start()
+    os.kill(engine_core_of(pid), signal.SIGKILL)
+    tgi_result, openai_result = finish_stream(*tgi), finish_stream(*openai)
+
+    assert tgi_result.returncode == 0, tgi_result.stderr  # a whole body with its last event, not a cut one
+    events = sse_events(tgi_result.stdout)
+    assert events[-1].keys() == {"error", "error_type"} and events[-1]["error_type"] == "unavailable", events[-1]
+    assert "the engine core process was killed by SIGKILL" in events[-1]["error"]
+    assert openai_result.returncode == 0, openai_result.stderr
+    errors = [chunk["error"] for chunk in openai_chunks(openai_result.stdout) if "error" in chunk]
+    assert [(error["type"], error["code"]) for error in errors] == [("server_error", "unavailable")]
+
+    # The other replica serves meanwhile; the failed one exits 1 and is started again.
+    before = steps_of(other_port)
+    assert generate(url, "meanwhile, elsewhere", 4)[0] == 200
+    assert steps_of(other_port) > before and alive(other_pid)
+    run.wait_for(rf"replica {index} \(pid {pid}\) exited with code 1: restarting", timeout_s=60)
+    run.wait_for(rf"replica {index} restarted \(pid (\d+)\): serving again", timeout_s=90)
+    health = poller.stop()
+    assert set(health) == {200}, health
+    wait_envoy_sees_healthy(run)
+    assert generate(url, "a conversation", 3)[0] == 200  # the restarted replica serves its prefix again

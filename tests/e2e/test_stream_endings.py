@@ -1,20 +1,25 @@
 """How a REST stream ends tells a client what happened: a final event with `generated_text` (done),
-an error event (the server gave up: shutdown, error), or a broken transfer (the server died)."""
+an error event (the server gave up: shutdown, error, its engine-core process died), or a broken
+transfer (the server's API process itself died)."""
 
 from __future__ import annotations
 
-import json
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
-from rest_helpers import sse_events
+from rest_helpers import engine_core_of, finish_stream, openai_chunks, sse_events, start_stream
 
 from gateway.config import GatewayConfig
 from gateway.envoy import Envoy
+from tests.launched import alive
+
+LONG_STREAM = {"inputs": "hello", "parameters": {"max_new_tokens": 480}}
 
 
 @pytest.fixture
@@ -47,11 +52,12 @@ def served(tiny_model_dir, tmp_path, envoy_installed):
         command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     envoy = Envoy(GatewayConfig(hostname="127.0.0.1", port=0, upstream_port=grpc_port, admin_port=0), tmp_path)
+    server.log = []  # its log lines, collected (which also keeps the pipe drained)
     try:
         for line in server.stderr:
             if "serving" in line:
                 break
-        threading.Thread(target=server.stderr.read, daemon=True).start()  # keep the pipe drained
+        threading.Thread(target=lambda: server.log.extend(server.stderr), daemon=True).start()
         envoy.start()
         yield server, envoy
     finally:
@@ -63,31 +69,10 @@ def served(tiny_model_dir, tmp_path, envoy_installed):
 
 def stream_and_signal(envoy: Envoy, server: subprocess.Popen, signum: int) -> subprocess.CompletedProcess:
     """curl a long stream; `signum` goes to the server once the first event has arrived."""
-    body = json.dumps({"inputs": "hello", "parameters": {"max_new_tokens": 480}})
-    errors = envoy.workdir / "curl.stderr"
-    with errors.open("wb") as error_file:
-        curl = subprocess.Popen(
-            [
-                "curl",
-                "-sS",
-                "-N",
-                "--max-time",
-                "60",
-                envoy.url("/generate_stream"),
-                "-H",
-                "Content-Type: application/json",
-                "-d",
-                body,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=error_file,
-        )
-        first = curl.stdout.readline()
-        assert first.startswith(b'data: {"index":1'), first
-        server.send_signal(signum)
-        output = first + curl.stdout.read()
-        curl.wait(60)
-    return subprocess.CompletedProcess(curl.args, curl.returncode, output.decode(), errors.read_text())
+    curl, first = start_stream(envoy.url("/generate_stream"), LONG_STREAM)
+    assert first.startswith(b'data: {"index":1'), first
+    server.send_signal(signum)
+    return finish_stream(curl, first)
 
 
 def test_shutdown_ends_a_stream_with_an_error_event(served):
@@ -100,8 +85,44 @@ def test_shutdown_ends_a_stream_with_an_error_event(served):
     assert server.wait(30) == 0
 
 
-def test_a_dead_server_breaks_the_transfer(served):
+def test_a_dead_engine_core_ends_every_stream_with_an_error_event(served):
+    """The engine-core process dies (SIGKILL stands for a segfault or the OOM killer): the API process
+    ends each stream with a typed error event (TGI's and OpenAI's), reports NOT_SERVING and exits 1."""
     server, envoy = served
+    core = engine_core_of(server.pid)
+    tgi = start_stream(envoy.url("/generate_stream"), LONG_STREAM)
+    openai = start_stream(envoy.url("/v1/completions"), {"prompt": "hello", "max_tokens": 480, "stream": True})
+    os.kill(core, signal.SIGKILL)
+    tgi_result, openai_result = finish_stream(*tgi), finish_stream(*openai)
+
+    assert tgi_result.returncode == 0, tgi_result.stderr  # a whole body, not a cut transfer
+    events = sse_events(tgi_result.stdout)
+    assert events[-1] == {"error": events[-1]["error"], "error_type": "unavailable"}, events[-1]
+    assert "engine core process was killed by SIGKILL" in events[-1]["error"]
+    assert all(event["generated_text"] is None for event in events[:-1])
+
+    assert openai_result.returncode == 0, openai_result.stderr
+    chunks = openai_chunks(openai_result.stdout)  # OpenAI's end, [DONE], after the error chunk
+    errors = [chunk for chunk in chunks if "error" in chunk]
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", chunks[-2:]
+    assert errors[0]["error"]["code"] == "unavailable" and "killed by SIGKILL" in errors[0]["error"]["message"]
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks if "choices" in chunk)
+
+    assert server.wait(30) == 1  # so whoever runs it starts it again
+    log = "".join(server.log)
+    assert "not serving any more: the model can no longer run: the engine core process was killed" in log, log
+
+
+def test_a_dead_api_process_breaks_the_transfer(served):
+    """The API process itself dies: Envoy resets the stream after an upstream reset, nothing can
+    write an event any more (its engine core follows it out)."""
+    server, envoy = served
+    core = engine_core_of(server.pid)
     result = stream_and_signal(envoy, server, signal.SIGKILL)
     assert result.returncode == 18, (result.returncode, result.stderr)  # transfer closed, data outstanding
     assert '"generated_text":"' not in result.stdout
+    server.wait(30)
+    deadline = time.monotonic() + 30
+    while alive(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(core)

@@ -73,6 +73,7 @@ SAMPLES = {
     "--graceful-termination-timeout": ("2.5", 2.5),
     "--json-output": (None, True),
     "--log-level": ("debug", "debug"),
+    "--engine-core-process": ("false", False),
     "--otlp-endpoint": ("http://127.0.0.1:4317", "http://127.0.0.1:4317"),
     "--otlp-service-name": ("svc", "svc"),
     "--prometheus-port": ("9100", 9100),

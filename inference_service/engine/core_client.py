@@ -1,0 +1,252 @@
+"""The API process's engine when the engine core runs in its own process (core_process.py).
+
+`CoreClient` is an `AsyncEngine`: the same admission, streams and delivery, with the engine thread
+replaced by a sender (commands onto the pipe) and a receiver (each step's outputs off it). When the
+core process ends unasked (a segfault, the OOM killer, SIGKILL), the receiver ends every call in
+flight with `ServerFailed` (gRPC UNAVAILABLE: the gateway's error event) and the client takes its
+failed state: NOT_SERVING, and `serve` exits non-zero so whoever runs it restarts it.
+
+The core is forked from the API process before that starts any thread (`CoreClient.fork`), so it
+starts in milliseconds and loads the model while the API process opens its port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from inference_service.config import EngineConfig
+from inference_service.engine import core_process
+from inference_service.engine import core_wire as wire
+from inference_service.engine.async_engine import AbortRequest, AddRequest, AsyncEngine, RunOnEngine, Wake
+from inference_service.engine.builder import make_grammar_compiler
+from inference_service.errors import ModelLoadError, ServerFailed
+from inference_service.outputs import EngineInfo, EngineStats, RequestOutput, StepStats
+from inference_service.sample.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+# Seconds the core gets to close its engine after Stop before it is killed.
+CORE_EXIT_S = 10.0
+
+
+def refusal(config: EngineConfig) -> str | None:
+    """Why this config keeps the engine in the API process (None: it can run apart)."""
+    if config.model.lora_enabled:
+        return "LoRA adapters are loaded and unloaded in the API process's engine"
+    if (config.model.num_shard or 1) > 1 or config.model.sharded:
+        return "--num-shard starts its own shard processes"
+    return None
+
+
+@dataclass
+class _CoreFace:
+    """What AsyncEngine reads off an LLMEngine, as the core's Ready told it."""
+
+    info: EngineInfo
+    tokenizer: Any
+    processor: Any
+    grammar_compiler: GrammarCompiler | None
+    last_stats: EngineStats
+    adapters: None = None
+    step_observer: Callable[[StepStats], None] | None = None
+
+    def stats(self) -> EngineStats:
+        return self.last_stats
+
+
+class CoreClient(AsyncEngine):
+    """An AsyncEngine whose LLMEngine runs in the engine-core process."""
+
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        conn: multiprocessing.connection.Connection,
+        face: _CoreFace,
+        max_concurrent_requests: int,
+    ):
+        super().__init__(face, max_concurrent_requests)  # type: ignore[arg-type]  # the face of one
+        self._face = face
+        self._process = process
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._receiver = threading.Thread(target=self._receive, name="core-receiver", daemon=True)
+
+    @classmethod
+    def fork(cls, config: EngineConfig, start_method: str = "fork") -> CoreStart:
+        """Fork the core process now; it loads the model while this process goes on (`CoreStart.wait`).
+
+        Called before this process starts a thread (gRPC's, the model loader's): a fork of a process
+        that has imported torch and the engine and runs nothing else is as clean as a fork server's,
+        and costs milliseconds instead of a second interpreter's imports.
+        """
+        context: Any = multiprocessing.get_context(start_method)  # tests, already running threads: "forkserver"
+        if start_method == "forkserver":
+            context.set_forkserver_preload([core_process.__name__])
+        conn, core_end = context.Pipe()
+        process = context.Process(
+            target=core_process.core_main, args=(config, core_end, os.getpid()), name="engine-core", daemon=True
+        )
+        process.start()
+        core_end.close()  # the core holds the only other end: its death reads as the pipe's end here
+        return CoreStart(process, conn)
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._receiver.start()
+        super().start()
+
+    def observe_steps(self, observer: Callable[[StepStats], None] | None) -> None:
+        self._face.step_observer = observer  # called on the receiver thread with the core's steps
+
+    async def on_engine_thread(self, fn: Callable[..., Any]) -> Any:
+        raise RuntimeError("the engine runs in the engine-core process: nothing runs on its thread here")
+
+    # -- the sender (AsyncEngine's engine thread) -----------------------------------------------
+    def _run(self) -> None:
+        while True:
+            command = self._commands.get()
+            if isinstance(command, Wake):
+                if self._stopping.is_set():
+                    break
+            elif isinstance(command, AddRequest):
+                if command.request_id not in self._streams:  # its caller is already gone
+                    continue
+                if self.failure is not None:  # admitted just before the core died
+                    self._deliver([RequestOutput(command.request_id, error=ServerFailed(self.failure))])
+                    continue
+                self._send(wire.AddRequest(command.request_id, wire.for_wire(command.request)))
+            elif isinstance(command, AbortRequest):
+                self._send(wire.AbortRequest(command.request_id, command.reason))
+            elif isinstance(command, RunOnEngine):
+                command.loop.call_soon_threadsafe(_refuse, command.future)
+        self._send(wire.Stop())
+        self._process.join(CORE_EXIT_S)
+        _end(self._process)
+
+    def _send(self, message: wire.ToCore) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:  # the core is gone: the receiver says so to every caller
+            pass
+
+    # -- the receiver ----------------------------------------------------------------------------
+    def _receive(self) -> None:
+        while True:
+            readable = multiprocessing.connection.wait([self._conn, self._process.sentinel])
+            if self._conn not in readable:
+                break  # the core ended and left nothing unread
+            try:
+                message: wire.FromCore = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, wire.Outputs):
+                self._face.last_stats = self._stats = message.stats
+                observer = self._face.step_observer
+                if observer is not None:
+                    for step in message.steps:
+                        observer(step)
+                if message.outputs:
+                    self._deliver(message.outputs)
+            elif isinstance(message, wire.Failed):
+                self.failure = message.reason
+        if not self._stopping.is_set():
+            self._lost()
+
+    def _lost(self) -> None:
+        """The core process ended unasked: every call in flight ends with ServerFailed, new ones are refused."""
+        self._process.join(1)
+        reason = f"the engine core process {_how_it_ended(self._process.exitcode)}"
+        logger.error("the engine can no longer generate: %s", reason)
+        with self._lock:
+            self.failure = self.failure or f"the model can no longer run: {reason}"
+            request_ids = list(self._streams)
+        self._deliver([RequestOutput(request_id, error=ServerFailed(self.failure)) for request_id in request_ids])
+
+
+@dataclass
+class CoreStart:
+    """A core process loading the model."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+
+    def wait(self, config: EngineConfig) -> CoreClient:
+        """The engine once the core has loaded and warmed up the model (blocking; raises
+        ModelLoadError with the core's reason)."""
+        try:
+            ready = _wait_ready(self.conn, self.process)
+        except BaseException:
+            _end(self.process)
+            raise
+        compiler = (
+            None
+            if config.limits.disable_grammar_support
+            else make_grammar_compiler(ready.tokenizer, ready.info, config.limits)
+        )
+        face = _CoreFace(ready.info, ready.tokenizer, ready.processor, compiler, ready.stats)
+        logger.info("the engine core runs in process %d", self.process.pid)
+        return CoreClient(self.process, self.conn, face, config.limits.max_concurrent_requests)
+
+
+def _wait_ready(
+    conn: multiprocessing.connection.Connection, process: multiprocessing.process.BaseProcess
+) -> wire.Ready:
+    readable = multiprocessing.connection.wait([conn, process.sentinel])
+    message: wire.FromCore | None = None
+    if conn in readable:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = None
+    if isinstance(message, wire.Ready):
+        return message
+    if isinstance(message, wire.LoadFailed):
+        raise ModelLoadError(message.message)
+    process.join(1)
+    raise ModelLoadError(f"the engine core process {_how_it_ended(process.exitcode)} while loading the model")
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _end(process: multiprocessing.process.BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join(CORE_EXIT_S)
+
+
+def _refuse(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(RuntimeError("the engine runs in the engine-core process"))
+
+
+def loader_for(config: EngineConfig) -> Callable[[EngineConfig], AsyncEngine]:
+    """How `serve` loads this config's engine: in a core process forked now, unless the config keeps
+    the engine in this one (`refusal`)."""
+    reason = refusal(config)
+    if reason is not None:
+        logger.info("the engine runs in the API process: %s", reason)
+        return AsyncEngine.from_config
+    return CoreClient.fork(config).wait
