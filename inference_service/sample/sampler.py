@@ -26,7 +26,7 @@ from torch import Tensor
 
 from inference_service.errors import GenerationError
 from inference_service.sample import ops
-from inference_service.sample.grammar import GrammarState, fill_bitmasks, prefetch_masks
+from inference_service.sample.grammar_state import GrammarState, fill_bitmasks, prefetch_masks
 from inference_service.sample.watermark import Watermark
 from inference_service.sampling_params import SamplingParams
 
