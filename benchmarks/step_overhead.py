@@ -278,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.num_threads)
     native = _NativeCalls()
+    # Copied into an older commit's tree, whose benchmarks/common.py predates the work budget: tokens.
+    budget = getattr(common, "one_step_prefill_budget", lambda prompts, tokens: prompts * tokens)
     engine, _ = common.load_engine(
         tiny_model.resolve(args.model_id),
-        max_batch_prefill_tokens=common.one_step_prefill_budget(args.batch_size, args.prompt_tokens),
+        max_batch_prefill_tokens=budget(args.batch_size, args.prompt_tokens),
         dtype=args.dtype,
         device=args.device,
     )

@@ -65,6 +65,7 @@ class _Chunk:
 
     request: Request
     num_new: int
+    block_ids: list[int]  # the request's table once this chunk's slots are allocated
     work: float = 0.0
     decode: bool = False
 
@@ -76,15 +77,21 @@ class _Chunk:
 
 class _StepPlan:
     """The chunks of one step, in step order (decodes, then prefills), its tokens and work left, and
-    the pool that bounds the chunks leaving part of their prompt for later (`open_pool`)."""
+    the pool that bounds the chunks leaving part of their prompt for later (`open_pool`).
+
+    The decodes' and the prefills' work are kept as running sums: a step of B decodes reads them
+    B times, and summing the chunks each time cost O(B²) calls per step."""
 
     def __init__(self, budget: int, cost: StepCost):
         self.chunks: dict[str, _Chunk] = {}
+        self.prefills: dict[str, _Chunk] = {}  # the chunks that are not decodes
         self.left = budget
         self.budget = budget
         self.cost = cost
         self.pool = math.inf
         self.pool_slice = math.inf
+        self.decode_work = 0.0
+        self.prefill_work = 0.0
 
     def open_pool(self, pool: float) -> None:
         """A stream waits on this step: chunks that leave part of their prompt share `pool` (a slice
@@ -94,29 +101,31 @@ class _StepPlan:
     @property
     def work_left(self) -> float:
         """The prefills' work left (decodes count as tokens only, as ever: they never wait for work)."""
-        return self.budget - sum(chunk.work for chunk in self.chunks.values() if not chunk.decode)
+        return self.budget - self.prefill_work
 
     @property
     def pool_left(self) -> float:
-        return self.pool - sum(chunk.work for chunk in self.chunks.values() if chunk.leaves_prompt)
+        return self.pool - sum(chunk.work for chunk in self.prefills.values() if chunk.leaves_prompt)
 
-    @property
-    def decode_work(self) -> float:
-        return sum(chunk.work for chunk in self.chunks.values() if chunk.decode)
+    def add_decode(self, request: Request, block_ids: list[int]) -> None:
+        num_tokens = 1 + len(request.draft_token_ids)
+        work = self.cost.work(request.num_computed_tokens, num_tokens)
+        self.chunks[request.request_id] = _Chunk(request, 1, block_ids, work, decode=True)
+        self.decode_work += work
+        self.left -= num_tokens
 
-    def add_decode(self, request: Request) -> None:
-        work = self.cost.work(request.num_computed_tokens, 1 + len(request.draft_token_ids))
-        self.chunks[request.request_id] = _Chunk(request, 1, work, decode=True)
-        self.left -= 1 + len(request.draft_token_ids)
-
-    def add_prefill(self, request: Request, num_new: int) -> None:
-        self.chunks[request.request_id] = _Chunk(request, num_new, self.cost.work(request.num_computed_tokens, num_new))
+    def add_prefill(self, request: Request, num_new: int, block_ids: list[int]) -> None:
+        chunk = _Chunk(request, num_new, block_ids, self.cost.work(request.num_computed_tokens, num_new))
+        self.chunks[request.request_id] = self.prefills[request.request_id] = chunk
+        self.prefill_work += chunk.work
         self.left -= num_new
 
-    def grow(self, chunk: _Chunk, extra: int) -> None:
+    def grow(self, chunk: _Chunk, extra: int, block_ids: list[int]) -> None:
         chunk.work += self.cost.work(chunk.request.num_computed_tokens + chunk.num_new, extra)
         chunk.num_new += extra
+        chunk.block_ids = block_ids
         self.left -= extra
+        self._sum_work()
 
     def fit(self, start: int, pending: int, work: float, top_up: bool = False) -> int:
         """Tokens for a prefill chunk from `start` (0: none this step): within `work`, the step's
@@ -135,7 +144,15 @@ class _StepPlan:
         """Take a preempted request out (before its guesses are forgotten)."""
         chunk = self.chunks.pop(request.request_id, None)
         if chunk is not None:
+            self.prefills.pop(request.request_id, None)
             self.left += chunk.num_new + len(request.draft_token_ids)
+            self._sum_work()
+
+    def _sum_work(self) -> None:
+        """The running sums summed again in step order after a chunk changed (rare: a preemption or
+        a top-up), so they equal a fresh sum to the last bit."""
+        self.decode_work = sum(chunk.work for chunk in self.chunks.values() if chunk.decode)
+        self.prefill_work = sum(chunk.work for chunk in self.prefills.values())
 
 
 def _pending(request: Request) -> int:
@@ -199,10 +216,12 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING or _pending(request) != 1:
                 continue  # preempted a moment ago, or still prefilling: pass 2
-            with_drafts = self._allocate_with_drafts(request, 1, plan.left) is not None
-            if not with_drafts and not self._allocate_or_preempt(request, 1, plan, preempted):
+            block_ids = self._allocate_with_drafts(request, 1, plan.left)
+            if block_ids is None:
+                block_ids = self._allocate_or_preempt(request, 1, plan, preempted)
+            if block_ids is None:
                 break  # the request preempted itself: nothing newer is left
-            plan.add_decode(request)
+            plan.add_decode(request, block_ids)
 
         # A stream waits on this step: the chunks that leave part of their prompt share a small pool.
         slice_work = budget / PREFILL_SLICES
@@ -210,8 +229,9 @@ class Scheduler:
             num_long = self._num_long_prompts(plan, slice_work)
             plan.open_pool(self.cost.stream_pool(budget, plan.decode_work, num_long))
 
-        # 2a. A slice each for the running prefills, oldest first...
-        for request in list(self.running):
+        # 2a. A slice each for the running prefills, oldest first (none when every running request
+        # decodes: the common step)...
+        for request in list(self.running) if len(plan.chunks) < len(self.running) else ():
             if plan.left <= 0 or plan.work_left <= 0:
                 break
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
@@ -220,9 +240,10 @@ class Scheduler:
             num_new = plan.fit(request.num_computed_tokens, _pending(request), slice_work)
             if num_new == 0:
                 continue  # the pool is spent: it moves on in the next step
-            if not self._allocate_or_preempt(request, num_new, plan, preempted):
+            block_ids = self._allocate_or_preempt(request, num_new, plan, preempted)
+            if block_ids is None:
                 break
-            plan.add_prefill(request, num_new)
+            plan.add_prefill(request, num_new, block_ids)
 
         # 2b. ...then for waiting requests, admitted FIFO. Admitting new work while preempting
         # would only thrash the pool.
@@ -237,7 +258,8 @@ class Scheduler:
             num_new = plan.fit(hit.num_tokens, request.num_tokens - hit.num_tokens, slice_work)
             if num_new == 0:
                 break  # FIFO: the pool is spent, nobody skips ahead of it
-            if self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids) is None:
+            block_ids = self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
+            if block_ids is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]
             self.running.append(request)
@@ -247,21 +269,23 @@ class Scheduler:
                 request.timings.num_cached_tokens = hit.num_tokens
             self.prefix.admitted(request, hit)
             admitted.append(request.request_id)
-            plan.add_prefill(request, num_new)
+            plan.add_prefill(request, num_new, block_ids)
 
-        # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption).
-        for chunk in sorted(plan.chunks.values(), key=lambda c: _pending(c.request) - c.num_new):
+        # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption;
+        # a decode has nothing left to top up).
+        for chunk in sorted(plan.prefills.values(), key=lambda c: _pending(c.request) - c.num_new):
             request = chunk.request
             rest = _pending(request) - chunk.num_new
             if rest <= 0:
                 continue
             extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, math.inf, top_up=True)
             end = request.num_computed_tokens + chunk.num_new + extra
-            if extra > 0 and self.kv.allocate_slots(request.request_id, end) is not None:
-                plan.grow(chunk, extra)
+            block_ids = self.kv.allocate_slots(request.request_id, end) if extra > 0 else None
+            if block_ids is not None:
+                plan.grow(chunk, extra, block_ids)
 
         chunks = plan.chunks.values()
-        scheduled = [self._schedule_one(chunk.request, chunk.num_new) for chunk in chunks]
+        scheduled = [self._schedule_one(chunk) for chunk in chunks]
         for chunk in chunks:
             chunk.request.timings.batch_sizes.append(len(scheduled))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
@@ -307,18 +331,22 @@ class Scheduler:
         request.draft_token_ids = []
         return None
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan, preempted: list[str]) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: _StepPlan, preempted: list[str]
+    ) -> list[int] | None:
         """Room for the request's next `num_new` tokens, preempting the newest running requests
-        (dropping them from this step's plan) until it fits; False if it had to preempt itself."""
+        (dropping them from this step's plan) until it fits: its block table, or None if it had to
+        preempt itself."""
         while True:
-            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is not None:
-                return True
+            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            if block_ids is not None:
+                return block_ids
             victim = self.running[-1]
             plan.drop(victim)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
-                return False
+                return None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -332,7 +360,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule_one(self, chunk: _Chunk) -> ScheduledRequest:
+        request, num_new = chunk.request, chunk.num_new
         start = request.num_computed_tokens
         end = start + num_new
         if request.timings.first_scheduled is None:
@@ -346,7 +375,7 @@ class Scheduler:
             num_computed_tokens=start,
             num_new_tokens=num_new + len(drafts),
             token_ids=request.token_ids(start, end) + drafts,
-            block_ids=self.kv.block_table(request.request_id),
+            block_ids=chunk.block_ids,
             sample=end == request.num_tokens,
             prompt_logprobs=wants_prompt_logprobs,
             num_draft_tokens=len(drafts),

@@ -30,7 +30,7 @@ from inference_service.frontend.openai import ChatPlan
 from inference_service.frontend.openai_tools import DEFAULT_SYNTAX
 from inference_service.frontend.plain_json import value_to_python
 from inference_service.frontend.reasoning import ReasoningSyntax
-from inference_service.frontend.tool_parsers import ToolSyntax
+from inference_service.frontend.tool_syntax import ToolSyntax
 from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
 

@@ -28,7 +28,7 @@ from inference_service.frontend import defaults, openai_tools
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters
 from inference_service.frontend.plain_json import plain_json, value_to_python
 from inference_service.frontend.reasoning import ReasoningSyntax
-from inference_service.frontend.tool_parsers import ToolSyntax
+from inference_service.frontend.tool_syntax import ToolSyntax
 from textgen.v1 import generate_pb2 as pb
 
 MAX_CHOICES = 16  # n x prompts in one call

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_service.errors import ECHO_CHARS, ToolError, quoted, shortened
-from inference_service.frontend.tool_parsers import SYNTAXES, ToolSyntax
-from inference_service.sample.grammar import GrammarSpec, lark_json
+from inference_service.frontend.tool_syntax import SYNTAXES, ToolSyntax
+from inference_service.sample.grammar_spec import GrammarSpec, lark_json
 
 DEFAULT_SYNTAX = SYNTAXES["json"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_service.sample.grammar import GrammarSpec
+from inference_service.sample.grammar_spec import GrammarSpec
 
 MAX_SEED = 2**64 - 1
 

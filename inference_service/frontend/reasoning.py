@@ -26,7 +26,7 @@ from typing import Any
 from inference_service.config import REASONING_PARSERS
 from inference_service.errors import ValidationError
 from inference_service.frontend.text_markers import held_back
-from inference_service.sample.grammar import GrammarSpec, grammar_spec_from_tgi, lark_json
+from inference_service.sample.grammar_spec import GrammarSpec, grammar_spec_from_tgi, lark_json
 
 
 @dataclass(frozen=True)

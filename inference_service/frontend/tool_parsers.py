@@ -14,185 +14,26 @@ call's name is complete, and ("arguments", index, piece) as its arguments arrive
 model's JSON text as written. `parse_tool_calls` runs the same parser over a whole text, so unary
 and streamed results agree; a call cut short (a length limit) is not returned as a call.
 
-Each `ToolSyntax` also says how the tool grammar (`openai_tools.combined_grammar`) writes calls, so
-with a known format the model writes calls as it was trained to, and they always parse.
+The formats themselves are `tool_syntax.ToolSyntax`es (re-exported here for callers); one call's
+JSON object is read by `tool_call_reader.CallObject`.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_service.config import TOOL_CALL_PARSERS
 from inference_service.frontend.text_markers import held_back
+from inference_service.frontend.tool_call_reader import CallObject
+from inference_service.frontend.tool_syntax import SYNTAXES, ToolSyntax, tool_syntax
+
+__all__ = ["SYNTAXES", "ToolParser", "ToolSyntax", "new_call_id", "parse_tool_calls", "tool_parser", "tool_syntax"]
 
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class ToolSyntax:
-    """How calls are written: around the whole list, around each call, between calls; and the key
-    holding the arguments. `text_start` is a regex class of what plain text may not begin with."""
-
-    name: str
-    list_open: str = ""
-    list_close: str = ""
-    call_open: str = ""
-    call_close: str = ""
-    separator: str = "\n"
-    arguments_key: str = "arguments"
-    not_text_start: str = "{"
-
-
-SYNTAXES = {
-    "json": ToolSyntax("json"),
-    "hermes": ToolSyntax("hermes", call_open="<tool_call>\n", call_close="\n</tool_call>", not_text_start="<"),
-    "llama3_json": ToolSyntax("llama3_json", separator="; ", arguments_key="parameters"),
-    "mistral": ToolSyntax("mistral", list_open="[TOOL_CALLS][", list_close="]", separator=", ", not_text_start="["),
-}
-assert set(SYNTAXES) | {"none"} == set(TOOL_CALL_PARSERS), "config.TOOL_CALL_PARSERS names every syntax"
-
-
-def tool_syntax(name: str | None, template: Any) -> ToolSyntax:
-    """The `--tool-call-parser` named (None: the one the chat template writes; "none": ours)."""
-    if name is None:
-        text = "\n".join(str(t) for t in template.values()) if isinstance(template, dict) else (template or "")
-        if "<tool_call>" in text:
-            return SYNTAXES["hermes"]
-        if "<|python_tag|>" in text:
-            return SYNTAXES["llama3_json"]
-        if "[TOOL_CALLS]" in text:
-            return SYNTAXES["mistral"]
-        return SYNTAXES["json"]
-    return SYNTAXES["json" if name == "none" else name]
-
-
-# -- one call's JSON object, read a character at a time ------------------------------------------
-class _Value:
-    """One JSON value's text, read a character at a time until it ends."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.done = False
-        self._depth = 0
-        self._in_string = self._escaped = False
-
-    def read(self, char: str) -> bool:
-        """Whether `char` belongs to the value (a literal ends at the first character after it)."""
-        if not self.text:
-            self.text = char
-            self._in_string, self._depth = char == '"', int(char in "{[")
-            return True
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-                self.done = self._depth == 0
-            self.text += char
-            return True
-        if self._depth == 0:  # a number, true, false or null
-            if char in ",}] \n\t\r":
-                self.done = True
-                return False
-            self.text += char
-            return True
-        if char == '"':
-            self._in_string = True
-        elif char in "{[":
-            self._depth += 1
-        elif char in "}]":
-            self._depth -= 1
-            self.done = self._depth == 0
-        self.text += char
-        return True
-
-
-class _CallObject:
-    """`{"name": ..., "arguments": ...}` (either key order, any spacing; Llama's `parameters`): the
-    name once its string is complete, the arguments' text as it arrives."""
-
-    ARGUMENT_KEYS = ("arguments", "parameters")
-
-    def __init__(self) -> None:
-        self.raw = ""
-        self.name: str | None = None
-        self.arguments: str | None = None
-        self.complete = False
-        self.arguments_started = False
-        self._opened = False
-        self._expect = "key"  # key → colon → value → next
-        self._key: str | None = None
-        self._value: _Value | None = None
-
-    def read(self, char: str) -> str:
-        """Reads one character; returns what it adds to the arguments' text (maybe "")."""
-        self.raw += char
-        if self._value is not None:
-            value = self._value
-            if value.read(char):
-                streamed = self._key in self.ARGUMENT_KEYS and not value.text.startswith('"')
-                if value.done:
-                    self._end_value()
-                return char if streamed else ""
-            self._end_value()  # a literal ended: this character is the object's
-        if not self._opened:
-            self._opened = char == "{"
-        elif char == '"':
-            self._value, self._key = _Value(), self._key if self._expect == "value" else None
-            self._value.read(char)
-            self.arguments_started = self.arguments_started or self._key in self.ARGUMENT_KEYS
-        elif char == ":" and self._expect == "colon":
-            self._expect = "value"
-        elif char == ",":
-            self._expect = "key"
-        elif char == "}":
-            self.complete = True
-        elif self._expect == "value" and char not in " \n\t\r":
-            self.arguments_started = self.arguments_started or self._key in self.ARGUMENT_KEYS
-            self._value = _Value()
-            self._value.read(char)
-            if self._value.done:
-                self._end_value()
-            return char if self._key in self.ARGUMENT_KEYS else ""
-        return ""
-
-    def _end_value(self) -> None:
-        value, self._value = self._value, None
-        assert value is not None
-        if self._expect == "key":  # that string was a key
-            self._key, self._expect = json.loads(value.text), "colon"
-            return
-        self._expect = "next"
-        if self._key == "name" and value.text.startswith('"'):
-            self.name = json.loads(value.text)
-        elif self._key in self.ARGUMENT_KEYS:
-            self.arguments = value.text
-
-    def late_arguments(self) -> str:
-        """Arguments written as a JSON string (some models quote them): the text they hold, once read."""
-        if self.arguments is not None and self.arguments.startswith('"'):
-            try:
-                return str(json.loads(self.arguments))
-            except json.JSONDecodeError:
-                return ""
-        return ""
-
-    def arguments_json(self) -> str | None:
-        """The arguments as JSON text, "{}" when absent; None when they are not JSON."""
-        text = self.late_arguments() or (self.arguments or "").strip() or "{}"
-        try:
-            json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return text
 
 
 # -- the parsers --------------------------------------------------------------------------------
@@ -200,7 +41,7 @@ class _CallObject:
 class _Call:
     index: int
     id: str
-    reader: _CallObject
+    reader: CallObject
     announced: bool = False
     pending: str = ""  # arguments read before the name
     late_sent: bool = False  # arguments given as a JSON string were sent
@@ -208,7 +49,7 @@ class _Call:
 
 @dataclass
 class ToolParser:
-    """Shared machinery: calls read through `_CallObject`s, and the items they give."""
+    """Shared machinery: calls read through `CallObject`s, and the items they give."""
 
     syntax: ToolSyntax
     names: frozenset[str] | None = None  # the offered functions; None: any name
@@ -265,7 +106,7 @@ class ToolParser:
         self._buffer = self._buffer[consumed:]
 
     def _new_call(self) -> _Call:
-        self.calls.append(_Call(len(self.calls), new_call_id(), _CallObject()))
+        self.calls.append(_Call(len(self.calls), new_call_id(), CallObject()))
         return self.calls[-1]
 
     def finished_calls(self) -> list[dict[str, Any]]:

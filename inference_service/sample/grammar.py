@@ -1,4 +1,4 @@
-"""Grammar-constrained generation: grammar specs, their compilation, and per-sequence matcher state.
+"""Grammar-constrained generation: the compilation of grammar specs, within a budget.
 
 The grammar engine is llguidance (chosen by measurement, see `benchmarks/grammar_libraries.py`):
 it compiles a JSON schema in about a millisecond and fills a token mask in tens of microseconds,
@@ -10,23 +10,20 @@ grammar over budget is a `ValidationError` at validation, never a stalled engine
 mid-generation. The engine thread only copies a compiled matcher per sequence (its first mask
 comes with it), fills mask rows and advances matchers, each step bounded by llguidance's fuel.
 
-A mask is a bitmask `[R, ceil(V / 32)]` int32 (bit j of word w allows token 32 * w + j), one row
-per constrained sequence; the sampler turns it into -inf logits (`ops.apply_token_bitmask`).
-Once a step's tokens are accepted, `prefetch_masks` fills the next step's masks on a background
-thread while the model computes the next logits; `fill_bitmasks` then only collects them.
+The specs are `grammar_spec`'s, the per-sequence state and the masks `grammar_state`'s; both are
+re-exported here for callers.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -35,17 +32,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from inference_service.errors import GenerationError, OverloadedError, ValidationError, quoted
+from inference_service.errors import OverloadedError, ValidationError
+from inference_service.sample.grammar_spec import JSON_OPTIONS, KINDS, GrammarSpec, grammar_spec_from_tgi, lark_json
+from inference_service.sample.grammar_state import GrammarState, fill_bitmasks, prefetch_masks
+from inference_service.sample.grammar_state import short_error as _short
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stub only
+__all__ = [
+    "JSON_OPTIONS",
+    "KINDS",
+    "CompiledGrammar",
+    "GrammarBudget",
+    "GrammarCompiler",
+    "GrammarSpec",
+    "GrammarState",
+    "GrammarTooComplex",
+    "fill_bitmasks",
+    "grammar_spec_from_tgi",
+    "lark_json",
+    "prefetch_masks",
+]
 
-KINDS = ("json", "regex", "lark")
-# One whitespace style: flexible whitespace lets a weak model loop on blanks until max_new_tokens.
-# The separators are the usual `json.dumps` ones, the spacing models most often write.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
-MAX_ERROR_CHARS = 300  # the grammar engine's messages echo the grammar: only their start is told
 
 
 @dataclass(frozen=True)
@@ -78,81 +85,6 @@ class GrammarTooComplex(ValidationError):
         super().__init__(f"grammar is too complex: {reason}")
 
 
-def _short(message: str | None, echoed: str = "") -> str:
-    """A grammar engine message on one line, without the parser dump, `echoed` (the grammar, which
-    messages quote) shortened, and cut to `MAX_ERROR_CHARS`."""
-    text = (message or "").split("<state>")[0].replace("<non-verbose/>", "")
-    if len(echoed) > 40:
-        text = text.replace(echoed, echoed[:40] + "…")
-    text = " ".join(text.split()) or "unknown error"
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What the output must match. `kind`: "json" (`value` is a JSON schema as JSON text), "regex"
-    (the whole output full-matches `value`) or "lark" (llguidance's Lark syntax, `%json{...}` allowed)."""
-
-    kind: str
-    value: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValidationError(
-                f"grammar is not valid: unknown grammar kind {quoted(self.kind)}; expected one of {', '.join(KINDS)}"
-            )
-        if not isinstance(self.value, str):
-            raise ValidationError(f"grammar is not valid: a {self.kind} grammar's value must be a string")
-
-
-def grammar_spec_from_tgi(grammar: dict) -> GrammarSpec:
-    """TGI's `parameters.grammar`: `{"type": "json" | "json_object", "value": schema or its JSON text}`,
-    `{"type": "json_schema", "value": {"name"?: str, "schema": {...}}}` or `{"type": "regex", "value": str}`.
-
-    Unlike TGI, any schema is accepted (no top-level `properties` needed): `{"type": "object"}` is JSON mode.
-    """
-    if not isinstance(grammar, dict):
-        raise ValidationError("grammar is not valid: expected an object with `type` and `value`")
-    kind, value = grammar.get("type"), grammar.get("value")
-    if kind in ("json", "json_object"):
-        return GrammarSpec("json", _schema_text(value))
-    if kind == "json_schema":
-        if not isinstance(value, dict) or "schema" not in value:
-            raise ValidationError(
-                'grammar is not valid: a json_schema grammar\'s value must be {"name"?: string, "schema": {...}}'
-            )
-        if not isinstance(value.get("name", ""), str):
-            raise ValidationError("grammar is not valid: a json_schema grammar's `name` must be a string")
-        return GrammarSpec("json", _schema_text(value["schema"]))
-    if kind == "regex":
-        if not isinstance(value, str):
-            raise ValidationError("grammar is not valid: a regex grammar's value must be a string")
-        return GrammarSpec("regex", value)
-    raise ValidationError(
-        f"grammar is not valid: unknown grammar type {quoted(kind)}; expected json, json_object, json_schema or regex"
-    )
-
-
-def lark_json(schema: Any) -> str:
-    """A Lark rule body matching `schema`'s JSON, in the same whitespace style as the "json" kind."""
-    if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
-    return f"%json {json.dumps(schema)}"
-
-
-def _schema_text(value: Any) -> str:
-    """A schema object, or a string holding one, as compact JSON text. Keys keep their order: the
-    output's properties come in the schema's order."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as error:
-            raise ValidationError(f"grammar is not valid: the schema is not JSON: {error}") from None  # no echo
-    if not isinstance(value, (dict, bool)):
-        raise ValidationError("grammar is not valid: a JSON schema must be an object")
-    return json.dumps(value, separators=(",", ":"))
-
-
 class CompiledGrammar:
     """A checked grammar, bound to the engine's tokenizer; immutable and shared by its requests."""
 
@@ -162,102 +94,6 @@ class CompiledGrammar:
 
     def new_state(self) -> GrammarState:
         return GrammarState(self._initial.deep_copy())
-
-
-class GrammarState:
-    """One sequence's position in its grammar: fills its mask row, accepts its sampled tokens."""
-
-    def __init__(self, matcher: llguidance.LLMatcher):
-        self.matcher = matcher
-        # The mask of the current position, being filled in the background: (done, bitmask, row).
-        self._prefetched: tuple[Future, Tensor, int] | None = None
-
-    def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (CPU int32, contiguous)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
-
-    def accept(self, token_id: int) -> None:
-        """Advance past a sampled token; a token the grammar rejects is a `GenerationError`."""
-        self._take_prefetched()  # the matcher is never read and advanced at once
-        if not self.matcher.consume_token(token_id):
-            raise GenerationError(
-                f"token {token_id} does not match the request's grammar: {_short(self.matcher.get_error())}"
-            )
-
-    @property
-    def is_complete(self) -> bool:
-        """The grammar is satisfied and allows nothing but EOS: the sequence is done."""
-        return self.matcher.is_stopped() and not self.matcher.is_error()
-
-    def _take_prefetched(self) -> Tensor | None:
-        """The prefetched mask row `[W]` of the current position (waiting for it), or None.
-
-        None too when the background fill failed: it filled a group of rows at once, so one bad
-        row fails them all; each row is then filled again on its own, where only the bad one fails.
-        """
-        if self._prefetched is None:
-            return None
-        done, bitmask, row = self._prefetched
-        self._prefetched = None
-        return bitmask[row] if done.exception() is None else None
-
-
-_executor: llguidance.LLExecutor | None = None
-_prefetcher: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
-
-
-def fill_bitmasks(states: Sequence[GrammarState], vocab_size: int) -> Tensor:
-    """The masks of all constrained rows of a step `[R, ceil(V / 32)]`: the prefetched rows collected,
-    the others filled together in llguidance's thread pool (a single row in place: no hand-off)."""
-    bitmask = torch.empty(len(states), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
-    missing = []
-    for row, state in enumerate(states):
-        prefetched = state._take_prefetched()
-        if prefetched is None:
-            missing.append(row)
-        else:
-            bitmask[row] = prefetched
-    _fill([(states[row], row) for row in missing], bitmask)
-    return bitmask
-
-
-def prefetch_masks(states: Sequence[GrammarState], vocab_size: int) -> None:
-    """Start filling the masks of `states`' current positions on the background thread; the next
-    `fill_bitmasks` (or `accept`) of each state waits for its row. Complete grammars are skipped."""
-    states = [s for s in states if s._prefetched is None and not s.is_complete]
-    if not states:
-        return
-    bitmask = torch.empty(len(states), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
-    done = _background().submit(_fill, [(state, row) for row, state in enumerate(states)], bitmask)
-    for row, state in enumerate(states):
-        state._prefetched = (done, bitmask, row)
-
-
-def _fill(rows: list[tuple[GrammarState, int]], bitmask: Tensor) -> None:
-    """Fill each (state, row): one row in place, several in llguidance's thread pool."""
-    if len(rows) == 1:
-        rows[0][0].fill_bitmask(bitmask, rows[0][1])
-    elif rows:
-        llguidance.torch.fill_next_token_bitmask_par(
-            _shared_executor(), [(state.matcher, row) for state, row in rows], bitmask
-        )
-
-
-def _background() -> ThreadPoolExecutor:
-    global _prefetcher
-    with _executor_lock:
-        if _prefetcher is None:
-            _prefetcher = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return _prefetcher
-
-
-def _shared_executor() -> llguidance.LLExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        return _executor
 
 
 class _Compilation:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from inference_service.errors import GenerationError
 from inference_service.sample import ops
-from inference_service.sample.grammar import GrammarState, fill_bitmasks, prefetch_masks
+from inference_service.sample.grammar_state import GrammarState, fill_bitmasks, prefetch_masks
 from inference_service.sample.watermark import Watermark
 from inference_service.sampling_params import SamplingParams
 
@@ -166,20 +166,19 @@ class Sampler:
         params = [s.params for s in states]
         allowed = self.apply_grammars(logits, states)  # [B, V]; logprobs stay those of the raw logits
         if all(p.is_greedy and not p.changes_logits for p in params):
-            chosen_from = allowed
-            token_ids = allowed.argmax(dim=-1)  # [B]
+            chosen_logits, token_ids = allowed.max(dim=-1)  # [B] each: the argmax and its logit, one op
         else:
             chosen_from = self.process(allowed, states)
             token_ids = self._choose(chosen_from, states)  # [B]
-        # The chosen logit is -inf (every token was) or NaN (the model's logits were): nothing to choose.
-        chosen = chosen_from.gather(1, token_ids[:, None]).squeeze(1) > ops.NEG_INF  # [B]
+            chosen_logits = chosen_from.gather(1, token_ids[:, None]).view(-1)  # [B]
         forced = [(row, s.forced_token_id) for row, s in enumerate(states) if s.forced_token_id is not None]
         if forced:  # after the draw, so a seeded request's random stream is the same either way
             rows, ids = zip(*forced, strict=True)
             token_ids[list(rows)] = torch.tensor(ids, dtype=token_ids.dtype, device=token_ids.device)
-            chosen[list(rows)] = True
-        output, num_unchosen = _gather_output(logits, token_ids, chosen, params)
-        if num_unchosen:
+        output, unchosen = _gather_output(logits, token_ids, chosen_logits, params)
+        # A chosen logit at -inf (every token was) or NaN (the model's logits were): nothing to choose.
+        # Read with the step's one transfer; a forced token is chosen whatever its logit.
+        if unchosen and any(row not in dict(forced) for row in unchosen):
             raise GenerationError(
                 "no token could be sampled: the request's grammar and parameters left every token's"
                 " logit at -inf or NaN"
@@ -326,25 +325,26 @@ def _update_rows(x: Tensor, rows: list[int], fn: Callable[[Tensor], Tensor]) -> 
 
 
 def _gather_output(
-    logits: Tensor, token_ids: Tensor, chosen: Tensor, params: Sequence[SamplingParams]
-) -> tuple[SamplerOutput, int]:
+    logits: Tensor, token_ids: Tensor, chosen_logits: Tensor, params: Sequence[SamplingParams]
+) -> tuple[SamplerOutput, list[int]]:
     """Raw logprobs of the chosen tokens and the top-n, read back to the host in one transfer with
-    the number of rows that had no token to choose (`chosen` [B] false)."""
+    the logits the tokens were chosen at; and the rows whose chosen logit is -inf or NaN."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
     top_rows = _rows(params, lambda p: p.top_n_tokens > 0)
     width = min(max((params[i].top_n_tokens for i in top_rows), default=0), logits.shape[-1])
-    parts = [token_ids.double(), logprobs.double(), (~chosen).sum(dim=0, keepdim=True).double()]
+    # One float64 vector (cat promotes the float32 parts itself): ids are exact below 2**53.
+    parts = [token_ids.double(), logprobs, chosen_logits]
     if top_rows:
         index = torch.tensor(top_rows, device=logits.device)  # [N]
         top_logprobs, top_ids = raw_logprobs[index].topk(width, dim=-1)  # [N, width]
-        parts += [top_ids.flatten().double(), top_logprobs.flatten().double()]
+        parts += [top_ids.flatten(), top_logprobs.flatten()]
     flat = torch.cat(parts).tolist()
     num_rows = len(params)
-    num_unchosen = int(flat[2 * num_rows])
+    unchosen = [row for row, value in enumerate(flat[2 * num_rows : 3 * num_rows]) if not value > ops.NEG_INF]
     top_ids_list: list[list[int]] = [[] for _ in params]
     top_logprobs_list: list[list[float]] = [[] for _ in params]
-    ids_start = 2 * num_rows + 1
+    ids_start = 3 * num_rows
     logprobs_start = ids_start + len(top_rows) * width
     for j, i in enumerate(top_rows):
         n = min(params[i].top_n_tokens, width)
@@ -353,4 +353,4 @@ def _gather_output(
     output = SamplerOutput(
         [int(t) for t in flat[:num_rows]], flat[num_rows : 2 * num_rows], top_ids_list, top_logprobs_list
     )
-    return output, num_unchosen
+    return output, unchosen

@@ -222,6 +222,7 @@ def test_compare_commits_exports_a_commit_and_sets_ratios_side_by_side(tmp_path)
     assert decode["after_over_before"] == pytest.approx(2.97 / 3.1)
     assert "| batch 8 decode ÷ transformers | 3.10 (3.20 / 3.00) | 2.97 (3.00 / 2.94) | 0.958 |" in table
     assert summary["batch 8 prefill ÷ transformers"]["after_over_before"] == 1.0
+    assert summary["batch 8 decode tok/s, engine alone"]["after_over_before"] == pytest.approx(297.0 / 310.0)
 
 
 def test_vision_bench_quick(tmp_path):

@@ -74,6 +74,28 @@ def test_a_forced_token_needs_no_choice():
     assert out.token_ids == [9]
 
 
+def test_a_forced_row_does_not_excuse_another_row_with_nothing_to_choose():
+    """The check reads every row's chosen logit at once: a forced row passes, its neighbour does not."""
+    x = logits(2)
+    x[:] = float("nan")
+    states = [state(SamplingParams(forced_token_ids=((0, 9),))), state(SamplingParams())]
+    with pytest.raises(GenerationError, match="no token could be sampled"):
+        Sampler(V)(x, states)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(top_n_tokens=3)], ids=["plain", "top-n"])
+def test_greedy_rows_take_argmax_first_of_tied_maxima(params):
+    """Greedy rows take the maximum and its logit in one op: the same id as argmax, ties included."""
+    x = logits(4, seed=3)
+    x[1, [5, 40]] = x[1].max() + 1  # a tie: the first one wins, as with argmax
+    x[2, :] = -3.0  # every logit tied
+    x[3, 7] = float("inf")  # +inf is a choice, not a failure
+    out = Sampler(V)(x, [state(params) for _ in range(4)])
+    assert out.token_ids == x.argmax(-1).tolist() == [out.token_ids[0], 5, 0, 7]
+    expected = torch.log_softmax(x, -1).gather(1, x.argmax(-1)[:, None]).squeeze(1)
+    assert out.logprobs[:3] == pytest.approx(expected[:3].tolist())
+
+
 def test_a_position_sampled_again_draws_the_same_uniform():
     """The engine retries a failed batch row by row: the retry must give the same token."""
     params = SamplingParams(do_sample=True, seed=11, temperature=1.5)

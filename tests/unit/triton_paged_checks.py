@@ -139,6 +139,7 @@ def test_engine_serves_through_the_kernel_as_through_the_torch_path(tiny_engine_
     calls = []
     original = triton_paged.paged_attention
     monkeypatch.setattr(paged, "_use_triton", lambda query, value: True)
+    monkeypatch.setattr(engine.runner, "decode_kernel", None)  # as on CUDA: no CPU kernel is wired
     monkeypatch.setattr(triton_paged, "paged_attention", lambda *args: calls.append(args[3]) or original(*args))
     assert greedy_token_ids(engine, prompt, 6) == expected
     assert any(layout.max_q_len > 1 for layout in calls) and any(layout.max_q_len == 1 for layout in calls)

@@ -178,13 +178,8 @@ def attend_decode(
     """q [H, Sd, D] → [Sd, H, Dv]: each sequence's one new token over its own blocks (stored in the
     cache's dtype; `scales`: the int8 cache's K and V scales)."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
-    if _use_triton(q, value_cache):
-        from inference_service.worker.attention import triton_paged
-
-        return triton_paged.paged_attention(
-            q_by_seq, key_cache, value_cache, _gpu_layout(meta, "decode"),
-            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
-        )  # fmt: skip
+    # The CPU kernel is asked first: it serves CPU tensors only and Triton CUDA ones only, so the
+    # order changes nothing but what a CPU step pays per layer.
     if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
         return kernel(
             q_by_seq,
@@ -199,6 +194,13 @@ def attend_decode(
             softcap,
             scales,
         )
+    if _use_triton(q, value_cache):
+        from inference_service.worker.attention import triton_paged
+
+        return triton_paged.paged_attention(
+            q_by_seq, key_cache, value_cache, _gpu_layout(meta, "decode"),
+            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+        )  # fmt: skip
     block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = _needed(meta.kv_cache, "KV cache").block_size
