@@ -19,6 +19,7 @@ import torch
 
 from inference_service.worker.attention.kv_cache import PagedKVCache
 from inference_service.worker.attention.paged import StepMetadata
+from inference_service.worker.attention.triton_paged import PagedLayout
 from inference_service.worker.kernels.bindings import PagedDecodeKernel
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,16 @@ class StaticDecode:
         self.block_table = torch.zeros(largest, max_blocks_per_seq, dtype=torch.long, device=device)  # [B, NB]
         self.context_lens = torch.ones(largest, dtype=torch.long, device=device)  # [B]
         self.token_index = torch.arange(largest, dtype=torch.long, device=device)  # [B]
+        # The Triton kernel's layout of the same rows (int32), kept in step with the buffers above:
+        # built per step from them it would read the longest query back to the host, which a
+        # capture forbids.
+        self.gpu_layout = PagedLayout(
+            q_start=self.token_index.to(torch.int32),
+            q_len=torch.ones(largest, dtype=torch.int32, device=device),
+            seq_lens=self.context_lens.to(torch.int32),
+            block_table=self.block_table.to(torch.int32),
+            max_q_len=1,
+        )
         self._padding_slot = self.padding_block * block_size
         self._graphs: dict[int, tuple[Any, torch.Tensor, int]] = {}  # size → (graph, its logits [B, V], calls)
         self._failed: set[int] = set()  # sizes whose capture failed: they run eagerly
@@ -169,10 +180,13 @@ class StaticDecode:
         self.block_table[:num_rows, : table.shape[1]].copy_(table, non_blocking=True)
         self.context_lens[:num_rows].copy_(lens, non_blocking=True)
         self.context_lens[num_rows:size].fill_(1)
+        if self.capture:
+            self.gpu_layout.seq_lens[:size].copy_(self.context_lens[:size])
+            self.gpu_layout.block_table[:size].copy_(self.block_table[:size])
 
     def _meta(self, size: int) -> StepMetadata:
         """A fresh step metadata over the buffers' first `size` rows (masks and layouts are per step)."""
-        return StepMetadata(
+        meta = StepMetadata(
             kv_cache=self.kv_cache,
             num_tokens=size,
             slot_mapping=self.slots[:size],
@@ -182,6 +196,12 @@ class StaticDecode:
             decode_only=True,
             decode_kernel=self.decode_kernel,
         )
+        if self.capture:
+            layout = self.gpu_layout
+            meta.gpu_layouts["decode"] = PagedLayout(
+                layout.q_start[:size], layout.q_len[:size], layout.seq_lens[:size], layout.block_table[:size], 1
+            )
+        return meta
 
     def _capture(self, size: int) -> tuple[Any, torch.Tensor, int] | None:
         """Capture `size`'s forward (after eager warm-up runs on a side stream, as torch requires);
