@@ -6,13 +6,15 @@ split over 2 shards) in fp32 on the CPU. The one-shard engine gets every torch t
 get together (`--threads-per-shard` × 2), so the comparison is the same cores used two ways: one
 process with two threads, or two processes with one each, adding two all-reduces per layer and a
 step message per step. On a 2-core machine no speed-up is expected (near 1×, the cost of the
-collectives); tensor parallelism is for a model larger than one device.
+collectives); tensor parallelism is for a model larger than one device. The shards' collectives
+go through shared memory (worker/kernels/shm_collectives.py); a third engine, 2 shards over gloo
+alone (`INFERENCE_SERVICE_SHM_COLLECTIVES=off` on shard 0), shows what that saves (`--no-gloo`: skip it).
 
 Runs alternate between the engines, so machine noise falls on both. Greedy outputs must be equal
 (the script checks). Reported: decode ms/token (first token to last, over tokens - 1) and prefill
 ms, as medians over the runs, and their ratio (2 shards / 1 shard: under 1 is faster).
 
-Usage: python benchmarks/tensor_parallel_bench.py [--quick] [--runs N] [--batch N] [--out DIR]
+Usage: python benchmarks/tensor_parallel_bench.py [--quick] [--runs N] [--batch N] [--no-gloo] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from inference_service.config import CacheConfig, EngineConfig, ModelConfig  # n
 from inference_service.engine import shards  # noqa: E402
 from inference_service.engine.builder import warm_up  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
+from inference_service.worker.kernels import shm_collectives  # noqa: E402
 
 BENCH_DIR = common.RAW_DIR / "tp-llama"
 FULL = {"runs": 3, "prompt_tokens": 64, "new_tokens": 32, "batch": 4}
@@ -76,7 +79,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def build(model_dir: Path, num_shard: int, threads: int) -> LLMEngine:
+def build(model_dir: Path, num_shard: int, threads: int, shared_memory: bool = True) -> LLMEngine:
+    """`shared_memory=False`: the shards' collectives over gloo alone (shard 0 decides for all)."""
     config = EngineConfig(
         model=ModelConfig(
             model_id=str(model_dir),
@@ -89,7 +93,15 @@ def build(model_dir: Path, num_shard: int, threads: int) -> LLMEngine:
         ),
         cache=CacheConfig(max_batch_total_tokens=16384, prefix_caching=False),
     )
-    engine = shards.build_engine(config)
+    saved = os.environ.get(shm_collectives.ENV_SWITCH)
+    os.environ[shm_collectives.ENV_SWITCH] = "on" if shared_memory else "off"
+    try:
+        engine = shards.build_engine(config)
+    finally:
+        if saved is None:
+            os.environ.pop(shm_collectives.ENV_SWITCH)
+        else:
+            os.environ[shm_collectives.ENV_SWITCH] = saved
     warm_up(engine)
     return engine
 
@@ -133,9 +145,10 @@ def measure(engines: dict[str, tuple[LLMEngine, int]], args: argparse.Namespace)
 
 def summarize(results: dict) -> dict:
     summary: dict = {}
+    names = list(results)
     for workload in ("single", "batch"):
         entry: dict = {}
-        for name in ("1 shard", "2 shards"):
+        for name in names:
             rows = results[name][workload]
             entry[name] = {
                 "prefill_ms": statistics.median(r["prefill_ms"] for r in rows),
@@ -143,48 +156,59 @@ def summarize(results: dict) -> dict:
             }
         entry["identical"] = all(
             a["tokens"] == b["tokens"]
-            for a, b in zip(results["1 shard"][workload], results["2 shards"][workload], strict=True)
+            for name in names[1:]
+            for a, b in zip(results["1 shard"][workload], results[name][workload], strict=True)
         )
         for key in ("prefill_ms", "decode_ms_per_step"):
             entry[f"{key}_ratio"] = entry["2 shards"][key] / entry["1 shard"][key]
+            if "2 shards gloo" in entry:
+                entry[f"{key}_ratio_gloo"] = entry["2 shards gloo"][key] / entry["1 shard"][key]
         summary[workload] = entry
     return summary
 
 
 def report(summary: dict, args: argparse.Namespace, name: str) -> str:
+    gloo = "2 shards gloo" in summary["single"]
     rows = []
     for workload, label in (("single", "1 stream"), ("batch", f"{args.batch} streams")):
         s = summary[workload]
-        rows.append(
-            [
-                label,
-                common.fmt(s["1 shard"]["decode_ms_per_step"], 2),
-                common.fmt(s["2 shards"]["decode_ms_per_step"], 2),
-                f"**{s['decode_ms_per_step_ratio']:.2f}×**",
-                common.fmt(s["1 shard"]["prefill_ms"]),
-                common.fmt(s["2 shards"]["prefill_ms"]),
-                f"{s['prefill_ms_ratio']:.2f}×",
-                "yes" if s["identical"] else "NO",
+        row = [
+            label,
+            common.fmt(s["1 shard"]["decode_ms_per_step"], 2),
+            common.fmt(s["2 shards"]["decode_ms_per_step"], 2),
+            f"**{s['decode_ms_per_step_ratio']:.2f}×**",
+        ]
+        if gloo:
+            row += [
+                common.fmt(s["2 shards gloo"]["decode_ms_per_step"], 2),
+                f"{s['decode_ms_per_step_ratio_gloo']:.2f}×",
             ]
-        )
-    table = common.markdown_table(
-        [
-            "workload",
-            f"1 shard ({2 * args.threads_per_shard} threads) decode ms/step",
-            f"2 shards ({args.threads_per_shard} thread each) decode ms/step",
-            "ratio",
-            "1 shard prefill ms",
-            "2 shards prefill ms",
-            "ratio",
-            "same tokens",
-        ],
-        rows,
-    )
+        row += [
+            common.fmt(s["1 shard"]["prefill_ms"]),
+            common.fmt(s["2 shards"]["prefill_ms"]),
+            f"{s['prefill_ms_ratio']:.2f}×",
+        ]
+        if gloo:
+            row += [common.fmt(s["2 shards gloo"]["prefill_ms"]), f"{s['prefill_ms_ratio_gloo']:.2f}×"]
+        rows.append([*row, "yes" if s["identical"] else "NO"])
+    header = [
+        "workload",
+        f"1 shard ({2 * args.threads_per_shard} threads) decode ms/step",
+        f"2 shards ({args.threads_per_shard} thread each) decode ms/step",
+        "ratio",
+    ]
+    if gloo:
+        header += ["2 shards, gloo only, decode ms/step", "ratio"]
+    header += ["1 shard prefill ms", "2 shards prefill ms", "ratio"]
+    if gloo:
+        header += ["2 shards, gloo only, prefill ms", "ratio"]
+    table = common.markdown_table([*header, "same tokens"], rows)
     single = summary["single"]["decode_ms_per_step_ratio"]
     return (
         f"#### Tensor parallel: --num-shard 2 vs 1, {name} (float32, cpu)\n\n"
         f"Greedy, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens; medians of {args.runs} run(s), "
-        f"engines alternating. Ratio = 2 shards / 1 shard (under 1× is faster).\n\n{table}\n\n"
+        f"engines alternating. Ratio = 2 shards / 1 shard (under 1× is faster). 2 shards: collectives through "
+        f"shared memory; gloo only: over loopback sockets.\n\n{table}\n\n"
         f"**Single-stream decode with 2 shards: {single:.2f}× the time of one shard** (expected near 1× on a "
         f"2-core CPU: the same cores, plus two all-reduces per layer).\n\n"
         f"{common.machine_line(common.machine())}\n\n`{common.command_line()}`\n"
@@ -200,6 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--threads-per-shard", type=int, default=1)
+    parser.add_argument("--no-gloo", action="store_true", help="skip the 2-shard engine over gloo alone")
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -221,9 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"1 shard": (build(model_dir, 1, 2 * threads), 2 * threads)}
     engines["2 shards"] = (build(model_dir, 2, threads), threads)
     try:
+        if not args.no_gloo:
+            engines["2 shards gloo"] = (build(model_dir, 2, threads, shared_memory=False), threads)
         summary = summarize(measure(engines, args))
     finally:
-        engines["2 shards"][0].close()
+        for engine_name in ("2 shards", "2 shards gloo"):
+            if engine_name in engines:
+                engines[engine_name][0].close()
     markdown = report(summary, args, name)
     (out / "tensor_parallel.md").write_text(markdown)
     common.write_json(out / "tensor_parallel.json", {"args": vars(args), "summary": summary})

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig
 
 from inference_service import progress
-from inference_service.config import EngineConfig, LimitsConfig
+from inference_service.config import EngineConfig, LimitsConfig, parse_cuda_graphs
 from inference_service.engine.kv_sizing import plan_num_blocks, profile_kv_blocks, sized_by_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.speculation import Speculator
@@ -46,6 +46,12 @@ from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
 from inference_service.worker.lora.install import install_lora, projection_shapes
 from inference_service.worker.lora.weights import LoraTable
+from inference_service.worker.runner.cuda_graphs import (
+    PADDING_BLOCKS,
+    StaticDecode,
+    blocks_per_sequence,
+    static_decode_sizes,
+)
 from inference_service.worker.runner.decode_step import decode_step_for
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
@@ -250,9 +256,20 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
         num_blocks = cast(int, group.broadcast_object(num_blocks, loaded.device))
     kv_writer = kv_writer_for(loaded.device, dtype)
     block_size = config.cache.block_size
-    return runner_over(
-        PagedKVCache(shapes, num_blocks, block_size, dtype, loaded.device, kv_dtype, kv_writer)
-    ), num_blocks
+    # CUDA graphs of decode steps: their padding rows write into one block beyond the pool.
+    sizes = parse_cuda_graphs(config.model.cuda_graphs)
+    graph_sizes = static_decode_sizes(sizes, loaded.device.type, sharded=group is not None)
+    padding = PADDING_BLOCKS if graph_sizes else 0
+    runner = runner_over(
+        PagedKVCache(shapes, num_blocks + padding, block_size, dtype, loaded.device, kv_dtype, kv_writer)
+    )
+    if graph_sizes and runner.kv_cache is not None:
+        max_total = min(config.limits.max_total_tokens or _default_max_total(loaded), num_blocks * block_size)
+        width = blocks_per_sequence(max_total, config.scheduler.speculate, block_size)
+        runner.static_decode = StaticDecode(
+            runner.forward_eager, runner.kv_cache, decode_kernel, graph_sizes, width, capture=True
+        )
+    return runner, num_blocks
 
 
 def make_grammar_compiler(tokenizer: Any, info: EngineInfo, limits: LimitsConfig) -> GrammarCompiler | None:

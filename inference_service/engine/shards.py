@@ -180,6 +180,7 @@ class Followers:
                 process = sentinels[ended[0]]  # type: ignore[index]
                 process.join(1)
                 runner.lost = ShardLost(f"{process.name} exited (exit code {process.exitcode})")
+                runner.group.abort()  # a step waiting on the dead shard ends now
                 logger.error("model %s", runner.lost)
 
         threading.Thread(target=wait, name="shard-watcher", daemon=True).start()

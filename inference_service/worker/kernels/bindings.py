@@ -622,16 +622,23 @@ def load_library() -> ctypes.CDLL | None:
         return None
 
 
-def _build(sources: tuple[Path, ...]) -> Path:
+def _build(
+    sources: tuple[Path, ...],
+    headers: tuple[Path, ...] = HEADERS,
+    compile_flags: tuple[str, ...] = COMPILE_FLAGS,
+    link_flags: tuple[str, ...] = LINK_FLAGS,
+    stem: str = "cpu_kernels",
+) -> Path:
+    """The shared library of `sources` (built once per machine and sources, cached on disk)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [path.read_text() for path in (*sources, *HEADERS)]
+    texts = [path.read_text() for path in (*sources, *headers)]
     key = hashlib.sha256(
-        "\0".join([*texts, compiler, version, *COMPILE_FLAGS, *LINK_FLAGS, platform.machine(), _cpu_flags()]).encode()
+        "\0".join([*texts, compiler, version, *compile_flags, *link_flags, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = Path(default_cache_dir()) / "kernels" / f"cpu_kernels-{key}.so"
+    target = Path(default_cache_dir()) / "kernels" / f"{stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -639,10 +646,10 @@ def _build(sources: tuple[Path, ...]) -> Path:
         objects = [Path(scratch) / f"{source.stem}.o" for source in sources]
         library = Path(scratch) / "kernels.so"
         commands = [
-            [compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
+            [compiler, *compile_flags, "-c", str(source), "-o", str(obj)]
             for source, obj in zip(sources, objects, strict=True)
         ]
-        commands.append([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library)])
+        commands.append([compiler, *link_flags, *map(str, objects), "-o", str(library)])
         with progress.phase("building kernels", f"built native CPU kernels ({target.name})", unit="file") as phase:
             for command in phase.track(commands):
                 # In its own process group: a stop signal ends the compiler with the server (api.stopping).

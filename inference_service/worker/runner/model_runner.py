@@ -17,6 +17,7 @@ from inference_service.worker.attention.paged import PrefillChunk, StepMetadata,
 from inference_service.worker.kernels.bindings import PagedDecodeKernel
 from inference_service.worker.lora.batch import LoraStep, group_rows, lora_context
 from inference_service.worker.lora.weights import LoraTable
+from inference_service.worker.runner.cuda_graphs import StaticDecode
 from inference_service.worker.runner.decode_step import DecodeStep
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.step_rows import RowsToKeep
@@ -42,6 +43,7 @@ class ModelRunner:
         self.decode_step = decode_step  # decode-only steps of Llama-style models, in fewer calls
         self.image_encoder = image_encoder  # vision-language models: images → embedding rows
         self.lora = lora  # resident LoRA adapters (the model's projections are LoRA linears); None: off
+        self.static_decode: StaticDecode | None = None  # decode steps as CUDA graphs (cuda_graphs.py)
 
     lost = None  # nothing it runs on can be lost (Runner.lost)
 
@@ -99,7 +101,8 @@ class ModelRunner:
     def describe(self) -> str:
         attention = "native" if self.decode_kernel else "torch"
         steps = self.decode_step or "transformers' layers"
-        return f"decode attention: {attention}, decode steps: {steps}"
+        graphs = f", CUDA graphs at batch sizes {self.static_decode.sizes}" if self.static_decode else ""
+        return f"decode attention: {attention}, decode steps: {steps}{graphs}"
 
     def forward(
         self,
@@ -111,6 +114,21 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One packed forward pass; returns fp32 logits of `keep_rows` ([K, V]). `inputs_embeds`
         (images merged in) replaces the ids' embeddings."""
+        graphs = self.static_decode
+        if graphs is not None and inputs_embeds is None and self.lora is None and graphs.takes(meta, input_ids):
+            with torch.inference_mode():
+                return graphs.run(meta, input_ids, position_ids, keep_rows)
+        return self.forward_eager(meta, input_ids, position_ids, keep_rows, inputs_embeds)
+
+    def forward_eager(
+        self,
+        meta: StepMetadata,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep_rows: list[int],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` without CUDA graphs: what StaticDecode captures (or runs eagerly off CUDA)."""
         if meta.decode_only and self.decode_step is not None and inputs_embeds is None:
             with torch.inference_mode():
                 return self.decode_step.forward(meta, input_ids, position_ids, keep_rows)
