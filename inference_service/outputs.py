@@ -43,6 +43,8 @@ class ScheduledRequest:
     encoder_token_ids: list[int] | None = None
     # Images: (row of this chunk, embedding rows [n, H]) that replace those rows' token embeddings.
     image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Prompt spans [start, end) whose tokens attend to each other both ways, where this chunk runs some.
+    both_way_spans: tuple[tuple[int, int], ...] = ()
     # The LoRA adapter of every row of this request (None: the base model's weights alone).
     adapter_id: str | None = None
 

@@ -49,6 +49,7 @@ from inference_service.worker.lora.weights import LoraTable
 from inference_service.worker.runner.decode_step import decode_step_for
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.runner.vision_paligemma import adapt_vision_model
 from inference_service.worker.shard_group import ShardGroup
 from inference_service.worker.transformers_runner.runner import ATTENTION_IMPL, TransformersRunner
 from inference_service.worker.weights import schemes
@@ -291,8 +292,11 @@ def load(config: EngineConfig) -> LoadedModel:
     def load_weights(attn_implementation: str) -> tuple[torch.nn.Module, int]:
         options["attn_implementation"] = attn_implementation
         if scheme in schemes.CHECKPOINT_FORMATS:
-            return load_prequantized(resolved.path, hf_config, scheme, **options)
+            prequantized, num_quantized = load_prequantized(resolved.path, hf_config, scheme, **options)
+            adapt_vision_model(prequantized)
+            return prequantized, num_quantized
         model = loader.load_model(resolved.path, rope_scaling=rope_scaling, **options)
+        adapt_vision_model(model)
         num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
         if scheme == schemes.GGUF:
             num_quantized = install_gguf(model, _gguf_file(config, resolved))

@@ -48,6 +48,7 @@ class VisionStage:
             request = requests[item.request_id]
             if request.images:
                 item.image_rows = chunk_rows(request, item.num_computed_tokens, item.num_known_tokens)
+                item.both_way_spans = chunk_spans(request, item.num_computed_tokens, item.num_known_tokens)
 
 
 def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]]:
@@ -60,3 +61,8 @@ def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]
         if low < high:
             rows.append((low - start, embeds[low - first : high - first]))
     return rows
+
+
+def chunk_spans(request: Request, start: int, count: int) -> tuple[tuple[int, int], ...]:
+    """The both-way spans holding some of tokens [start, start + count) (the attention's mask)."""
+    return tuple((low, high) for low, high in request.both_way_spans if low < start + count and start < high)
