@@ -10,6 +10,7 @@ prompt chunks carry the rows that replace their image placeholders.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Protocol, runtime_checkable
 
 from inference_service.engine.request import Request
@@ -52,14 +53,26 @@ class VisionStage:
 
 
 def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]]:
-    """(row in the chunk, embedding rows) for the image tokens among tokens [start, start + count)."""
+    """(row in the chunk, embedding rows) for the image tokens among tokens [start, start + count):
+    one entry per run of an image's placeholders inside the chunk (Idefics3's tiles are several
+    runs with text tags between them; most images are one run)."""
     end = start + count
     rows = []
     for image, embeds in zip(request.images, request.image_embeds or (), strict=True):
-        first, last = image.positions[0], image.positions[-1] + 1  # one run of placeholders
-        low, high = max(first, start), min(last, end)
-        if low < high:
-            rows.append((low - start, embeds[low - first : high - first]))
+        positions = image.positions
+        first, last = positions[0], positions[-1] + 1
+        if last - first == len(positions):  # one run of placeholders
+            low, high = max(first, start), min(last, end)
+            if low < high:
+                rows.append((low - start, embeds[low - first : high - first]))
+            continue
+        index, stop = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
+        while index < stop:
+            run_end = index + 1
+            while run_end < stop and positions[run_end] == positions[run_end - 1] + 1:
+                run_end += 1
+            rows.append((positions[index] - start, embeds[index:run_end]))
+            index = run_end
     return rows
 
 

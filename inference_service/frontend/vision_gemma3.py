@@ -10,8 +10,8 @@ from inference_service.frontend.vision_family import VisionFamily
 
 
 class Gemma3Family(VisionFamily):
-    def placeholder_id(self, processor: Any) -> int:
-        return processor.tokenizer.image_token_id  # the soft token, not the prompt's `image_token`
+    def placeholder_id(self) -> int:
+        return self.processor.tokenizer.image_token_id  # the soft token, not the prompt's `image_token`
 
     def both_way_spans(self, outputs: Any, runs: list[tuple[int, ...]]) -> list[tuple[int, int] | None]:
         return [(run[0], run[-1] + 1) for run in runs]
