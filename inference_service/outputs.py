@@ -227,6 +227,10 @@ class EngineInfo:
     vision_architecture: str | None = None
     max_images_per_request: int = 0
     max_image_fetch_size: int = 0  # bytes of one fetched or decoded image
+    # The image encoder's memory, kept out of the KV cache's budget: a request's images must fit it.
+    encoder_crop_values: int = 0  # pixel values of one crop of the vision tower's input size
+    encoder_crop_bytes: int = 0  # estimated activation bytes of encoding one crop
+    encoder_memory_bytes: int = 0  # reserved at startup (0: not checked)
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -6,10 +6,15 @@ and a second turn reusing the first's image blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from inference_service.config import CacheConfig
 from inference_service.engine.builder import build_engine
+from inference_service.errors import ValidationError
+from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from tests.integration.test_vision_both_ways import assert_matches, staggered_pair
 from tests.integration.test_vision_models import (
     BLUE,
@@ -92,3 +97,25 @@ def test_a_follow_up_turn_reuses_the_tiles(idefics3_engine, idefics3_dir):
     assert hits >= first[0].images[0].positions[-1] + 1
     for request, tokens in (first, second):
         assert tokens == reference(request)
+
+
+def test_the_encoder_memory_is_kept_and_images_past_it_are_refused(idefics3_dir):
+    """The reservation holds --max-images-per-request images of the processor's most tiles (4 + the
+    global image here), out of the KV budget; a request needing more is a typed validation error."""
+    config = llava_config(idefics3_dir, max_total=400)
+    sized = dataclasses.replace(config, cache=CacheConfig(kv_cache_memory="1MiB", block_size=4))
+    engine = build_engine(sized)
+    info = engine.info
+    assert info.encoder_memory_bytes == 3 * 5 * info.encoder_crop_bytes > 0
+    shapes = [LayerShape(num_kv_heads=2, head_dim=16)] * 2  # the tiny Llama text model's
+    bytes_per_block = PagedKVCache.bytes_per_token(shapes, torch.float32) * 4
+    assert info.num_blocks == (2**20 - info.encoder_memory_bytes) // bytes_per_block
+    engine.info = dataclasses.replace(info, encoder_memory_bytes=4 * info.encoder_crop_bytes)  # 4 crops kept
+
+    async def both(engine, front_end):
+        with pytest.raises(ValidationError, match=r"\(5 crops\); this server keeps"):
+            await front_end.chat(chat_request([(RED, (30, 30)), "describe"]), stream=False)
+        return await chat_tokens(engine, front_end, chat_request([(RED, (70, 30)), "describe"], max_tokens=2))
+
+    _, tokens = run(engine, both)  # 3 crops fit, and the engine still serves
+    assert len(tokens) == 2
