@@ -85,10 +85,9 @@ def assert_matches(reference, request, tokens) -> None:
     assert max(abs(t.logprob - e) for t, e in zip(tokens, expected_logprobs, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("prefill", [6, 64])
-def test_gemma3_images_attend_both_ways_and_match_transformers(gemma3_dir, prefill):
+def test_gemma3_images_attend_both_ways_and_match_transformers(gemma3_dir):
     """A 6-token budget would cut each 4-token image: its chunk stops before it, the next runs it whole."""
-    engine = build_engine(llava_config(gemma3_dir, prefill=prefill))
+    engine = build_engine(llava_config(gemma3_dir, prefill=6))
     reference = reference_for(gemma3_dir)
     two = chat_request(["compare", RED, "with", BLUE, "please"], max_tokens=16)
     one = chat_request([GREEN, "describe the picture"])
