@@ -18,7 +18,11 @@ on the same weights; ratios are taken within the run (this CPU is shared and noi
   holds the same image and the first reply. Reported: time to first token of each (the second
   reuses the image's KV blocks and skips the vision encoder's work for its cached tokens; goal ≥ 3×).
 
-Usage: python benchmarks/vision_bench.py [--quick] [--rounds N] [--out DIR]
+`--family gemma3|paligemma|idefics3` runs the same on that family's tiny random model (64 wide, 2
+layers, 32x32 images: 4, 16 and 20 image tokens; tests/tiny_vision_gemma.py, tests/tiny_vision_idefics.py):
+image tokens that attend both ways (prefilled whole, one chunk each), or tiles between text tags.
+
+Usage: python benchmarks/vision_bench.py [--quick] [--rounds N] [--family NAME] [--out DIR]
 """
 
 from __future__ import annotations
@@ -47,8 +51,11 @@ from inference_service.engine.builder import build_engine  # noqa: E402
 from inference_service.engine.step_cost import StepCost  # noqa: E402
 from inference_service.frontend.front_end import FrontEnd  # noqa: E402
 from tests.tiny_vision import save_llava  # noqa: E402
+from tests.tiny_vision_gemma import save_gemma3, save_paligemma  # noqa: E402
+from tests.tiny_vision_idefics import save_idefics3  # noqa: E402
 from textgen.v1 import generate_pb2 as pb  # noqa: E402
 
+FAMILIES = {"gemma3": save_gemma3, "paligemma": save_paligemma, "idefics3": save_idefics3}
 FULL = {"requests": 16, "new_tokens": 32, "hidden": 384, "layers": 6, "image": 128}
 QUICK = {"requests": 4, "new_tokens": 4, "hidden": 64, "layers": 2, "image": 32}
 
@@ -98,17 +105,38 @@ async def engine_batch(
     return time.perf_counter() - started, requests
 
 
+def family_inputs(model, requests, width: int) -> dict:
+    """What the family's `generate` reads beside the ids: Gemma 3's image token types, PaliGemma's
+    prefix (types 0), Idefics3's pixel mask."""
+    model_type = model.config.model_type
+    if model_type in ("gemma3", "paligemma"):
+        types = torch.zeros(len(requests), width, dtype=torch.long)
+        if model_type == "gemma3":
+            for row, request in enumerate(requests):
+                pad = width - len(request.prompt_token_ids)
+                for image in request.images:
+                    types[row, [pad + p for p in image.positions]] = 1
+        return {"token_type_ids": types}
+    if model_type == "idefics3":
+        return {
+            "pixel_attention_mask": torch.cat([i.extras["pixel_attention_mask"] for r in requests for i in r.images])
+        }
+    return {}
+
+
 def transformers_batch(model, requests, pad_id: int, new_tokens: int) -> float:
     width = max(len(r.prompt_token_ids) for r in requests)
     ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in requests])
     mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in requests])
     pixels = torch.cat([image.pixel_values for r in requests for image in r.images])
+    extras = family_inputs(model, requests, width)
     started = time.perf_counter()
     with torch.inference_mode():
         model.generate(
             input_ids=ids,
             attention_mask=mask,
             pixel_values=pixels,
+            **extras,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -142,18 +170,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of the three runs (default 3; --quick 1)")
+    parser.add_argument("--family", choices=["llava", *FAMILIES], default="llava")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     params = QUICK if args.quick else FULL
+    if args.family != "llava":  # the family's tiny model and its 32x32 images
+        params = {**params, "hidden": 64, "layers": 2, "image": 32}
     rounds = args.rounds or (1 if args.quick else 3)
     out = common.output_dir(args.out, args.quick)
     runs = ("share per prompt", "one share", "transformers")
     seconds: dict[str, list[float]] = {run: [] for run in runs}
     steps: dict[str, list[int]] = {run: [] for run in runs[:2]}
     with tempfile.TemporaryDirectory() as scratch:
-        folder = save_llava(
-            Path(scratch), hidden_size=params["hidden"], num_layers=params["layers"], image_size=params["image"]
-        )
+        if args.family == "llava":
+            folder = save_llava(
+                Path(scratch), hidden_size=params["hidden"], num_layers=params["layers"], image_size=params["image"]
+            )
+        else:
+            folder = FAMILIES[args.family](Path(scratch))
         config = EngineConfig(
             model=ModelConfig(model_id=str(folder), device="cpu", dtype="float32"),
             cache=CacheConfig(max_batch_total_tokens=16384),
@@ -215,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ours = med["share per prompt"]
     summary = (
-        f"{table}\n\nThroughput ratio, engine ÷ transformers: {common.ratio(med['transformers'], ours)} "
+        f"Model: a random {args.family}.\n\n{table}\n\n"
+        f"Throughput ratio, engine ÷ transformers: {common.ratio(med['transformers'], ours)} "
         f"(rounds: {per_round}; {params['requests']} requests, {params['new_tokens']} new tokens each, "
         "one image each).\n"
         f"Prefill pool, share per prompt ÷ one share: {common.ratio(med['one share'], ours)} "
@@ -224,10 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         f"({common.ratio(first_ttft, second_ttft)} faster).\n\n{common.machine_line(common.machine())}\n"
     )
     print(summary)
-    (out / "vision.md").write_text(summary)
+    name = "vision" if args.family == "llava" else f"vision_{args.family}"
+    (out / f"{name}.md").write_text(summary)
     common.write_json(
-        out / "vision.json",
+        out / f"{name}.json",
         {
+            "family": args.family,
             "params": params,
             "rounds": rounds,
             "seconds": seconds,

@@ -45,6 +45,8 @@ class ScheduledRequest:
     image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # Multimodal rotary models (Qwen2-VL) with images: each token's three positions [3, num_new_tokens].
     rope_positions: torch.Tensor | None = None
+    # Prompt spans [start, end) whose tokens attend to each other both ways, where this chunk runs some.
+    both_way_spans: tuple[tuple[int, int], ...] = ()
     # The LoRA adapter of every row of this request (None: the base model's weights alone).
     adapter_id: str | None = None
 
@@ -227,6 +229,10 @@ class EngineInfo:
     vision_architecture: str | None = None
     max_images_per_request: int = 0
     max_image_fetch_size: int = 0  # bytes of one fetched or decoded image
+    # The image encoder's memory, kept out of the KV cache's budget: a request's images must fit it.
+    encoder_crop_values: int = 0  # pixel values of one crop of the vision tower's input size
+    encoder_crop_bytes: int = 0  # estimated activation bytes of encoding one crop
+    encoder_memory_bytes: int = 0  # reserved at startup (0: not checked)
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -73,6 +73,9 @@ class ImageInput:
     content_hash: bytes  # of the image's bytes: keys its tokens in the prefix cache
     pixel_values: Any  # the processor's tensor for this image alone
     extras: dict[str, Any] = field(default_factory=dict)  # per-image processor outputs (image_sizes, grid)
+    # Prompt tokens [start, end) that attend to each other both ways, this image's among them (Gemma 3:
+    # the image's own tokens; PaliGemma: the whole prompt); None: causal, like text.
+    span: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

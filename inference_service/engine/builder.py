@@ -53,8 +53,10 @@ from inference_service.worker.runner.cuda_graphs import (
     static_decode_sizes,
 )
 from inference_service.worker.runner.decode_step import decode_step_for
+from inference_service.worker.runner.encoder_memory import EncoderBudget, encoder_budget
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
+from inference_service.worker.runner.vision_paligemma import adapt_vision_model
 from inference_service.worker.shard_group import ShardGroup
 from inference_service.worker.transformers_runner.runner import ATTENTION_IMPL, TransformersRunner
 from inference_service.worker.weights import schemes
@@ -86,6 +88,7 @@ class LoadedModel:
     num_quantized: int = 0  # linears replaced by quantized ones
     fallback_reason: str | None = None  # why transformers' attention serves it; None: the paged path
     processor: Any = None  # a vision-language model's processor (the front end's); None: text only
+    encoder: EncoderBudget | None = None  # its image encoder's memory, kept out of the KV cache's budget
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -237,21 +240,23 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     decode_kernel = decode_kernel_for(loaded.device, dtype)
     decode_step = decode_step_for(loaded.model, decode_glue_for(loaded.device, dtype))
-    image_encoder = ImageEncoder(loaded.model, loaded.device) if loaded.processor is not None else None
+    image_encoder = ImageEncoder(loaded.model, loaded.device, loaded.encoder) if loaded.processor is not None else None
 
     def runner_over(kv_cache: PagedKVCache) -> ModelRunner:
         return ModelRunner(loaded.model, kv_cache, loaded.device, decode_kernel, decode_step, image_encoder)
 
     num_blocks = 0
+    reserved = loaded.encoder.reserved_bytes if loaded.encoder is not None else 0  # the image encoder's
     if group is None and loaded.device.type == "cuda" and sized_by_memory(config.cache):
         profile_tokens = _profile_tokens(config, loaded)
         num_blocks = profile_kv_blocks(
-            runner_over, shapes, dtype, loaded.device, config.cache, profile_tokens, kv_dtype=kv_dtype
-        )
+            runner_over, shapes, dtype, loaded.device, config.cache, profile_tokens, kv_dtype=kv_dtype,
+            reserved_bytes=reserved,
+        )  # fmt: skip
     elif group is None or group.is_first:
         # On CPU every shard's cache comes out of the same memory: the budget holds all of them.
         sharing = group.world_size if group is not None and loaded.device.type == "cpu" else 1
-        num_blocks = plan_num_blocks(config.cache, shapes * sharing, kv_dtype, loaded.device)
+        num_blocks = plan_num_blocks(config.cache, shapes * sharing, kv_dtype, loaded.device, reserved)
     if group is not None:
         num_blocks = cast(int, group.broadcast_object(num_blocks, loaded.device))
     kv_writer = kv_writer_for(loaded.device, dtype)
@@ -308,8 +313,11 @@ def load(config: EngineConfig) -> LoadedModel:
     def load_weights(attn_implementation: str) -> tuple[torch.nn.Module, int]:
         options["attn_implementation"] = attn_implementation
         if scheme in schemes.CHECKPOINT_FORMATS:
-            return load_prequantized(resolved.path, hf_config, scheme, **options)
+            prequantized, num_quantized = load_prequantized(resolved.path, hf_config, scheme, **options)
+            adapt_vision_model(prequantized)
+            return prequantized, num_quantized
         model = loader.load_model(resolved.path, rope_scaling=rope_scaling, **options)
+        adapt_vision_model(model)
         num_quantized = quantize_at_load(model, scheme) if scheme in schemes.AT_LOAD else 0
         if scheme == schemes.GGUF:
             num_quantized = install_gguf(model, _gguf_file(config, resolved))
@@ -339,6 +347,7 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(
             f"vision-language architecture '{hf_config.model_type}' needs the paged attention: {fallback_reason}"
         )
+    encoder = encoder_budget(model, processor, config.limits.max_images_per_request) if processor else None
     return LoadedModel(
         model,
         tokenizer,
@@ -349,6 +358,7 @@ def load(config: EngineConfig) -> LoadedModel:
         num_quantized,
         fallback_reason,
         processor,
+        encoder,
     )
 
 
@@ -409,6 +419,9 @@ def make_info(config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> Eng
         max_top_n_tokens=limits.max_top_n_tokens,
         vision_architecture=loaded.model.config.model_type if loaded.processor is not None else None,
         max_images_per_request=limits.max_images_per_request,
+        encoder_crop_values=loaded.encoder.crop_values if loaded.encoder else 0,
+        encoder_crop_bytes=loaded.encoder.crop_bytes if loaded.encoder else 0,
+        encoder_memory_bytes=loaded.encoder.reserved_bytes if loaded.encoder else 0,
         max_image_fetch_size=limits.max_image_fetch_size,
         # The fallback's per-request caches share nothing: prefix caching is the paged path's.
         prefix_caching=config.cache.prefix_caching and loaded.fallback_reason is None,

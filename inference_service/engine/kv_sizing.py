@@ -20,9 +20,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.85}
 
 
-def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device) -> int:
+def plan_num_blocks(
+    cache: CacheConfig, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, reserved_bytes: int = 0
+) -> int:
     """Blocks in the pool: from --max-batch-total-tokens, else from the memory budget (`dtype`: what
-    the cache stores, so smaller KV entries fit more blocks)."""
+    the cache stores, so smaller KV entries fit more blocks) less `reserved_bytes` (a vision model's
+    image encoder: its activations share the budget)."""
     if cache.max_batch_total_tokens is not None:
         return -(-cache.max_batch_total_tokens // cache.block_size)
     fraction, size = parse_memory(cache.kv_cache_memory) if cache.kv_cache_memory else (None, None)
@@ -30,11 +33,15 @@ def plan_num_blocks(cache: CacheConfig, shapes: list[LayerShape], dtype: torch.d
         fraction = fraction or DEFAULT_KV_FRACTION[device.type]
         size = int(fraction * _available_memory(device))
     bytes_per_block = PagedKVCache.bytes_per_token(shapes, dtype) * cache.block_size
-    num_blocks = size // bytes_per_block
+    num_blocks = (size - reserved_bytes) // bytes_per_block
     if num_blocks < 1:
+        encoder = f", less {reserved_bytes} for the image encoder," if reserved_bytes else ""
         raise ModelLoadError(
-            f"the KV cache budget ({size} bytes) holds no block of {bytes_per_block} bytes; raise --kv-cache-memory"
+            f"the KV cache budget ({size} bytes{encoder}) holds no block of {bytes_per_block} bytes; "
+            "raise --kv-cache-memory" + (" or lower --max-images-per-request" if reserved_bytes else "")
         )
+    if reserved_bytes:
+        logger.info("the image encoder's activations take %.1f MiB of the KV cache budget", reserved_bytes / 2**20)
     return num_blocks
 
 
@@ -52,6 +59,7 @@ def profile_kv_blocks(
     profile_tokens: int,
     memory_info=None,
     kv_dtype: torch.dtype | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
     """KV blocks from the memory left after a profiling forward pass of `profile_tokens` tokens
     (TGI's warm-up; engine/memory_plan.py has the rule). `runner_over(kv_cache)` makes the runner;
@@ -68,6 +76,8 @@ def profile_kv_blocks(
     free, total = memory_info() if memory_info is not None else torch.cuda.mem_get_info(device)
     bytes_per_block = PagedKVCache.bytes_per_token(shapes, kv_dtype or dtype) * cache.block_size
     # The profile's own blocks go back to torch's allocator when it is dropped: they count too.
+    # A vision model's image encoder runs at admission, beside the cache: its activations stay free.
+    free = max(0, free - reserved_bytes)
     num_blocks = memory_plan.kv_blocks_from_memory(free, total, cache.cuda_memory_fraction, bytes_per_block)
     num_blocks += profile_blocks
     logger.info(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +74,12 @@ class Request:
                 content_id = int.from_bytes(image.content_hash[:8], "little", signed=True)
                 for position in image.positions:
                     ids[position] = content_id
-            self.hash_token_ids = ids
+            self.hash_token_ids = span_keyed(ids, self.both_way_spans)
+
+    @property
+    def both_way_spans(self) -> tuple[tuple[int, int], ...]:
+        """Prompt spans whose tokens attend to each other both ways (a chunk never ends inside one)."""
+        return tuple(sorted({image.span for image in self.images if image.span is not None}))
 
     def block_key(self, start: int, end: int) -> list[int]:
         """What the prefix cache hashes for tokens [start, end): the tokens, an image's by content."""
@@ -111,3 +117,13 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+def span_keyed(ids: list[int], spans: tuple[tuple[int, int], ...]) -> list[int]:
+    """Block-hash ids where a token of a both-ways span stands for the whole span's content: its K/V
+    depend on the tokens after it in the span (PaliGemma's image reads the prompt's text)."""
+    for start, end in spans:
+        digest = hashlib.blake2b(repr(ids[start:end]).encode(), digest_size=8).digest()
+        span_id = int.from_bytes(digest, "little", signed=True)
+        ids[start:end] = [span_id] * (end - start)
+    return ids

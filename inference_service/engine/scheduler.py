@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from inference_service.engine.block_hash_index import cache_salt
+from inference_service.engine.both_way_spans import fit_chunk
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
@@ -238,6 +239,7 @@ class Scheduler:
                 continue
             request.draft_token_ids = []  # guesses ride on decodes only
             num_new = plan.fit(request.num_computed_tokens, _pending(request), slice_work)
+            num_new = fit_chunk(request, request.num_computed_tokens, num_new)
             if num_new == 0:
                 continue  # the pool is spent: it moves on in the next step
             block_ids = self._allocate_or_preempt(request, num_new, plan, preempted)
@@ -256,6 +258,7 @@ class Scheduler:
                 index += 1
                 continue
             num_new = plan.fit(hit.num_tokens, request.num_tokens - hit.num_tokens, slice_work)
+            num_new = fit_chunk(request, hit.num_tokens, num_new)
             if num_new == 0:
                 break  # FIFO: the pool is spent, nobody skips ahead of it
             block_ids = self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
@@ -279,6 +282,7 @@ class Scheduler:
             if rest <= 0:
                 continue
             extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, math.inf, top_up=True)
+            extra = fit_chunk(request, request.num_computed_tokens + chunk.num_new, extra, may_grow=False)
             end = request.num_computed_tokens + chunk.num_new + extra
             block_ids = self.kv.allocate_slots(request.request_id, end) if extra > 0 else None
             if block_ids is not None:

@@ -11,6 +11,7 @@ prompt chunks carry the rows that replace their image placeholders.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Protocol, runtime_checkable
 
 from inference_service.engine.mrope import prompt_positions
@@ -55,15 +56,33 @@ class VisionStage:
                     if request.rope_positions is None:
                         request.rope_positions = prompt_positions(len(request.prompt_token_ids), request.images)
                     item.rope_positions = request.rope_positions.of(item.num_computed_tokens, item.num_new_tokens)
+                item.both_way_spans = chunk_spans(request, item.num_computed_tokens, item.num_known_tokens)
 
 
 def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]]:
-    """(row in the chunk, embedding rows) for the image tokens among tokens [start, start + count)."""
+    """(row in the chunk, embedding rows) for the image tokens among tokens [start, start + count):
+    one entry per run of an image's placeholders inside the chunk (Idefics3's tiles are several
+    runs with text tags between them; most images are one run)."""
     end = start + count
     rows = []
     for image, embeds in zip(request.images, request.image_embeds or (), strict=True):
-        first, last = image.positions[0], image.positions[-1] + 1  # one run of placeholders
-        low, high = max(first, start), min(last, end)
-        if low < high:
-            rows.append((low - start, embeds[low - first : high - first]))
+        positions = image.positions
+        first, last = positions[0], positions[-1] + 1
+        if last - first == len(positions):  # one run of placeholders
+            low, high = max(first, start), min(last, end)
+            if low < high:
+                rows.append((low - start, embeds[low - first : high - first]))
+            continue
+        index, stop = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
+        while index < stop:
+            run_end = index + 1
+            while run_end < stop and positions[run_end] == positions[run_end - 1] + 1:
+                run_end += 1
+            rows.append((positions[index] - start, embeds[index:run_end]))
+            index = run_end
     return rows
+
+
+def chunk_spans(request: Request, start: int, count: int) -> tuple[tuple[int, int], ...]:
+    """The both-way spans holding some of tokens [start, start + count) (the attention's mask)."""
+    return tuple((low, high) for low, high in request.both_way_spans if low < start + count and start < high)

@@ -36,6 +36,7 @@ from typing import Any
 
 from inference_service.errors import ValidationError, quoted, shortened
 from inference_service.frontend.adapters import AdapterNames
+from inference_service.frontend.image_memory import check_encoder_memory
 from inference_service.frontend.parameters import MAX_SEED, GenerateParameters, GenerateRequest, TokenSpan
 from inference_service.frontend.vision import VisionPrompts, check_image_count, refuse_images
 from inference_service.outputs import EngineInfo
@@ -212,6 +213,7 @@ class Validator:
         if vision is None:
             refuse_images(self._info)
         token_ids, images = vision.prepare(request.inputs, request.images, request.add_special_tokens)
+        check_encoder_memory(self._info, images)
         _check(
             truncate is None or truncate >= len(token_ids),
             f"`truncate` ({truncate}) would cut the prompt's images: its {len(token_ids)} tokens hold them",

@@ -13,6 +13,10 @@ from typing import Any, NoReturn
 
 from inference_service.errors import ValidationError, shortened
 from inference_service.frontend.images import MARKDOWN_IMAGE, LoadedImage
+from inference_service.frontend.vision_family import VisionFamily
+from inference_service.frontend.vision_gemma3 import Gemma3Family
+from inference_service.frontend.vision_idefics3 import Idefics3Family
+from inference_service.frontend.vision_paligemma import PaliGemmaFamily
 from inference_service.outputs import EngineInfo
 from inference_service.sampling_params import ImageInput
 
@@ -21,6 +25,13 @@ from inference_service.sampling_params import ImageInput
 RAW_PROMPT_IMAGE = {
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+}
+# Families whose placeholders or attention differ from LLaVA's (each in its own module).
+FAMILIES: dict[str, type[VisionFamily]] = {
+    "gemma3": Gemma3Family,
+    "paligemma": PaliGemmaFamily,
+    "idefics3": Idefics3Family,
+    "smolvlm": Idefics3Family,
 }
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
@@ -46,7 +57,8 @@ class VisionPrompts:
         self.info = info
         self.tokenizer = processor.tokenizer
         self.image_token: str = processor.image_token
-        self.image_token_id: int = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.family = FAMILIES.get(info.vision_architecture or "", VisionFamily)(processor)
+        self.image_token_id: int = self.family.placeholder_id()
         self.raw_prompt_image = RAW_PROMPT_IMAGE.get(info.vision_architecture or "", self.image_token)
 
     def with_placeholders(self, inputs: str) -> str:
@@ -67,30 +79,16 @@ class VisionPrompts:
         except Exception as error:  # a placeholder count that does not match the images, a bad size
             raise ValidationError(f"the model's processor refused the images: {shortened(str(error), 200)}") from None
         token_ids = outputs["input_ids"][0].tolist()
-        runs = _runs_of(token_ids, self.image_token_id)
+        runs = self.family.image_runs(token_ids, self.image_token_id, len(images))
         if len(runs) != len(images):
             raise ValidationError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
-        per_image = _split_per_image(outputs, len(images))
+        per_image = self.family.split(outputs, runs) or _split_per_image(outputs, len(images))
+        spans = self.family.both_way_spans(outputs, runs)
         inputs = tuple(
-            ImageInput(positions=run, content_hash=image.content_hash, pixel_values=pixels, extras=extras)
-            for run, image, (pixels, extras) in zip(runs, images, per_image, strict=True)
+            ImageInput(positions=run, content_hash=image.content_hash, pixel_values=pixels, extras=extras, span=span)
+            for run, image, (pixels, extras), span in zip(runs, images, per_image, spans, strict=True)
         )
         return token_ids, inputs
-
-
-def _runs_of(token_ids: list[int], token_id: int) -> list[tuple[int, ...]]:
-    """Maximal runs of `token_id`: one per image."""
-    runs: list[tuple[int, ...]] = []
-    current: list[int] = []
-    for position, token in enumerate(token_ids):
-        if token == token_id:
-            current.append(position)
-        elif current:
-            runs.append(tuple(current))
-            current = []
-    if current:
-        runs.append(tuple(current))
-    return runs
 
 
 def _split_per_image(outputs: Any, num_images: int) -> list[tuple[Any, dict[str, Any]]]:

@@ -230,3 +230,9 @@ def test_vision_bench_quick(tmp_path):
     table = (tmp_path / "vision.md").read_text()
     assert "Throughput ratio" in table and "Follow-up turn" in table
     assert json.loads((tmp_path / "vision.json").read_text())["params"]["requests"] == 4
+
+
+def test_vision_bench_quick_on_another_family(tmp_path):
+    run_script("vision_bench.py", "--quick", "--family", "paligemma", "--out", str(tmp_path))
+    assert "Model: a random paligemma." in (tmp_path / "vision_paligemma.md").read_text()
+    assert json.loads((tmp_path / "vision_paligemma.json").read_text())["family"] == "paligemma"

@@ -41,6 +41,9 @@ class PrefillChunk:
     num_new: int
     num_computed: int
     context_slots: torch.Tensor  # [num_computed + num_new] cache slots of the whole context
+    # Position spans [start, end) whose tokens attend to each other both ways (image tokens of
+    # PaliGemma's prefix or of a Gemma 3 image); the scheduler never ends a chunk inside one.
+    both_way_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -108,7 +111,8 @@ def paged_attention(
     if meta.decode_only:
         out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap, scales)  # [Sd, H, Dv]
         return out.unsqueeze(0), None
-    if _use_triton(query, value):  # prefill chunks and decode rows in one launch
+    if _use_triton(query, value) and not any(chunk.both_way_spans for chunk in meta.prefills):
+        # prefill chunks and decode rows in one launch (causal only: both-way spans take the torch path)
         from inference_service.worker.attention import triton_paged
 
         out = triton_paged.paged_attention(
@@ -305,20 +309,30 @@ def _attend_prefill(
     else:
         keys, values = kv_cache.read(layer, chunk.context_slots)  # [ctx, KVH, D], the model's dtype
         keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-    if chunk.num_computed == 0 and window is None and softcap is None:
+    if chunk.num_computed == 0 and window is None and softcap is None and not chunk.both_way_spans:
         out = F.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
         )
     else:
-        mask = _prefill_mask(chunk.num_new, chunk.num_computed, window, q.device)  # [n, ctx]
+        mask = _prefill_mask(chunk.num_new, chunk.num_computed, window, q.device, chunk.both_way_spans)  # [n, ctx]
         out = _attend(q, keys, values, mask, scaling, softcap)
     return out[0].transpose(0, 1)
 
 
-def _prefill_mask(num_new: int, num_computed: int, window: int | None, device: torch.device) -> torch.Tensor:
+def _prefill_mask(
+    num_new: int,
+    num_computed: int,
+    window: int | None,
+    device: torch.device,
+    both_way_spans: tuple[tuple[int, int], ...] = (),
+) -> torch.Tensor:
+    """Causal, or both ways within a span (transformers' blockwise overlay), then the window's cut
+    (AND(window, OR(causal, span)), as Gemma 3's sliding layers do)."""
     query_pos = torch.arange(num_computed, num_computed + num_new, device=device)[:, None]  # [n, 1]
     key_pos = torch.arange(num_computed + num_new, device=device)[None, :]  # [1, ctx]
     mask = key_pos <= query_pos
+    for start, end in both_way_spans:
+        mask |= (query_pos >= start) & (query_pos < end) & (key_pos >= start) & (key_pos < end)
     if window is not None:
         mask &= key_pos > query_pos - window
     return mask

@@ -1,7 +1,8 @@
 """A vision-language model's image encoder (vision tower + projector), run through the model's own
 `get_image_features`: images of one shape are stacked into one batch, each image's rows come back
 as [num_tokens, H] in the language model's dtype, and their count is checked against its
-placeholders (a mismatch is a bug to report, never rows merged at the wrong places).
+placeholders (a mismatch is a bug to report, never rows merged at the wrong places). Images admitted
+together are encoded in batches within the memory kept for the encoder at startup.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from typing import Any
 import torch
 
 from inference_service.sampling_params import ImageInput
+from inference_service.worker.runner.encoder_memory import EncoderBudget
 
 
 class ImageEncoder:
     """Encodes images for one loaded vision-language model."""
 
-    def __init__(self, model: Any, device: torch.device):
+    def __init__(self, model: Any, device: torch.device, budget: EncoderBudget | None = None):
         # model: a transformers PreTrainedModel, whose attributes torch types as tensors
         self.model = model
         self.device = device
+        self.budget = budget  # the memory kept for it: a batch of images never needs more
         self.inner: Any = getattr(model, "model", model)  # the VLM body that has get_image_features
         self.dtype = model.get_input_embeddings().weight.dtype
 
@@ -28,10 +31,27 @@ class ImageEncoder:
         for index, image in enumerate(images):
             groups.setdefault(_shape_key(image), []).append(index)
         rows: list[torch.Tensor | None] = [None] * len(images)
-        for indices in groups.values():
-            for index, embeds in zip(indices, self._encode_group([images[i] for i in indices]), strict=True):
-                rows[index] = embeds
+        for same_shape in groups.values():
+            for indices in self._within_budget(same_shape, images):
+                for index, embeds in zip(indices, self._encode_group([images[i] for i in indices]), strict=True):
+                    rows[index] = embeds
         return [r for r in rows if r is not None]
+
+    def _within_budget(self, indices: list[int], images: list[ImageInput]) -> list[list[int]]:
+        """`indices` in batches whose activations fit the encoder's budget (an image alone always
+        runs: validation refused any that needs more)."""
+        if self.budget is None:
+            return [indices]
+        batches: list[list[int]] = [[]]
+        used = 0
+        for index in indices:
+            need = self.budget.bytes_for(images[index].pixel_values.numel())
+            if batches[-1] and used + need > self.budget.reserved_bytes:
+                batches.append([])
+                used = 0
+            batches[-1].append(index)
+            used += need
+        return batches
 
     def _encode_group(self, images: list[ImageInput]) -> list[torch.Tensor]:
         pixels = torch.cat([image.pixel_values for image in images]).to(self.device)

@@ -170,7 +170,8 @@ class ModelRunner:
             else:
                 context = _slots_of(table, start + count, block_size)  # [ctx]
                 slots.extend(context[start:].tolist())
-                prefills.append(PrefillChunk(token_start, count, start, context.to(self.device)))
+                chunk = PrefillChunk(token_start, count, start, context.to(self.device), item.both_way_spans)
+                prefills.append(chunk)
         num_tokens = len(input_ids)
         meta = StepMetadata(
             kv_cache=self.kv_cache,
