@@ -118,3 +118,16 @@ def test_kernel_refuses_what_it_cannot_take():
     parts = native.parts_of([((0, "q_proj"), 0, 64)])
     assert not native.add_native(torch.randn(2, IN).bfloat16(), torch.randn(2, 64).bfloat16(), step, parts)
     assert not native.add_native(torch.randn(2, IN)[:, :60], torch.randn(2, 64), step, parts)
+
+
+def test_sgmv_split_over_threads_equals_float64():
+    """Enough work (~8M FMAs, past the kernel's threading threshold) that threads take its tasks."""
+    adapter = _adapter("a", 64, 8, [(3, t) for t in WIDTHS])
+    x, y = torch.randn(400, IN), torch.randn(400, sum(WIDTHS.values()))
+    rows = list(range(0, 400, 2)) + list(range(1, 400, 4))
+    parts = _fused_parts(3)
+    expected = _reference(x, y, [(adapter, rows)], parts)
+    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
+    got = y.clone()
+    assert native.add_native(x, got, _step([(adapter, rows)], 400), fused.native_parts)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
