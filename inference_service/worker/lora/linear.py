@@ -3,10 +3,11 @@
 `LoraLinear` wraps one base projection (any kind: nn.Linear, native, panelled, quantized) and
 `LoraFused` a fused one of the decode plan (q|k|v or gate|up), adding each part's update to its
 slice of the output columns. Per group of rows sharing an adapter: shrink (x · A, [n, r]) then
-expand (· B, [n, out]) and add into those rows. With no adapter in the step they cost one
-contextvar read.
+expand (· B, [n, out]) and add into those rows: one native call per projection for every group
+where the kernel applies (lora/native.py), else the torch path below (the reference). With no
+adapter in the step they cost one contextvar read.
 
-The products are small (a few rows times rank 8-64): on CPU they run on one thread. Measured on this
+In the torch path the products are small (a few rows times rank 8-64): on CPU they run on one thread. Measured on this
 shared 2-core CPU (busy): [2, 64]·[64, 8]·[8, 192] took 44 ms with torch's 2 threads waiting on each
 other, 52 µs on one thread (switching included); a step has 7 of them per layer and adapter.
 """
