@@ -178,7 +178,7 @@ def _pairs(
         if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
             raise fail(f"{where}: the weights hold NaN or infinity")
         pairs[site] = LoraPair(
-            a=a32.t().contiguous().to(device),  # [in, r]
+            a=a32.contiguous().to(device).t(),  # [in, r], stored as [r, in]
             b=(b32.t() * scale).contiguous().to(device),  # [r, out]
         )
     return pairs

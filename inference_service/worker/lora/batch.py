@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class LoraGroup:
 @dataclass
 class LoraStep:
     groups: list[LoraGroup]
+    native: Any = None  # the native kernel's plan of these groups, made on first use (lora/native.py)
 
 
 _STEP: contextvars.ContextVar[LoraStep | None] = contextvars.ContextVar("lora_step", default=None)

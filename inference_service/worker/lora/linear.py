@@ -3,10 +3,11 @@
 `LoraLinear` wraps one base projection (any kind: nn.Linear, native, panelled, quantized) and
 `LoraFused` a fused one of the decode plan (q|k|v or gate|up), adding each part's update to its
 slice of the output columns. Per group of rows sharing an adapter: shrink (x · A, [n, r]) then
-expand (· B, [n, out]) and add into those rows. With no adapter in the step they cost one
-contextvar read.
+expand (· B, [n, out]) and add into those rows: one native call per projection for every group
+where the kernel applies (lora/native.py), else the torch path below (the reference). With no
+adapter in the step they cost one contextvar read.
 
-The products are small (a few rows times rank 8-64): on CPU they run on one thread. Measured on this
+In the torch path the products are small (a few rows times rank 8-64): on CPU they run on one thread. Measured on this
 shared 2-core CPU (busy): [2, 64]·[64, 8]·[8, 192] took 44 ms with torch's 2 threads waiting on each
 other, 52 µs on one thread (switching included); a step has 7 of them per layer and adapter.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from inference_service.worker.lora.batch import LoraStep, current_step
+from inference_service.worker.lora.native import add_native, parts_of
 from inference_service.worker.lora.weights import Site
 
 # Up to this many rows of x the LoRA products run on one CPU thread (decode steps, short prefills).
@@ -39,21 +41,26 @@ def _one_thread(x: torch.Tensor) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, site: Site, columns: slice | None = None) -> torch.Tensor:
-    """y [..., out] += each group's update of x [..., in] at `site` (into `columns` of y when given)."""
+def add_lora(
+    x: torch.Tensor, y: torch.Tensor, parts: list[tuple[Site, slice]], native_parts: torch.Tensor
+) -> torch.Tensor:
+    """y [..., out] += each group's update of x [..., in] at each part's site, into its columns of y:
+    one native call where the kernel applies (lora/native.py), else the torch path per part."""
     step = current_step()
     if step is None:
         return y
+    x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+    y2 = y.view(-1, y.shape[-1])  # [T, out]: y is the base's fresh output
+    if add_native(x2, y2, step, native_parts):
+        return y
     with _one_thread(x):
-        _add_groups(step, x, y, site, columns)
+        for site, columns in parts:
+            _add_groups(step, x2, y2[:, columns], site)
     return y
 
 
-def _add_groups(step: LoraStep, x: torch.Tensor, y: torch.Tensor, site: Site, columns: slice | None) -> None:
-    x2 = x.reshape(-1, x.shape[-1])  # [T, in]
-    y2 = y.view(-1, y.shape[-1])  # [T, out]: y is the base's fresh output
-    if columns is not None:
-        y2 = y2[:, columns]
+def _add_groups(step: LoraStep, x2: torch.Tensor, y2: torch.Tensor, site: Site) -> None:
+    """The torch path (the reference): y2 [T, out] += each group's update of x2 [T, in] at `site`."""
     for group in step.groups:
         pair = group.adapter.pairs.get(site)
         if pair is None:
@@ -81,9 +88,11 @@ class LoraLinear(torch.nn.Module):
         shape: Any = base  # every linear kind has in_features and out_features
         self.in_features: int = shape.in_features
         self.out_features: int = shape.out_features
+        self.parts = [(site, slice(0, self.out_features))]
+        self.native_parts = parts_of([(site, 0, self.out_features)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(x, self.base(x), self.site)
+        return add_lora(x, self.base(x), self.parts, self.native_parts)
 
 
 class LoraFused(torch.nn.Module):
@@ -98,13 +107,7 @@ class LoraFused(torch.nn.Module):
         for site, width in parts:
             self.parts.append((site, slice(start, start + width)))
             start += width
+        self.native_parts = parts_of([(site, c.start, c.stop - c.start) for site, c in self.parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        step = current_step()
-        if step is None:
-            return y
-        with _one_thread(x):
-            for site, columns in self.parts:
-                _add_groups(step, x, y, site, columns)
-        return y
+        return add_lora(x, self.base(x), self.parts, self.native_parts)

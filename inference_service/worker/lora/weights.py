@@ -23,7 +23,7 @@ Site = tuple[int, str]  # (layer index, target name): one projection of one deco
 class LoraPair:
     """y += (x · a) · b for one projection: a = Aᵀ [in, r], b = scale · Bᵀ [r, out] (float)."""
 
-    a: torch.Tensor  # [in, r]
+    a: torch.Tensor  # [in, r]: a view of PEFT's lora_A [r, in], which the native kernel reads
     b: torch.Tensor  # [r, out], the adapter's scale folded in
 
 
@@ -35,6 +35,8 @@ class AdapterWeights:
     rank: int
     pairs: dict[Site, LoraPair]
     fingerprint: str = ""  # digest of its files: what its K/V depend on besides the tokens
+    # The native kernel's table of its sites and the tensors it points into (lora/native.py).
+    native_table: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,195 @@
+// LoRA updates of a step's rows, grouped by adapter, for one projection (plain or fused), fp32, CPU:
+// y[row, col + o] += scale · Σ_j (x[row] · A[j]) · B[j, o] for every row of every group and every part
+// of the projection (q|k|v or gate|up: one part per site), in one call. Punica's SGMV (segments of
+// rows sharing an adapter) with its BGMV case (a single row) fused into one pass.
+//
+// Why native: in torch each group costs a gather, two matmuls and a scatter-add per projection, and
+// the demo model's decode step has 7 projections × 30 layers of them: thousands of small ops whose
+// dispatch costs more than their arithmetic (a rank-16 update of one row is ~35k FMAs).
+//
+// Layouts (as worker/lora/weights.py keeps them): A [rank, in] row-major (PEFT's lora_A), B [rank, out]
+// row-major (scale · lora_Bᵀ). An adapter's table holds one entry per site (layer · 7 + target);
+// an entry with a null A means the adapter leaves that site alone. `in` is a multiple of 8.
+//
+// Threads (torch's OpenMP runtime) take (tile of rows, part) tasks once the call's work is large
+// enough to repay waking them; a single row runs inline.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec8.h"
+
+namespace {
+
+struct Entry {  // one site of one adapter
+    const float* a;  // [rank, in], or null: not targeted
+    const float* b;  // [rank, out]
+    int64_t rank;
+    float scale;
+    float pad_;
+};
+
+struct Group {  // one adapter's segment of the step's rows
+    const Entry* table;
+    int64_t table_len;
+    int64_t start, end;  // into `rows` (or the step's rows themselves when rows is null)
+};
+
+struct Part {  // one site of the projection and its columns in y
+    int64_t site, col, width;
+};
+
+static_assert(sizeof(Entry) == 32 && sizeof(Group) == 32 && sizeof(Part) == 24, "C ABI layout");
+
+constexpr int64_t kTile = 4;                      // rows per task: their shrinks share each A load
+// FMAs below which the kernel runs on one thread: a decode step's call (16 rows of gate|up at rank 16:
+// ~1M FMAs, ~0.1 ms) is too short to repay waking a second thread, and on the busy shared 2-core
+// machine it was measured here a thread wake-up cost up to milliseconds. Long prefills still split.
+constexpr int64_t kMinParallelWork = 1 << 22;
+constexpr int64_t kMaxRank = 1024;
+
+const Entry* entry_of(const Group& g, int64_t site) {
+    if (site < 0 || site >= g.table_len) return nullptr;
+    const Entry* e = g.table + site;
+    return e->a != nullptr && e->rank > 0 ? e : nullptr;
+}
+
+// t[m][0..rank) = scale · xs[m] · Aᵀ for M gathered rows xs [M, k] (contiguous).
+template <int M>
+void shrink(const float* xs, const Entry& e, int64_t k, float* t, int64_t ldt) {
+    const float* a = e.a;
+    int64_t j = 0;
+    for (; j + 2 <= e.rank; j += 2) {  // two A rows per pass over x: 2·M accumulators
+        v8 acc0[M] = {}, acc1[M] = {};
+        const float* a0 = a + j * k;
+        const float* a1 = a0 + k;
+        for (int64_t c = 0; c < k; c += 8) {
+            const v8 w0 = load8(a0 + c), w1 = load8(a1 + c);
+            for (int m = 0; m < M; ++m) {
+                const v8 xv = load8(xs + m * k + c);
+                acc0[m] += w0 * xv;
+                acc1[m] += w1 * xv;
+            }
+        }
+        for (int m = 0; m < M; ++m) {
+            t[m * ldt + j] = hsum(acc0[m]) * e.scale;
+            t[m * ldt + j + 1] = hsum(acc1[m]) * e.scale;
+        }
+    }
+    for (; j < e.rank; ++j) {
+        v8 acc[M] = {};
+        const float* a0 = a + j * k;
+        for (int64_t c = 0; c < k; c += 8) {
+            const v8 w0 = load8(a0 + c);
+            for (int m = 0; m < M; ++m) acc[m] += w0 * load8(xs + m * k + c);
+        }
+        for (int m = 0; m < M; ++m) t[m * ldt + j] = hsum(acc[m]) * e.scale;
+    }
+}
+
+void shrink_rows(const float* xs, int64_t m, const Entry& e, int64_t k, float* t, int64_t ldt) {
+    switch (m) {
+        case 1: shrink<1>(xs, e, k, t, ldt); break;
+        case 2: shrink<2>(xs, e, k, t, ldt); break;
+        case 3: shrink<3>(xs, e, k, t, ldt); break;
+        default: shrink<4>(xs, e, k, t, ldt); break;
+    }
+}
+
+// y[o0, o1) of one row += t · B[:, o0:o1]; B [rank, width] row-major.
+void expand(const float* t, const Entry& e, int64_t width, float* y, int64_t o0, int64_t o1) {
+    int64_t o = o0;
+    for (; o + 16 <= o1; o += 16) {
+        v8 acc0 = load8(y + o), acc1 = load8(y + o + 8);
+        const float* b = e.b + o;
+        for (int64_t j = 0; j < e.rank; ++j) {
+            const v8 tj = v8{} + t[j];
+            acc0 += tj * load8(b + j * width);
+            acc1 += tj * load8(b + j * width + 8);
+        }
+        store8(y + o, acc0);
+        store8(y + o + 8, acc1);
+    }
+    for (; o + 8 <= o1; o += 8) {
+        v8 acc = load8(y + o);
+        for (int64_t j = 0; j < e.rank; ++j) acc += (v8{} + t[j]) * load8(e.b + j * width + o);
+        store8(y + o, acc);
+    }
+    for (; o < o1; ++o) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < e.rank; ++j) acc += t[j] * e.b[j * width + o];
+        y[o] += acc;
+    }
+}
+
+struct Tile {
+    int64_t group, first, count;  // `count` rows from position `first` of the group's segment
+};
+
+int64_t row_at(const int64_t* rows, int64_t position) { return rows ? rows[position] : position; }
+
+}  // namespace
+
+extern "C" int lora_sgmv_f32(const float* x, int64_t k, float* y, int64_t ldy, const int64_t* rows,
+                             const Group* groups, int64_t num_groups, const Part* parts, int64_t num_parts,
+                             int64_t max_rank) {
+    if (k % 8 != 0 || k <= 0 || max_rank < 1 || max_rank > kMaxRank || num_groups < 0 || num_parts < 1) return 1;
+    std::vector<Tile> tiles;
+    int64_t work = 0;
+    for (int64_t g = 0; g < num_groups; ++g) {
+        const int64_t n = groups[g].end - groups[g].start;
+        if (n < 0) return 1;
+        for (int64_t i = 0; i < n; i += kTile) tiles.push_back({g, groups[g].start + i, std::min(kTile, n - i)});
+        for (int64_t p = 0; p < num_parts; ++p) {
+            const Entry* e = entry_of(groups[g], parts[p].site);
+            if (e != nullptr) {
+                if (e->rank > max_rank) return 1;
+                work += n * e->rank * (k + parts[p].width);
+            }
+        }
+    }
+    if (work == 0) return 0;
+    const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * num_parts;
+    // One task: a tile's rows through one part, shrink then expand, so tasks never wait on each other
+    // (a barrier between the phases cost milliseconds when the machine's other work held a thread).
+#pragma omp parallel if (work >= kMinParallelWork)
+    {
+        std::vector<float> xs(static_cast<size_t>(kTile * k));
+        std::vector<float> t(static_cast<size_t>(kTile * max_rank));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; ++task) {
+            const Tile& tile = tiles[task / num_parts];
+            const Part& part = parts[task % num_parts];
+            const Entry* e = entry_of(groups[tile.group], part.site);
+            if (e == nullptr) continue;
+            for (int64_t m = 0; m < tile.count; ++m) {
+                std::memcpy(xs.data() + m * k, x + row_at(rows, tile.first + m) * k, sizeof(float) * k);
+            }
+            shrink_rows(xs.data(), tile.count, *e, k, t.data(), max_rank);
+            for (int64_t m = 0; m < tile.count; ++m) {
+                float* yr = y + row_at(rows, tile.first + m) * ldy + part.col;
+                expand(t.data() + m * max_rank, *e, part.width, yr, 0, part.width);
+            }
+        }
+    }
+    return 0;
+}
+
+// The single-row case (BGMV, a one-stream decode step): shrink and expand of each part inline, no
+// scratch beyond the stack and no thread wake-up.
+extern "C" int lora_bgmv_f32(const float* x, int64_t k, float* y, const Entry* table, int64_t table_len,
+                             const Part* parts, int64_t num_parts) {
+    if (k % 8 != 0 || k <= 0 || num_parts < 1) return 1;
+    Group g{table, table_len, 0, 1};
+    float t[kMaxRank];
+    for (int64_t p = 0; p < num_parts; ++p) {
+        const Entry* e = entry_of(g, parts[p].site);
+        if (e == nullptr) continue;
+        if (e->rank > kMaxRank) return 1;
+        shrink<1>(x, *e, k, t, 0);
+        expand(t, *e, parts[p].width, y + parts[p].col, 0, parts[p].width);
+    }
+    return 0;
+}

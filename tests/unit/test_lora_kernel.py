@@ -1,0 +1,133 @@
+"""The native LoRA kernel (SGMV/BGMV) against float64, and the LoRA linears' native path against
+their torch path (the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_service.worker.kernels.lora_bindings import load_lora_kernel
+from inference_service.worker.lora import native
+from inference_service.worker.lora.batch import LoraGroup, LoraStep, lora_context
+from inference_service.worker.lora.linear import LoraFused, LoraLinear
+from inference_service.worker.lora.weights import AdapterWeights, LoraPair
+
+pytestmark = pytest.mark.skipif(load_lora_kernel() is None, reason="no C++ compiler for the native kernel")
+
+IN = 64
+WIDTHS = {"q_proj": 64, "k_proj": 24, "v_proj": 24}  # a fused q|k|v with a tail of 24 % 16 columns
+
+
+def _adapter(name: str, rank: int, seed: int, sites: list[tuple[int, str]]) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for site in sites:
+        a = torch.randn(rank, IN, generator=generator)  # PEFT's lora_A layout, as lora_files keeps it
+        b = torch.randn(rank, WIDTHS[site[1]], generator=generator) * 0.5
+        pairs[site] = LoraPair(a=a.t(), b=b)
+    return AdapterWeights(name, rank, pairs)
+
+
+def _reference(x, y, groups, parts):
+    """float64: y + Σ over groups and parts of (x[rows] · a) · b into the part's columns."""
+    out = y.double().clone()
+    for adapter, rows in groups:
+        for site, columns in parts:
+            pair = adapter.pairs.get(site)
+            if pair is not None:
+                out[rows, columns] += (x[rows].double() @ pair.a.double()) @ pair.b.double()
+    return out
+
+
+def _step(groups, num_rows):
+    return LoraStep(
+        [
+            LoraGroup(adapter, None if len(rows) == num_rows else torch.tensor(rows), len(rows))
+            for adapter, rows in groups
+        ]
+    )
+
+
+def _fused_parts(layer: int):
+    parts, start = [], 0
+    for target, width in WIDTHS.items():
+        parts.append(((layer, target), slice(start, start + width)))
+        start += width
+    return parts
+
+
+@pytest.mark.parametrize("num_rows", [3, 16, 200])  # 200 rows: past the threshold where threads split the work
+def test_sgmv_mixed_adapters_equal_float64(num_rows):
+    qkv = [(1, t) for t in WIDTHS]
+    adapters = [
+        _adapter("a", 16, 1, qkv),
+        _adapter("b", 5, 2, qkv[:2]),  # an odd rank, and no v_proj
+        _adapter("c", 8, 3, [(0, "q_proj")]),  # another layer only: nothing at layer 1
+    ]
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(0)).tolist()
+    # rows interleaved across adapters; the last rows use the base (no group)
+    third = max(1, num_rows // 4)
+    groups = [(adapters[i], sorted(order[i * third : (i + 1) * third])) for i in range(3)]
+    x = torch.randn(num_rows, IN)
+    y = torch.randn(num_rows, sum(WIDTHS.values()))
+    parts = _fused_parts(1)
+    expected = _reference(x, y, groups, parts)
+    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
+    step = _step(groups, num_rows)
+    got = y.clone()
+    assert native.add_native(x, got, step, fused.native_parts)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    base_rows = sorted(set(range(num_rows)) - {r for _, rows in groups for r in rows})
+    assert torch.equal(got[base_rows], y[base_rows])  # rows of the base are untouched
+
+
+def test_bgmv_one_row_equals_float64():
+    adapter = _adapter("a", 16, 4, [(2, t) for t in WIDTHS])
+    x, y = torch.randn(1, IN), torch.randn(1, sum(WIDTHS.values()))
+    parts = _fused_parts(2)
+    expected = _reference(x, y, [(adapter, [0])], parts)
+    step = _step([(adapter, [0])], 1)
+    got = y.clone()
+    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
+    assert native.add_native(x, got, step, fused.native_parts)
+    assert step.native.single is not None  # the fused single-row path ran
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_native_path_equals_torch_path(monkeypatch):
+    """LoraLinear's output through the kernel equals its torch path, a whole-step adapter and a mix."""
+    base = torch.nn.Linear(IN, 64, bias=False)
+    linear = LoraLinear(base, (0, "q_proj"))
+    one, two = _adapter("a", 8, 5, [(0, "q_proj")]), _adapter("b", 4, 6, [(0, "q_proj")])
+    x = torch.randn(6, IN)
+    for groups in ([(one, list(range(6)))], [(one, [0, 3]), (two, [1, 5])]):
+        with torch.no_grad(), lora_context(_step(groups, 6)):
+            fast = linear(x)
+        monkeypatch.setattr(native, "MAX_NATIVE_ROWS", 0)  # the torch path
+        with torch.no_grad(), lora_context(_step(groups, 6)):
+            reference = linear(x)
+        monkeypatch.undo()
+        torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fast, base(x))  # the adapter changed the output
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    """`in` not a multiple of 8, or bf16 tensors: add_native says no and the torch path runs."""
+    adapter = _adapter("a", 4, 7, [(0, "q_proj")])
+    step = _step([(adapter, [0, 1])], 2)
+    parts = native.parts_of([((0, "q_proj"), 0, 64)])
+    assert not native.add_native(torch.randn(2, IN).bfloat16(), torch.randn(2, 64).bfloat16(), step, parts)
+    assert not native.add_native(torch.randn(2, IN)[:, :60], torch.randn(2, 64), step, parts)
+
+
+def test_sgmv_split_over_threads_equals_float64():
+    """Enough work (~8M FMAs, past the kernel's threading threshold) that threads take its tasks."""
+    adapter = _adapter("a", 64, 8, [(3, t) for t in WIDTHS])
+    x, y = torch.randn(400, IN), torch.randn(400, sum(WIDTHS.values()))
+    rows = list(range(0, 400, 2)) + list(range(1, 400, 4))
+    parts = _fused_parts(3)
+    expected = _reference(x, y, [(adapter, rows)], parts)
+    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
+    got = y.clone()
+    assert native.add_native(x, got, _step([(adapter, rows)], 400), fused.native_parts)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
