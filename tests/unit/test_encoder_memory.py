@@ -68,3 +68,12 @@ def test_images_admitted_together_are_encoded_in_batches_within_the_budget():
     assert encoder._within_budget([0, 1, 2, 3], images) == [[0, 1], [2], [3]]
     encoder.budget = None
     assert encoder._within_budget([0, 1, 2, 3], images) == [[0, 1, 2, 3]]
+
+
+def test_a_patch_sequence_tower_costs_its_whole_sequence():
+    """Qwen2-VL's tower has no crop size: the estimate takes the patch count and its own field names."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+    config = Qwen2VLVisionConfig(embed_dim=32, mlp_ratio=2, num_heads=4, depth=1)
+    tokens = 100
+    assert crop_bytes(config, torch.float32, tokens) == tokens * (6 * 32 + 2 * 64) * 4 + 4 * tokens * tokens * 4
