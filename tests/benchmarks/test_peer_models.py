@@ -5,6 +5,7 @@ converter) and the build script's arguments and cache paths. Building llama.cpp 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -132,3 +133,26 @@ def test_llama_cpp_script_arguments_and_cache_paths(tmp_path):
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     assert llama_cpp.binary("llama-server", cache_dir=tmp_path) == binary
+
+
+def test_peer_bench_arguments():
+    from benchmarks import peer_bench
+
+    quick = peer_bench.parse_args(["--quick"])
+    assert (quick.models, quick.kv_dtypes, quick.contexts) == (["demo"], ["fp16"], peer_bench.QUICK_CONTEXTS)
+    assert quick.sections == ["decode", "batch"] and quick.formats == ["f32", "q4_1"]
+    full = peer_bench.parse_args(["--contexts", "4096", "128"])
+    assert full.models == ["demo", "llama-1.5b"] and full.contexts == [128, 4096]
+    assert full.sections == list(peer_bench.SECTIONS) and full.kv_dtypes == ["fp16", "auto"]
+    with pytest.raises(SystemExit):
+        peer_bench.parse_args(["--formats", "q4_k"])
+
+
+def test_a_streams_decode_time_counts_the_tokens_after_the_first_arrival():
+    from benchmarks.peer_bench import Stream
+
+    stream = Stream(start=10.0, arrivals=[(10.5, 1), (10.6, 1), (10.8, 2), (11.0, 1)])
+    assert stream.tokens == 5 and stream.ttft_s == pytest.approx(0.5)
+    assert stream.decode_ms == pytest.approx(1000 * 0.5 / 4)
+    assert math.isnan(Stream(start=0.0, arrivals=[(1.0, 1)]).decode_ms)  # one token: no gap to time
+    assert math.isnan(Stream(start=0.0).ttft_s)
