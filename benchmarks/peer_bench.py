@@ -364,6 +364,7 @@ def run_long(paths, args, prompts, out: Path) -> dict:
     longest = max(LONG_CONTEXTS)
     label = "ours f32, int8 KV, default budget"
     print(f"{label}: starting", file=sys.stderr, flush=True)
+    available_mib = mem_available_mib()
     server = Ours(ours_model(paths, "f32"), ours_args("int8", "f32", longest, budget=True), out / "long.log")
     try:
         pool = next((m.groups() for m in map(KV_BLOCKS.search, server.log_tail) if m), None)
@@ -384,7 +385,13 @@ def run_long(paths, args, prompts, out: Path) -> dict:
     finally:
         server.stop()
     kv_tokens = int(pool[0]) * int(pool[1]) if pool else None
-    return {"streams": streams, "kv_pool_tokens": kv_tokens, "peak_rss_mib": rss}
+    return {"streams": streams, "kv_pool_tokens": kv_tokens, "peak_rss_mib": rss, "available_mib": available_mib}
+
+
+def mem_available_mib() -> float:
+    """The machine's memory budget: what /proc/meminfo calls available, before the server starts."""
+    match = re.search(r"MemAvailable:\s*(\d+)", Path("/proc/meminfo").read_text())
+    return int(match.group(1)) / 1024 if match else float("nan")
 
 
 KV_BLOCKS = re.compile(r"(\d+) KV blocks of (\d+) tokens")
@@ -458,11 +465,13 @@ def report(results: dict, args: argparse.Namespace, machine: dict, plot_names: l
                         common.fmt(record.decode_ms),
                         f"{long['kv_pool_tokens']:,}" if long["kv_pool_tokens"] else "–",
                         common.fmt(long["peak_rss_mib"], 0),
+                        common.fmt(long["available_mib"], 0),
+                        "yes" if long["peak_rss_mib"] < long["available_mib"] else "**no**",
                     ]
                 )
     if long_rows:
         header = ["model", "prompt", "served", "TTFT s", "prefill tok/s", "decode ms/token", "KV pool tokens"]
-        header += ["server peak RSS MiB"]
+        header += ["server peak RSS MiB", "available at start MiB", "within it"]
         parts.append(
             "#### Long prompts end to end: F32 weights, `--kv-cache-dtype int8`, the default `--kv-cache-memory`\n\n"
             + common.markdown_table(header, long_rows)
@@ -527,7 +536,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    llama_cpp.binary("llama-server")  # NotBuilt says how to build it, before any model is written
+    if {"decode", "batch"} & set(args.sections):
+        llama_cpp.binary("llama-server")  # NotBuilt says how to build it, before any model is written
     out = common.output_dir(args.out, args.quick)
     raw = out / "raw" if not args.quick else out
     machine = common.machine()
