@@ -141,7 +141,8 @@ class LlamaServer:
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        # stdin held open: the server may take a closed stdin for its parent gone (unconfirmed).
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -453,8 +454,7 @@ def report(results: dict, args: argparse.Namespace, machine: dict, plot_names: l
         )
     long_rows = []
     for model, by_format in results.items():
-        long = by_format.get("long")
-        if long:
+        for long in (entry["long"] for entry in by_format.values() if "long" in entry):
             for length, record in long["streams"].items():
                 long_rows.append(
                     [
