@@ -1,0 +1,578 @@
+"""The server against llama.cpp's `llama-server` on the same GGUF weights, side by side in one run.
+
+Both are real servers on loopback, measured by streaming from a client, one after the other:
+
+- **Decode at context L** (L = 128 … 16k): one stream, a prompt of exactly L tokens, 64 new tokens,
+  greedy; decode ms/token = the gap between the first and the last token ÷ the tokens between.
+  Ours: `inference-service launch --num-threads 2 --prefix-caching false`, gRPC, one row per
+  `--kv-dtypes` (fp16 is the like-for-like row against llama.cpp's default f16 KV cache; auto is
+  the model's fp32). llama.cpp: `llama-server -t 2 -tb 2 -np 1 -c <longest + 64>`, `/completion`
+  streamed with `cache_prompt: false` and the same token ids.
+- **Prefill tok/s** = L ÷ time to first token of the same requests (the table shows it at every L;
+  the goals name 512 and 4k). Our step budget is `--max-batch-prefill-tokens 2048`, llama.cpp's
+  default logical batch.
+- **Batch throughput**: `--batch-requests` requests (prompts of 128 tokens, 64 new) from 16
+  concurrent clients; generated tokens ÷ wall time. Ours with the first of `--kv-dtypes`;
+  llama.cpp as `llama-server -np 16`.
+- **Long prompts** (`--sections long`): 8k and 16k-token prompts through our server with
+  `--kv-cache-dtype int8` and the default `--kv-cache-memory` (the machine's budget): time to first
+  token, decode ms/token, the KV pool the server sized and the server's peak resident memory.
+
+Formats: `f32` (ours: the safetensors folder; llama.cpp: the F32 GGUF) and `q4_1` (both the Q4_1
+GGUF; ours with `--quantize gguf`). Models from `peer_models.py`: `demo` (SmolLM2-135M, stated at
+32k positions so 16k runs), `llama-0.5b`, `llama-1.5b`. Our server ends a stream at EOS (its API has
+no ignore_eos); llama.cpp is asked to ignore it: ms/token is per token either way.
+
+Needs `python benchmarks/llama_cpp.py build` once (~10-20 min); the models are written on first use.
+
+    python benchmarks/peer_bench.py --quick     # demo model, F32 + Q4_1, contexts 128/512/4k, batch: ~10 min
+    python benchmarks/peer_bench.py             # demo + 1.5B, contexts 128 → 16k, batch, long: hours
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common, llama_cpp, peer_models  # noqa: E402
+
+CONTEXTS = [128, 512, 1024, 2048, 4096, 8192, 16384]
+QUICK_CONTEXTS = [128, 512, 4096]
+LONG_CONTEXTS = [8192, 16384]
+NEW_TOKENS = 64
+BATCH_PROMPT_TOKENS = 128
+BATCH_CONCURRENCY = 16
+PREFILL_BUDGET = 2048
+THREADS = 2
+SECTIONS = ("decode", "batch", "long")
+KV_DTYPES = ("fp16", "auto")
+LLAMA = "llama.cpp"
+
+
+@dataclass
+class Stream:
+    """One streamed request as the client saw it (perf_counter seconds); `tokens` counts each arrival."""
+
+    start: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    error: str | None = None
+    server_timings: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0][0] - self.start if self.arrivals else float("nan")
+
+    @property
+    def decode_ms(self) -> float:
+        """First to last token ÷ the tokens that came after the first arrival."""
+        after_first = self.tokens - self.arrivals[0][1] if self.arrivals else 0
+        if after_first < 1:
+            return float("nan")
+        return 1000 * (self.arrivals[-1][0] - self.arrivals[0][0]) / after_first
+
+
+# -- prompts --------------------------------------------------------------------------------------
+class PromptMaker:
+    """Prompts of exactly L tokens: English text (benchmarks/loadgen.py's), its last L token ids.
+    Ours gets the text with `truncate=L` (it keeps the last L tokens); llama.cpp gets the ids."""
+
+    def __init__(self, tokenizer_dir: Path):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer.model_max_length = 1 << 30  # it only counts: the longest prompts exceed the demo's 8k
+
+    def make(self, length: int, index: int) -> tuple[str, list[int]]:
+        from benchmarks.loadgen import Prompts
+
+        text = Prompts(length, NEW_TOKENS, seed=length).text(index)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) < length:
+            raise ValueError(f"prompt text gave {len(ids)} tokens, not {length}")
+        return text, ids[-length:]
+
+
+# -- the two servers ------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LlamaServer:
+    """`llama-server` on loopback; ready when /health answers 200."""
+
+    def __init__(self, gguf: Path, parallel: int, context: int, log_path: Path, timeout_s: float = 600):
+        import urllib.request
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [
+            str(llama_cpp.binary("llama-server")),
+            "-m",
+            str(gguf),
+            "-t",
+            str(THREADS),
+            "-tb",
+            str(THREADS),
+            "-np",
+            str(parallel),
+            "-c",
+            str(context),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w")
+        # stdin held open: the server may take a closed stdin for its parent gone (unconfirmed).
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"llama-server did not start; see {log_path}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+
+
+async def stream_llama(session, url: str, ids: list[int], max_new: int) -> Stream:
+    body = {
+        "prompt": ids,
+        "n_predict": max_new,
+        "ignore_eos": True,
+        "stream": True,
+        "cache_prompt": False,
+        "temperature": 0.0,
+        "return_tokens": True,
+    }
+    record = Stream(time.perf_counter())
+    async with session.post(url + "/completion", json=body) as response:
+        if response.status != 200:
+            record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+            return record
+        async for line in response.content:
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            count = len(event.get("tokens") or []) or (1 if event.get("content") else 0)
+            if count:
+                record.arrivals.append((time.perf_counter(), count))
+            if event.get("stop"):
+                record.server_timings = event.get("timings", {})
+    return record
+
+
+async def stream_ours(client, text: str, length: int, max_new: int) -> Stream:
+    from textgen_client import TextGenerationError
+
+    record = Stream(time.perf_counter())
+    try:
+        async for _ in client.generate_stream(text, max_new_tokens=max_new, truncate=length, details=False):
+            record.arrivals.append((time.perf_counter(), 1))
+    except TextGenerationError as error:
+        record.error = f"{type(error).__name__}: {error}"[:200]
+    return record
+
+
+class Ours:
+    """`inference-service launch` (benchmarks/launched.py) and a gRPC client."""
+
+    def __init__(self, model_id: str, server_args: list[str], log_path: Path):
+        from benchmarks.launched import LaunchedServer
+
+        self.server = LaunchedServer(model_id, server_args, log_path, start_timeout_s=3600)
+        self.log_tail = list(self.server._tail)
+
+    def client(self):
+        from textgen_client import AsyncClient, RetryPolicy
+
+        return AsyncClient(self.server.grpc_target, timeout=3600, retry=RetryPolicy(max_retries=0))
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+# -- what is measured -----------------------------------------------------------------------------
+async def decode_sweep(send, prompts: PromptMaker, contexts: list[int], label: str) -> dict[int, Stream]:
+    """One stream per context (none for no contexts), after a short warm-up request."""
+    await send(*prompts.make(32, 999), 32, 8)
+    results = {}
+    for length in contexts:
+        text, ids = prompts.make(length, 0)
+        record = await send(text, ids, length, NEW_TOKENS)
+        results[length] = record
+        print(
+            f"  {label}, context {length}: TTFT {record.ttft_s:.2f} s, decode {record.decode_ms:.1f} ms/token "
+            f"({record.tokens} tokens){' ERROR ' + record.error if record.error else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return results
+
+
+async def batch_run(send, prompts: PromptMaker, num_requests: int) -> dict:
+    """`num_requests` requests from BATCH_CONCURRENCY closed-loop clients; tokens/s of the whole."""
+    pending = list(range(num_requests))
+    records: list[Stream] = []
+
+    async def user() -> None:
+        while pending:
+            index = pending.pop()
+            text, ids = prompts.make(BATCH_PROMPT_TOKENS, index)
+            records.append(await send(text, ids, BATCH_PROMPT_TOKENS, NEW_TOKENS))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(BATCH_CONCURRENCY)))
+    elapsed = time.perf_counter() - started
+    tokens = sum(r.tokens for r in records)
+    errors = [r.error for r in records if r.error]
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "errors": errors[:3]}
+
+
+def decode_contexts(args: argparse.Namespace) -> list[int]:
+    return args.contexts if "decode" in args.sections else []
+
+
+def ours_args(kv_dtype: str, fmt: str, longest: int, budget: bool = False) -> list[str]:
+    args = ["--num-threads", str(THREADS), "--prefix-caching", "false", "--kv-cache-dtype", kv_dtype]
+    args += ["--max-batch-prefill-tokens", str(PREFILL_BUDGET), "--max-total-tokens", str(longest + NEW_TOKENS)]
+    args += ["--max-input-tokens", str(longest), "--max-concurrent-requests", "128"]
+    if not budget:  # room for the longest context and a batch: sized, not the machine's share
+        args += ["--max-batch-total-tokens", str(longest + NEW_TOKENS + 256 + BATCH_CONCURRENCY * 256)]
+    if fmt != "f32":
+        args += ["--quantize", "gguf"]
+    return args
+
+
+def ours_model(paths: dict[str, Path], fmt: str) -> str:
+    return str(paths["hf"] if fmt == "f32" else paths[fmt])
+
+
+def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool) -> dict:
+    longest = max(args.contexts + [BATCH_PROMPT_TOKENS])
+    label = f"ours {fmt}, {kv_dtype} KV"
+    print(f"{label}: starting", file=sys.stderr, flush=True)
+    server = Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), out / f"{label}.log".replace(" ", "_"))
+    try:
+
+        async def go():
+            client = server.client()
+
+            async def send(text, ids, length, max_new):
+                return await stream_ours(client, text, length, max_new)
+
+            try:
+                result = {"decode": await decode_sweep(send, prompts, decode_contexts(args), label)}
+                if with_batch:
+                    result["batch"] = await batch_run(send, prompts, args.batch_requests)
+                    print(f"  {label}, batch: {result['batch']['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+                return result
+            finally:
+                await client.close()
+
+        return asyncio.run(go())
+    finally:
+        server.stop()
+
+
+def run_llama(paths, fmt, args, prompts, out: Path, with_batch: bool) -> dict:
+    import aiohttp
+
+    longest = max(args.contexts)
+    gguf = paths[fmt]
+    result: dict = {}
+
+    async def go(url: str, what: str):
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+            async def send(text, ids, length, max_new):
+                return await stream_llama(session, url, ids, max_new)
+
+            if what == "decode":
+                return await decode_sweep(send, prompts, decode_contexts(args), f"{LLAMA} {fmt}")
+            return await batch_run(send, prompts, args.batch_requests)
+
+    print(f"{LLAMA} {fmt}: starting -np 1", file=sys.stderr, flush=True)
+    server = LlamaServer(gguf, 1, longest + NEW_TOKENS + 64, out / f"llama-server-{fmt}-np1.log")
+    try:
+        result["decode"] = asyncio.run(go(server.url, "decode"))
+    finally:
+        server.stop()
+    if with_batch:
+        print(f"{LLAMA} {fmt}: starting -np {BATCH_CONCURRENCY}", file=sys.stderr, flush=True)
+        per_slot = BATCH_PROMPT_TOKENS + NEW_TOKENS + 64
+        server = LlamaServer(
+            gguf, BATCH_CONCURRENCY, BATCH_CONCURRENCY * per_slot, out / f"llama-server-{fmt}-np16.log"
+        )
+        try:
+            result["batch"] = asyncio.run(go(server.url, "batch"))
+            print(f"  {LLAMA} {fmt}, batch: {result['batch']['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        finally:
+            server.stop()
+    return result
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The peak resident memory (VmHWM) of a process and its descendants, summed, in MiB."""
+    total_kib = 0
+    queue = deque([pid])
+    while queue:
+        current = queue.popleft()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total_kib += int(re.search(r"VmHWM:\s*(\d+)", status).group(1))
+            for task in Path(f"/proc/{current}/task").iterdir():
+                queue.extend(int(child) for child in (task / "children").read_text().split())
+        except (OSError, AttributeError):
+            continue
+    return total_kib / 1024
+
+
+def run_long(paths, args, prompts, out: Path) -> dict:
+    """8k/16k prompts through our server, int8 KV, the default --kv-cache-memory: TTFT and memory."""
+    longest = max(LONG_CONTEXTS)
+    label = "ours f32, int8 KV, default budget"
+    print(f"{label}: starting", file=sys.stderr, flush=True)
+    available_mib = mem_available_mib()
+    server = Ours(ours_model(paths, "f32"), ours_args("int8", "f32", longest, budget=True), out / "long.log")
+    try:
+        pool = next((m.groups() for m in map(KV_BLOCKS.search, server.log_tail) if m), None)
+
+        async def go():
+            client = server.client()
+
+            async def send(text, ids, length, max_new):
+                return await stream_ours(client, text, length, max_new)
+
+            try:
+                return await decode_sweep(send, prompts, LONG_CONTEXTS, label)
+            finally:
+                await client.close()
+
+        streams = asyncio.run(go())
+        rss = peak_rss_mib(server.server.process.pid)
+    finally:
+        server.stop()
+    kv_tokens = int(pool[0]) * int(pool[1]) if pool else None
+    return {"streams": streams, "kv_pool_tokens": kv_tokens, "peak_rss_mib": rss, "available_mib": available_mib}
+
+
+def mem_available_mib() -> float:
+    """The machine's memory budget: what /proc/meminfo calls available, before the server starts."""
+    match = re.search(r"MemAvailable:\s*(\d+)", Path("/proc/meminfo").read_text())
+    return int(match.group(1)) / 1024 if match else float("nan")
+
+
+KV_BLOCKS = re.compile(r"(\d+) KV blocks of (\d+) tokens")
+
+
+# -- the report -----------------------------------------------------------------------------------
+def decode_table(model: str, fmt: str, rows: dict[str, dict[int, Stream]], contexts: list[int]) -> str:
+    names = list(rows)
+    header = ["context", *(f"{n} ms/token" for n in names)]
+    header += [f"{n} ÷ {LLAMA}" for n in names if n != LLAMA]
+    header += [f"{n} prefill tok/s" for n in names]
+    table = []
+    for length in contexts:
+        decode = {n: rows[n][length].decode_ms for n in names}
+        prefill = {n: length / rows[n][length].ttft_s for n in names}
+        row = [f"{length:,}", *(common.fmt(decode[n]) for n in names)]
+        row += [common.ratio(decode[n], decode[LLAMA]) for n in names if n != LLAMA]
+        row += [common.fmt(prefill[n], 0) for n in names]
+        table.append(row)
+    return (
+        f"#### {model}, {fmt.upper()}: decode and prefill against context\n\n{common.markdown_table(header, table)}\n"
+    )
+
+
+def report(results: dict, args: argparse.Namespace, machine: dict, plot_names: list[str]) -> str:
+    parts = [
+        f"### Against llama.cpp (`llama-server` {llama_cpp.VERSION}), {THREADS} threads each, same GGUF weights\n",
+        "Decode ms/token: one stream, 64 new tokens, first-to-last gap (lower is better); ratios are ours ÷ "
+        "llama.cpp (below 1: we are faster). Prefill tok/s = context ÷ time to first token (higher is better). "
+        "llama.cpp's KV cache is f16: `fp16` is the like-for-like row.\n",
+    ]
+    for model, by_format in results.items():
+        for fmt, entry in by_format.items():
+            if entry.get("decode"):
+                parts.append(decode_table(model, fmt, entry["decode"], args.contexts))
+    batch_rows = []
+    for model, by_format in results.items():
+        for fmt, entry in by_format.items():
+            batch = entry.get("batch", {})
+            if LLAMA in batch and len(batch) > 1:
+                ours_name = next(n for n in batch if n != LLAMA)
+                batch_rows.append(
+                    [
+                        model,
+                        fmt.upper(),
+                        common.fmt(batch[ours_name]["tokens_per_s"]),
+                        common.fmt(batch[LLAMA]["tokens_per_s"]),
+                        common.ratio(batch[ours_name]["tokens_per_s"], batch[LLAMA]["tokens_per_s"]),
+                    ]
+                )
+    if batch_rows:
+        header = ["model", "weights", "ours tok/s", f"{LLAMA} -np {BATCH_CONCURRENCY} tok/s", "ours ÷ llama.cpp"]
+        parts.append(
+            f"#### Batch throughput: {args.batch_requests} requests, {BATCH_CONCURRENCY} concurrent, "
+            f"{BATCH_PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens (goal ≥ 1.5×)\n\n"
+            + common.markdown_table(header, batch_rows)
+            + "\n"
+        )
+    long_rows = []
+    for model, by_format in results.items():
+        for long in (entry["long"] for entry in by_format.values() if "long" in entry):
+            for length, record in long["streams"].items():
+                long_rows.append(
+                    [
+                        model,
+                        f"{length:,}",
+                        "ok" if not record.error and record.tokens else f"failed: {record.error}",
+                        common.fmt(record.ttft_s, 2),
+                        common.fmt(length / record.ttft_s, 0),
+                        common.fmt(record.decode_ms),
+                        f"{long['kv_pool_tokens']:,}" if long["kv_pool_tokens"] else "–",
+                        common.fmt(long["peak_rss_mib"], 0),
+                        common.fmt(long["available_mib"], 0),
+                        "yes" if long["peak_rss_mib"] < long["available_mib"] else "**no**",
+                    ]
+                )
+    if long_rows:
+        header = ["model", "prompt", "served", "TTFT s", "prefill tok/s", "decode ms/token", "KV pool tokens"]
+        header += ["server peak RSS MiB", "available at start MiB", "within it"]
+        parts.append(
+            "#### Long prompts end to end: F32 weights, `--kv-cache-dtype int8`, the default `--kv-cache-memory`\n\n"
+            + common.markdown_table(header, long_rows)
+            + "\n"
+        )
+    parts += [f"![decode ms/token against context]({name})\n" for name in plot_names]
+    parts.append(f"{common.machine_line(machine)}\n\n`{common.command_line()}`\n")
+    return "\n".join(parts)
+
+
+def plot(results: dict, args: argparse.Namespace, out: Path) -> list[str]:
+    from benchmarks import plots
+
+    names = []
+    for model, by_format in results.items():
+        series = {}
+        for fmt, entry in by_format.items():
+            for name, streams in entry.get("decode", {}).items():
+                series[f"{name}, {fmt.upper()}"] = (args.contexts, [streams[n].decode_ms for n in args.contexts])
+        if series:
+            name = f"peers_{model}.png"
+            plots.lines_against(
+                series,
+                out / name,
+                title=f"decode ms/token against context, {model}, {THREADS} threads",
+                xlabel="context length (tokens)",
+                ylabel="decode ms/token (streamed, one stream)",
+            )
+            names.append(name)
+    return names
+
+
+def as_json(results: dict) -> dict:
+    def convert(value):
+        if isinstance(value, Stream):
+            return {"ttft_s": value.ttft_s, "decode_ms": value.decode_ms, "tokens": value.tokens, "error": value.error}
+        if isinstance(value, dict):
+            return {str(k): convert(v) for k, v in value.items()}
+        return value
+
+    return convert(results)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="demo model, contexts 128/512/4k, 32 batch requests")
+    parser.add_argument("--models", nargs="+", choices=list(peer_models.SHAPES), help="default: demo llama-1.5b")
+    parser.add_argument("--formats", nargs="+", choices=["f32", "q4_1"], default=["f32", "q4_1"])
+    parser.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, help="our KV rows (default: fp16 auto)")
+    parser.add_argument("--contexts", nargs="+", type=int, help=f"default: {CONTEXTS}")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: all (quick: decode batch)")
+    parser.add_argument("--batch-requests", type=int, help="default: 64 (quick: 32)")
+    parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
+    args = parser.parse_args(argv)
+    args.models = args.models or (["demo"] if args.quick else ["demo", "llama-1.5b"])
+    args.kv_dtypes = args.kv_dtypes or (["fp16"] if args.quick else list(KV_DTYPES))
+    args.contexts = sorted(args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS))
+    args.sections = args.sections or (["decode", "batch"] if args.quick else list(SECTIONS))
+    args.batch_requests = args.batch_requests or (32 if args.quick else 64)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if {"decode", "batch"} & set(args.sections):
+        llama_cpp.binary("llama-server")  # NotBuilt says how to build it, before any model is written
+    out = common.output_dir(args.out, args.quick)
+    raw = out / "raw" if not args.quick else out
+    machine = common.machine()
+    results: dict = {}
+    for model in args.models:
+        paths = peer_models.ensure(model, ["hf", *args.formats], log=lambda m: print(m, file=sys.stderr))
+        prompts = PromptMaker(paths["hf"])
+        for fmt in args.formats:
+            entry = results.setdefault(model, {}).setdefault(fmt, {})
+            with_batch = "batch" in args.sections
+            if "decode" in args.sections or with_batch:
+                for position, kv_dtype in enumerate(args.kv_dtypes):
+                    ours = run_ours(paths, fmt, kv_dtype, args, prompts, raw, with_batch and position == 0)
+                    entry.setdefault("decode", {})[f"ours {kv_dtype} KV"] = ours["decode"]
+                    if "batch" in ours:
+                        entry.setdefault("batch", {})[f"ours {kv_dtype} KV"] = ours["batch"]
+                llama = run_llama(paths, fmt, args, prompts, raw, with_batch)
+                entry.setdefault("decode", {})[LLAMA] = llama["decode"]
+                if "batch" in llama:
+                    entry.setdefault("batch", {})[LLAMA] = llama["batch"]
+        if "long" in args.sections:
+            results[model].setdefault("f32", {})["long"] = run_long(paths, args, prompts, raw)
+        common.write_json(out / "peers.json", {"args": vars(args), "machine": machine, "results": as_json(results)})
+    if "decode" not in args.sections:  # only the warm-up ran
+        for by_format in results.values():
+            for entry in by_format.values():
+                entry.pop("decode", None)
+    plot_names = plot(results, args, out)
+    markdown = report(results, args, machine, plot_names)
+    (out / "peers.md").write_text(markdown)
+    common.write_json(out / "peers.json", {"args": vars(args), "machine": machine, "results": as_json(results)})
+    print("\n" + markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
