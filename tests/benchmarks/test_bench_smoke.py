@@ -229,3 +229,11 @@ def test_vision_bench_quick(tmp_path):
     table = (tmp_path / "vision.md").read_text()
     assert "Throughput ratio" in table and "Follow-up turn" in table
     assert json.loads((tmp_path / "vision.json").read_text())["params"]["requests"] == 4
+
+
+def test_quant_decode_bench_quick(tmp_path, tiny_model_dir):
+    model = str(tiny_model_dir)
+    run_script("quant_decode_bench.py", "--quick", "--model-id", model, "--schemes", "fp32", "--out", str(tmp_path))
+    assert "growth from short" in (tmp_path / "quant_decode.md").read_text()
+    runs = json.loads((tmp_path / "quant_decode.json").read_text())["runs"]
+    assert [run["n"] for run in runs["fp32"]["32"]] == [8 - 1]
