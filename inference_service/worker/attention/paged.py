@@ -185,9 +185,11 @@ def attend_decode(
             q_by_seq, key_cache, value_cache, _gpu_layout(meta, "decode"),
             _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
         )  # fmt: skip
-    if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
+    # The kernel computes a bf16 model's attention in fp32, from its bf16 (or other) cache in place.
+    q_kernel = q_by_seq.float() if kernel is not None and q.dtype == torch.bfloat16 else q_by_seq
+    if kernel is not None and kernel.supports(q_kernel, key_cache, value_cache):
         return kernel(
-            q_by_seq,
+            q_kernel,
             key_cache,
             value_cache,
             # Checked inline, not through `_needed`: this runs per layer of every decode step.
@@ -198,7 +200,7 @@ def attend_decode(
             window,
             softcap,
             scales,
-        )
+        ).to(q.dtype)
     block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
     block_size = _needed(meta.kv_cache, "KV cache").block_size
