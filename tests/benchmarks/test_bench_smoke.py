@@ -231,9 +231,9 @@ def test_vision_bench_quick(tmp_path):
     assert json.loads((tmp_path / "vision.json").read_text())["params"]["requests"] == 4
 
 
-def test_quant_decode_bench_quick(tmp_path, tiny_model_dir):
-    model = str(tiny_model_dir)
-    run_script("quant_decode_bench.py", "--quick", "--model-id", model, "--schemes", "fp32", "--out", str(tmp_path))
-    assert "growth from short" in (tmp_path / "quant_decode.md").read_text()
-    runs = json.loads((tmp_path / "quant_decode.json").read_text())["runs"]
-    assert [run["n"] for run in runs["fp32"]["32"]] == [8 - 1]
+def test_decode_speed_bench_quick(tmp_path, tiny_model_dir):
+    schemes = ("--schemes", "fp32", "bf16")
+    run_script("decode_speed_bench.py", "--quick", "--model-id", str(tiny_model_dir), *schemes, "--out", str(tmp_path))
+    assert "growth from short" in (tmp_path / "decode_speed.md").read_text()
+    runs = json.loads((tmp_path / "decode_speed.json").read_text())["runs"]
+    assert [run["n"] for run in runs["fp32"]["32"]] == [run["n"] for run in runs["bf16"]["32"]] == [8 - 1]
