@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig
 from inference_service.engine.builder import build_engine
 from inference_service.models.demo import ensure_demo_model
+from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.linears.bf16 import BF16NativeLinear
 from tests.conftest import greedy_token_ids
 
@@ -42,8 +43,10 @@ def test_demo_model_in_16_bits_greedy_matches_transformers_in_the_same_dtype(dty
     assert engine.info.dtype == name
     assert engine.runner.kv_cache.keys[0].dtype == engine.runner.kv_cache.values[-1].dtype == dtype
     assert {p.dtype for p in engine.runner.model.parameters()} == {dtype}
-    if dtype == torch.bfloat16:  # decode steps read bf16 weights through the native kernel
+    if dtype == torch.bfloat16:  # decode steps: bf16 weights, glue and attention through the native kernels
         assert isinstance(engine.runner.model.lm_head, BF16NativeLinear)
+        assert engine.runner.decode_kernel is not None and engine.runner.decode_step is not None
+        assert isinstance(engine.runner.decode_step.ops.glue, BF16DecodeGlue)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     for prompt in PROMPTS:
         ours = greedy_token_ids(engine, prompt, NEW_TOKENS)

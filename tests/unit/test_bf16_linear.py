@@ -61,7 +61,11 @@ def _bf16(*shape: int, generator: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, cpu_kernels.MAX_BF16_LINEAR_ROWS])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (13, 72), (200, 576), (70, 1544)])
+# 4000 x 576 and 3 x 512: one row of x reads W row after row (whole 128-wide steps only at 512), and
+# is split across threads (over the kernel's threading threshold).
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(1, 8), (13, 72), (200, 576), (70, 1544), (3, 512), (4000, 576)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_float64_math_rounded_to_bf16(kernel, rows, out_features, in_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)

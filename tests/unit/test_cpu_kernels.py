@@ -17,6 +17,7 @@ import torch
 from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.kernels import bindings as cpu_kernels
+from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-5
@@ -179,16 +180,24 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
 
 
 @pytest.mark.parametrize(
-    ("kernel_for", "kind"),
+    ("kernel_for", "kind", "bf16_kind"),
     [
-        (cpu_kernels.decode_kernel_for, cpu_kernels.PagedDecodeKernel),
-        (cpu_kernels.linear_kernel_for, cpu_kernels.SmallBatchLinear),
+        # bf16 models' decode attention: q widened to fp32, the cache read in place
+        (cpu_kernels.decode_kernel_for, cpu_kernels.PagedDecodeKernel, cpu_kernels.PagedDecodeKernel),
+        (cpu_kernels.linear_kernel_for, cpu_kernels.SmallBatchLinear, None),
+        (cpu_kernels.decode_glue_for, cpu_kernels.DecodeGlue, BF16DecodeGlue),
     ],
 )
-def test_the_kernels_apply_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch, kernel_for, kind):
+def test_the_kernels_apply_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch, kernel_for, kind, bf16_kind):
     cpu = torch.device("cpu")
     assert isinstance(kernel_for(cpu, torch.float32), kind)
-    assert kernel_for(cpu, torch.bfloat16) is None
+    if bf16_kind is None:
+        assert kernel_for(cpu, torch.bfloat16) is None
+    else:
+        assert isinstance(kernel_for(cpu, torch.bfloat16), bf16_kind)
+    assert kernel_for(cpu, torch.float16) is None
     assert kernel_for(torch.device("cuda"), torch.float32) is None
+    assert kernel_for(torch.device("cuda"), torch.bfloat16) is None
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
     assert kernel_for(cpu, torch.float32) is None
+    assert kernel_for(cpu, torch.bfloat16) is None

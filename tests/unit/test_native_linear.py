@@ -25,7 +25,8 @@ def kernel() -> cpu_kernels.SmallBatchLinear:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, cpu_kernels.MAX_LINEAR_ROWS])
-@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (13, 64), (200, 576), (1100, 96)])
+# 3000 x 40: one row of x reads W row after row in steps of 32 with a tail of 8, over threads.
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (13, 64), (200, 576), (1100, 96), (3000, 40)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_float64_math(kernel, rows, out_features, in_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)

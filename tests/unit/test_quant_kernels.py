@@ -186,3 +186,30 @@ def test_module_buffers_repr_and_moves(kernel):
     with torch.no_grad():
         assert moved(x.bfloat16()).dtype == torch.bfloat16
         assert_close(moved(x), reference(x, packed, None))  # fp32 input, bf16 bias: the torch path
+
+
+@pytest.mark.parametrize(
+    ("k", "group_size"),
+    [(32, 32), (33, 32), (95, 32), (160, 64), (200, 128), (31, 31), (63, 64), (576, 128), (1000, 32)],
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+def test_4bit_groups_of_32_and_more(kernel, k, group_size, rows):
+    """The 16-lane path's shapes (AVX-512: 4-bit, groups a multiple of 32 or one group): a partial last
+    chunk and group, K under one chunk, every register blocking, output rows not a multiple of it."""
+    packed = random_packed(45, k, 4, group_size, seed=k * 7 + group_size + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows))
+    bias = torch.randn(45)
+    assert_close(kernel(x, packed, bias), reference(x, packed, bias))
+
+
+def test_4bit_offsets_large_against_scales(kernel):
+    """The offsets multiply each group's sum of x apart from the codes: still float64's result when
+    they dominate the weights (GGUF Q4_1's min is often the larger term)."""
+    n, k, group_size = 33, 256, 32
+    generator = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(n, k // group_size, generator=generator) * 1e-3
+    offsets = torch.randn(n, k // group_size, generator=generator) * 10
+    packed = PackedWeight(4, pack_codes(codes, 4), scales, offsets, group_size, k)
+    x = torch.randn(3, k, generator=generator)
+    assert_close(kernel(x, packed, None), reference(x, packed, None))

@@ -183,10 +183,12 @@ def attend_decode(
     cache's dtype; `scales`: the int8 cache's K and V scales)."""
     kernel, q_by_seq = meta.decode_kernel, q.transpose(0, 1)  # [Sd, H, D]
     # The CPU kernel is asked first: it serves CPU tensors only and Triton CUDA ones only, so the
-    # order changes nothing but what a CPU step pays per layer.
-    if kernel is not None and kernel.supports(q_by_seq, key_cache, value_cache):
+    # order changes nothing but what a CPU step pays per layer. It computes a bf16 model's attention
+    # in fp32, from its bf16 (or other) cache in place.
+    q_kernel = q_by_seq.float() if kernel is not None and q.dtype == torch.bfloat16 else q_by_seq
+    if kernel is not None and kernel.supports(q_kernel, key_cache, value_cache):
         return kernel(
-            q_by_seq,
+            q_kernel,
             key_cache,
             value_cache,
             # Checked inline, not through `_needed`: this runs per layer of every decode step.
@@ -197,7 +199,7 @@ def attend_decode(
             window,
             softcap,
             scales,
-        )
+        ).to(q.dtype)
     if _use_triton(q, value_cache):
         from inference_service.worker.attention import triton_paged
 

@@ -28,12 +28,16 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from inference_service import progress
 from inference_service.config import default_cache_dir
 from inference_service.worker.kernels.packed import PackedWeight
+
+if TYPE_CHECKING:
+    from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ SOURCES = (
     CSRC / "decode_glue.cpp",
     CSRC / "kv_write.cpp",
     CSRC / "bf16_linear.cpp",
+    CSRC / "bf16_glue.cpp",
 )
 # Included by the sources: part of the cache key.
 HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h")
@@ -456,6 +461,8 @@ class QuantLinearKernel:
 class DecodeGlue:
     """The ops between a decode step's projections (see csrc/decode_glue.cpp); fp32, contiguous."""
 
+    cache_dtype = torch.float32  # the KV cache dtype rope_kv_write writes into directly
+
     def __init__(self, library: ctypes.CDLL):
         self._norm = _bind(library, "add_rms_norm_f32", [_POINTER] * 4 + [_I64] * 2 + [_F32])
         self._rope = _bind(library, "rope_kv_write_f32", [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4)
@@ -520,15 +527,20 @@ class DecodeGlue:
         return out
 
 
-def decode_glue_for(device: torch.device, dtype: torch.dtype) -> DecodeGlue | None:
-    """The native decode-step ops where they apply (fp32 on CPU) and build; None: torch ops."""
+def decode_glue_for(device: torch.device, dtype: torch.dtype) -> DecodeGlue | BF16DecodeGlue | None:
+    """The native decode-step ops where they apply (fp32 or bf16 on CPU) and build; None: torch ops."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not _switched_off():
+        from inference_service.worker.kernels.bf16_glue import load_bf16_decode_glue
+
+        return load_bf16_decode_glue()
     library = _library_for(device, dtype)
     return DecodeGlue(library) if library is not None else None
 
 
 def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel | None:
-    """The native decode attention where it applies (fp32 on CPU) and builds; None: the torch path."""
-    library = _library_for(device, dtype)
+    """The native decode attention where it applies (fp32 on CPU; bf16 too, its q widened to fp32 and
+    its cache read in place) and builds; None: the torch path."""
+    library = _library_for(device, torch.float32 if dtype == torch.bfloat16 else dtype)
     return PagedDecodeKernel(library) if library is not None else None
 
 

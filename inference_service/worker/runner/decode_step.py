@@ -10,7 +10,8 @@ steps through this plan instead. It is the same math in fewer calls:
   load; the layers' own modules are re-pointed at row slices of the concatenation, so nothing is
   stored twice and prefill steps (through transformers) read the same memory;
 - on CPU in fp32 the ops between projections are native (kernels.bindings.DecodeGlue: residual add +
-  RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each; elsewhere they are the torch ops
+  RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each, and in bf16 too
+  (kernels.bf16_glue, rounding where transformers' bf16 ops round); elsewhere they are the torch ops
   transformers runs, in its order, and the logits are bitwise those of the transformers path.
 Prefill and mixed steps still run through transformers' model code with our attention.
 """
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from inference_service.worker.attention.kv_cache import PagedKVCache
 from inference_service.worker.attention.paged import StepMetadata, attend_decode
 from inference_service.worker.kernels import panels
+from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.bindings import DecodeGlue
 from inference_service.worker.kernels.packed import PackedWeight
 from inference_service.worker.linears import bf16, native
@@ -44,7 +46,7 @@ LLAMA_STYLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 class DecodeStep:
     """`forward(meta, input_ids, position_ids, keep_rows)` for a decode-only step → fp32 logits [K, V]."""
 
-    def __init__(self, model: Any, glue: DecodeGlue | None = None):
+    def __init__(self, model: Any, glue: DecodeGlue | BF16DecodeGlue | None = None):
         # model: a transformers PreTrainedModel, whose attributes torch types as tensors
         body = model.model
         self.embed = body.embed_tokens
@@ -162,9 +164,10 @@ class _TorchOps:
 
 
 class _NativeOps:
-    """The same ops through kernels.bindings.DecodeGlue: one call each (CPU, fp32)."""
+    """The same ops through kernels.bindings.DecodeGlue (CPU, fp32) or kernels.bf16_glue's (CPU,
+    bf16): one call each."""
 
-    def __init__(self, glue: DecodeGlue):
+    def __init__(self, glue: DecodeGlue | BF16DecodeGlue):
         self.glue = glue
 
     def add_norm(
@@ -182,8 +185,8 @@ class _NativeOps:
         slots: torch.Tensor,
     ) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
-        # An fp32 cache takes the rows in the same pass; another dtype converts them after it.
-        direct = kv_cache.kv_dtype == torch.float32
+        # A cache in the glue's dtype takes the rows in the same pass; another dtype converts them after it.
+        direct = kv_cache.kv_dtype == self.glue.cache_dtype
         key_cache, value_cache = kv_cache.layer(layer.index) if direct else (None, None)
         self.glue.rope_kv_write(
             qkv,
@@ -342,7 +345,7 @@ class _Concatenated(torch.nn.Module):
         return torch.cat([m(x) for m in self.parts], dim=-1)
 
 
-def decode_step_for(model: Any, glue: DecodeGlue | None = None) -> DecodeStep | None:
+def decode_step_for(model: Any, glue: DecodeGlue | BF16DecodeGlue | None = None) -> DecodeStep | None:
     """The decode plan for a Llama-style model (with native ops if `glue`); None (transformers' path
     serves every step) for other models."""
     reason = _unsupported(model)

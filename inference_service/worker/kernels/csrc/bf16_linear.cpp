@@ -49,6 +49,9 @@ inline uint16_t float_to_bf16(float f) {
 #if BF16_DOT
 
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit load
+// How far ahead of its reads the one-row path prefetches W (measured on the head: 512 B and 4 KiB
+// slower than 2 KiB).
+constexpr int64_t kPrefetchBytes = 2048;
 
 inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
@@ -84,9 +87,44 @@ void rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
     for (; j < n1; ++j) block(std::integral_constant<int, 1>{});
 }
 
+// One row of x (a decode step of one stream): W's rows one after another, each with 4 accumulators,
+// so W is read as one sequential stream, prefetched kPrefetchBytes ahead. The blocked path above reads
+// RN rows side by side: RN short streams (a 576-wide row is 18 cache lines) that the hardware
+// prefetcher never ramps up on. Measured on this EPYC, one thread, W from memory: the head (49152 x
+// 576) and gate|up (3072 x 576) at ~17 GB/s instead of ~8.
+void rows_seq(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t n1,
+              int64_t k) {
+    const int64_t full = k / kLanes * kLanes;
+    const __mmask32 tail = static_cast<__mmask32>((1ull << (k - full)) - 1);
+    for (int64_t j = n0; j < n1; ++j) {
+        const uint16_t* row = w + j * k;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int64_t c = 0;
+        for (; c + 4 * kLanes <= full; c += 4 * kLanes) {  // 4 cache lines
+            const char* ahead = reinterpret_cast<const char*>(row + c) + kPrefetchBytes;
+            for (int i = 0; i < 4; ++i) __builtin_prefetch(ahead + 64 * i);  // past W's end: harmless
+            for (int i = 0; i < 4; ++i) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + c + i * kLanes);
+                acc[i] = _mm512_dpbf16_ps(acc[i], wv, (__m512bh)_mm512_loadu_si512(x + c + i * kLanes));
+            }
+        }
+        for (; c < k; c += kLanes) {
+            const __mmask32 mask = c < full ? static_cast<__mmask32>(~0u) : tail;
+            __builtin_prefetch(reinterpret_cast<const char*>(row + c) + kPrefetchBytes);
+            acc[0] = _mm512_dpbf16_ps(acc[0], load_bf16(row + c, mask), load_bf16(x + c, mask));
+        }
+        const float b = bias ? bf16_to_float(bias[j]) : 0.f;
+        y[j] = float_to_bf16(_mm512_reduce_add_ps((acc[0] + acc[1]) + (acc[2] + acc[3])) + b);
+    }
+}
+
 template <int M>
 void rows_of(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t n1,
              int64_t n, int64_t k) {
+    if constexpr (M == 1) {
+        rows_seq(x, w, bias, y, n0, n1, k);
+        return;
+    }
     constexpr int RN = M <= 2 ? 8 : M <= 4 ? 5 : M <= 6 ? 3 : 2;  // RN * M + M + 1 <= 32 registers
     rows<M, RN>(x, w, bias, y, n0, n1, n, k);
 }

@@ -50,9 +50,35 @@ void rows(const float* x, const float* w, const float* bias, float* y, int64_t n
     }
 }
 
+// One row of x (a decode step of one stream): W's rows one after another with 4 accumulators, so W is
+// read as one sequential stream, prefetched kPrefetchBytes ahead. RN rows side by side are RN short
+// streams (a 576-wide row is 36 cache lines) that the hardware prefetcher hardly ramps up on; the
+// same change made the bf16 kernel's one-row calls 2x faster (bf16_linear.cpp).
+constexpr int64_t kPrefetchBytes = 2048;
+
+void row_by_row(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t k) {
+    for (int64_t j = n0; j < n1; ++j) {
+        const float* row = w + j * k;
+        v8 acc[4] = {};
+        int64_t c = 0;
+        for (; c + 32 <= k; c += 32) {  // two cache lines
+            const char* ahead = reinterpret_cast<const char*>(row + c) + kPrefetchBytes;
+            __builtin_prefetch(ahead);  // past W's end: harmless
+            __builtin_prefetch(ahead + 64);
+            for (int i = 0; i < 4; ++i) acc[i] += load8(row + c + 8 * i) * load8(x + c + 8 * i);
+        }
+        for (; c < k; c += 8) acc[0] += load8(row + c) * load8(x + c);
+        y[j] = hsum((acc[0] + acc[1]) + (acc[2] + acc[3])) + (bias ? bias[j] : 0.f);
+    }
+}
+
 template <int M>
 void rows_of(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t n,
              int64_t k, bool prefetch) {
+    if constexpr (M == 1) {
+        row_by_row(x, w, bias, y, n0, n1, k);
+        return;
+    }
 #if defined(__AVX512VL__)  // 32 vector registers: more W rows per load of x (16 rows of x: 7% faster)
     constexpr int RN = M == 1 ? 8 : M == 2 ? 8 : M <= 4 ? 5 : M <= 6 ? 4 : 3;
 #else
