@@ -236,6 +236,8 @@ def test_vision_bench_quick_on_another_family(tmp_path):
     run_script("vision_bench.py", "--quick", "--family", "paligemma", "--out", str(tmp_path))
     assert "Model: a random paligemma." in (tmp_path / "vision_paligemma.md").read_text()
     assert json.loads((tmp_path / "vision_paligemma.json").read_text())["family"] == "paligemma"
+
+
 def test_decode_speed_bench_quick(tmp_path, tiny_model_dir):
     schemes = ("--schemes", "fp32", "bf16")
     run_script("decode_speed_bench.py", "--quick", "--model-id", str(tiny_model_dir), *schemes, "--out", str(tmp_path))
