@@ -6,12 +6,16 @@ import random
 
 import pytest
 
+# Markers whose tests run only when asked for (`pytest -m soak`, `pytest -m extended`).
+_ON_REQUEST = ("soak", "extended")
+
 
 def pytest_collection_modifyitems(config, items):
-    """Soak tests run only when asked for by marker (`pytest -m soak`): they take minutes each."""
-    if "soak" in (config.getoption("markexpr") or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("soak") is None]
+    """Soak tests take minutes each; extended tests are finer variants of what `make test` already
+    checks (another family's edge cases, known gaps kept as strict xfails): both run only when asked."""
+    asked = config.getoption("markexpr") or ""
+    skipped = [name for name in _ON_REQUEST if name not in asked]
+    kept = [item for item in items if not any(item.get_closest_marker(name) for name in skipped)]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept

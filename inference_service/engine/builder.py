@@ -35,12 +35,12 @@ from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache, resolve_kv_dtype
 from inference_service.worker.kernels.bindings import (
     bf16_linear_kernel_for,
-    decode_glue_for,
     decode_kernel_for,
     kv_writer_for,
     linear_kernel_for,
     panel_kernel_for,
 )
+from inference_service.worker.kernels.decode_glue import decode_glue_for
 from inference_service.worker.linears import bf16 as bf16_linear
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear

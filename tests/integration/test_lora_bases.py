@@ -9,8 +9,8 @@ here is weight-only, so the base linear is linear in its input and the probe is 
 
 Open: on these bases the *base* rows (no adapter) already differ from the probed twin at the first
 token, while the eetq base passes the same check with a twin built from dequantize(). Whether the
-probe or the served base is at fault is not yet known, so the tests are strict xfails behind `slow`
-(about 5 minutes on 2 cores): `pytest -m slow tests/integration/test_lora_bases.py`. A GGUF base is
+probe or the served base is at fault is not yet known, so the tests are strict xfails behind `extended`
+(about 5 minutes on 2 cores): `pytest -m extended tests/integration/test_lora_bases.py`. A GGUF base is
 not tested yet.
 """
 
@@ -32,7 +32,7 @@ from tests.lora_adapters import make_adapter
 from tools.checkpoint_writers import write_checkpoint
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.extended,
     pytest.mark.xfail(strict=True, reason="base rows differ from the probed float twin (see the module note)"),
 ]
 

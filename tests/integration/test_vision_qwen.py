@@ -19,8 +19,13 @@ from tests.tiny_qwen_vl import VISION_END, VISION_START, save_qwen_vl
 from textgen.v1 import generate_pb2 as pb
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+
+
 # The families differ in their vision tower only: the positions' finer cases run on Qwen2-VL alone.
-QWEN2_VL_ONLY = pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)
+# The finer cases run on Qwen2-VL only (the families differ in their vision tower alone), and only
+# with `pytest -m extended`: chunking, logprobs and two staggered images run on both by default.
+def QWEN2_VL_ONLY(test):  # noqa: N802 (reads as a marker)
+    return pytest.mark.extended(pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)(test))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -18,6 +18,7 @@ from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.kernels import bindings as cpu_kernels
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
+from inference_service.worker.kernels.decode_glue import decode_glue_for
 
 BLOCK_SIZE = 4
 TOLERANCE = 1e-5
@@ -185,7 +186,7 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
         # bf16 models' decode attention: q widened to fp32, the cache read in place
         (cpu_kernels.decode_kernel_for, cpu_kernels.PagedDecodeKernel, cpu_kernels.PagedDecodeKernel),
         (cpu_kernels.linear_kernel_for, cpu_kernels.SmallBatchLinear, None),
-        (cpu_kernels.decode_glue_for, cpu_kernels.DecodeGlue, BF16DecodeGlue),
+        (decode_glue_for, cpu_kernels.DecodeGlue, BF16DecodeGlue),
     ],
 )
 def test_the_kernels_apply_to_fp32_cpu_only_and_can_be_switched_off(kernel, monkeypatch, kernel_for, kind, bf16_kind):

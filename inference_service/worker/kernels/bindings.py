@@ -28,16 +28,12 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from inference_service import progress
 from inference_service.config import default_cache_dir
 from inference_service.worker.kernels.packed import PackedWeight
-
-if TYPE_CHECKING:
-    from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 
 logger = logging.getLogger(__name__)
 
@@ -525,16 +521,6 @@ class DecodeGlue:
         out = gate_up.new_empty(rows, width)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
         return out
-
-
-def decode_glue_for(device: torch.device, dtype: torch.dtype) -> DecodeGlue | BF16DecodeGlue | None:
-    """The native decode-step ops where they apply (fp32 or bf16 on CPU) and build; None: torch ops."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and not _switched_off():
-        from inference_service.worker.kernels.bf16_glue import load_bf16_decode_glue
-
-        return load_bf16_decode_glue()
-    library = _library_for(device, dtype)
-    return DecodeGlue(library) if library is not None else None
 
 
 def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> PagedDecodeKernel | None:
