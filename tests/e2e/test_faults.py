@@ -59,7 +59,17 @@ def slow_model_dir(tmp_path_factory, byte_tokenizer):
 
 @pytest.fixture
 def cluster(slow_model_dir, envoy_installed):
-    run = Launched(slow_model_dir, "--num-replicas", "2", "--max-concurrent-requests", str(SLOTS_PER_REPLICA))
+    # The drain gets 30 s (Launched's 5 s is tight: 4 requests of LONG tokens on one thread per replica
+    # took 4-6 s here, so the drain step failed now and then).
+    run = Launched(
+        slow_model_dir,
+        "--num-replicas",
+        "2",
+        "--max-concurrent-requests",
+        str(SLOTS_PER_REPLICA),
+        "--graceful-termination-timeout",
+        "30",
+    )
     try:
         url = run.wait_for(READY).group(1)
         wait_envoy_sees_healthy(run)
