@@ -455,14 +455,17 @@ class QuantLinearKernel:
 
 
 class DecodeGlue:
-    """The ops between a decode step's projections (see csrc/decode_glue.cpp); fp32, contiguous."""
+    """The ops between a decode step's projections (see csrc/decode_glue.cpp); fp32, contiguous.
+    Subclasses for other dtypes name their symbols' suffix and their dtype (kernels/bf16_glue.py)."""
 
-    cache_dtype = torch.float32  # the KV cache dtype rope_kv_write writes into directly
+    cache_dtype = torch.float32  # the rows' dtype, and the KV cache dtype rope_kv_write writes into
+    symbol_suffix = "f32"
 
     def __init__(self, library: ctypes.CDLL):
-        self._norm = _bind(library, "add_rms_norm_f32", [_POINTER] * 4 + [_I64] * 2 + [_F32])
-        self._rope = _bind(library, "rope_kv_write_f32", [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4)
-        self._silu_mul = _bind(library, "silu_mul_f32", [_POINTER] * 2 + [_I64] * 2)
+        suffix = self.symbol_suffix
+        self._norm = _bind(library, f"add_rms_norm_{suffix}", [_POINTER] * 4 + [_I64] * 2 + [_F32])
+        self._rope = _bind(library, f"rope_kv_write_{suffix}", [_POINTER] * 5 + [_F32] + [_POINTER] * 3 + [_I64] * 4)
+        self._silu_mul = _bind(library, f"silu_mul_{suffix}", [_POINTER] * 2 + [_I64] * 2)
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -494,9 +497,9 @@ class DecodeGlue:
         heads: int,
         kv_heads: int,
     ) -> None:
-        """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the (fp32)
-        cache, unless the caches are None."""
-        cos, sin = cos.contiguous(), sin.contiguous()
+        """qkv [S, H + 2 KVH, Dh]: q, k normed (if given) and rotated in place; k, v into the cache
+        (of `cache_dtype`), unless the caches are None."""
+        cos, sin = cos.to(self.cache_dtype).contiguous(), sin.to(self.cache_dtype).contiguous()
         status = self._rope(
             qkv.data_ptr(),
             cos.data_ptr(),
