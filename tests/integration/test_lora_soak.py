@@ -32,7 +32,7 @@ from textgen.v1 import generate_pb2 as pb
 
 pytestmark = pytest.mark.soak
 
-PROMPT = "the quick brown fox"
+PROMPT = "the quick brown fox jumps over the lazy dog " * 4  # several full KV blocks: the prefix cache serves them
 NEW_TOKENS = 16
 CYCLES = 30
 STREAMS_PER_NAME = 2  # client threads per name (base, alpha, beta, gamma)
