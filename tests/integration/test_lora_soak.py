@@ -13,7 +13,7 @@ alpha, on beta and on gamma the whole time. Checked, whatever the interleaving:
   requests really ran on the cycled adapters;
 - afterwards nothing runs or waits and every KV block is free.
 
-Only with `pytest -m soak tests/integration/test_lora_soak.py` (about 2 minutes on 2 cores).
+Only with `pytest -m soak tests/integration/test_lora_soak.py` (2-3 minutes on a busy 2-core machine).
 """
 
 from __future__ import annotations
