@@ -59,9 +59,8 @@ ENCODER_DECODER_REASON = (
 # Vision-language models served on the paged path, images merged into the prompt's embeddings
 # (tests/integration/test_vision_models.py checks each against transformers' generate); the
 # others are refused by name, with the reason.
-VISION_ARCHITECTURES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "paligemma", "gemma3", "idefics3")
+VISION_ARCHITECTURES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "paligemma", "gemma3", "idefics3", "smolvlm")
 VISION_NOT_YET = {
-    "smolvlm": "Idefics3's layout, but its processor (num2words, torchvision) is not checked against transformers yet",
     "mllama": "its cross-attention to the image does not fit the paged cache yet",
 }
 
