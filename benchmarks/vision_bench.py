@@ -18,9 +18,12 @@ on the same weights; ratios are taken within the run (this CPU is shared and noi
   holds the same image and the first reply. Reported: time to first token of each (the second
   reuses the image's KV blocks and skips the vision encoder's work for its cached tokens; goal ≥ 3×).
 
-`--family gemma3|paligemma|idefics3` runs the same on that family's tiny random model (64 wide, 2
-layers, 32x32 images: 4, 16 and 20 image tokens; tests/tiny_vision_gemma.py, tests/tiny_vision_idefics.py):
-image tokens that attend both ways (prefilled whole, one chunk each), or tiles between text tags.
+`--family gemma3|paligemma|idefics3|smolvlm|mllama` runs the same on that family's tiny random model
+(64 wide, 2 or 3 layers, 32x32 images: 4, 16 and 20 image tokens; tests/tiny_vision_gemma.py,
+tests/tiny_vision_idefics.py, tests/tiny_vision_mllama.py): image tokens that attend both ways
+(prefilled whole, one chunk each), tiles between text tags, or (Mllama) one image token whose image
+the language model reads through cross-attention, on the fallback path (transformers' attention,
+no prefix caching: its follow-up turn recomputes the image).
 
 Usage: python benchmarks/vision_bench.py [--quick] [--rounds N] [--family NAME] [--out DIR]
 """
@@ -53,9 +56,16 @@ from inference_service.frontend.front_end import FrontEnd  # noqa: E402
 from tests.tiny_vision import save_llava  # noqa: E402
 from tests.tiny_vision_gemma import save_gemma3, save_paligemma  # noqa: E402
 from tests.tiny_vision_idefics import save_idefics3  # noqa: E402
+from tests.tiny_vision_mllama import save_mllama  # noqa: E402
 from textgen.v1 import generate_pb2 as pb  # noqa: E402
 
-FAMILIES = {"gemma3": save_gemma3, "paligemma": save_paligemma, "idefics3": save_idefics3}
+FAMILIES = {
+    "gemma3": save_gemma3,
+    "paligemma": save_paligemma,
+    "idefics3": save_idefics3,
+    "smolvlm": lambda folder: save_idefics3(folder, family="smolvlm"),
+    "mllama": save_mllama,
+}
 FULL = {"requests": 16, "new_tokens": 32, "hidden": 384, "layers": 6, "image": 128}
 QUICK = {"requests": 4, "new_tokens": 4, "hidden": 64, "layers": 2, "image": 32}
 
@@ -107,7 +117,8 @@ async def engine_batch(
 
 def family_inputs(model, requests, width: int) -> dict:
     """What the family's `generate` reads beside the ids: Gemma 3's image token types, PaliGemma's
-    prefix (types 0), Idefics3's pixel mask."""
+    prefix (types 0), Idefics3's (and SmolVLM's) pixel mask, Mllama's aspect ratios and its
+    cross-attention mask (left-padded with the ids)."""
     model_type = model.config.model_type
     if model_type in ("gemma3", "paligemma"):
         types = torch.zeros(len(requests), width, dtype=torch.long)
@@ -117,7 +128,18 @@ def family_inputs(model, requests, width: int) -> dict:
                 for image in request.images:
                     types[row, [pad + p for p in image.positions]] = 1
         return {"token_type_ids": types}
-    if model_type == "idefics3":
+    if model_type == "mllama":
+        images = [r.images[0] for r in requests]
+        masks = [
+            torch.nn.functional.pad(i.extras["cross_attention_mask"], (0, 0, 0, 0, width - len(r.prompt_token_ids), 0))
+            for r, i in zip(requests, images, strict=True)
+        ]
+        return {
+            "aspect_ratio_ids": torch.cat([i.extras["aspect_ratio_ids"] for i in images]),
+            "aspect_ratio_mask": torch.cat([i.extras["aspect_ratio_mask"] for i in images]),
+            "cross_attention_mask": torch.cat(masks),
+        }
+    if model_type in ("idefics3", "smolvlm"):
         return {
             "pixel_attention_mask": torch.cat([i.extras["pixel_attention_mask"] for r in requests for i in r.images])
         }
@@ -194,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             limits=LimitsConfig(max_total_tokens=1024),
         )
         engine = build_engine(config)
+        attention = engine.info.attention_impl  # "paged", or "transformers" (Mllama's fallback path)
         costs = {"share per prompt": engine.scheduler.cost, "one share": OneShareCost(**vars(engine.scheduler.cost))}
         pad_id = engine.tokenizer.pad_token_id
         from transformers import AutoModelForImageTextToText
@@ -231,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     generated = params["requests"] * params["new_tokens"]
     med = {run: statistics.median(values) for run, values in seconds.items()}
     rows = [
-        [f"engine, {run} (continuous batching, paged)", common.fmt(generated / med[run]), common.fmt(med[run], 2)]
+        [f"engine, {run} (continuous batching, {attention})", common.fmt(generated / med[run]), common.fmt(med[run], 2)]
         + [str(statistics.median(steps[run]))]
         for run in runs[:2]
     ]

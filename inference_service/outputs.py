@@ -18,6 +18,8 @@ from inference_service.errors import InferenceError, RunnerLost
 if TYPE_CHECKING:
     import torch
 
+    from inference_service.sampling_params import ImageInput
+
 
 class FinishReason(enum.StrEnum):
     LENGTH = "length"
@@ -49,6 +51,9 @@ class ScheduledRequest:
     both_way_spans: tuple[tuple[int, int], ...] = ()
     # The LoRA adapter of every row of this request (None: the base model's weights alone).
     adapter_id: str | None = None
+    # Cross-attention models (Mllama): the request's images, on its first chunk (again after a
+    # preemption); the runner's model encodes them itself.
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def num_known_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """A tiny random Idefics3 model (SigLIP-style vision tower, pixel-shuffle connector,
 Llama text model), saved with a tokenizer and the model's own processor (no hub): images are split
-into 32x32 tiles plus a global image, 4 tokens per tile."""
+into 32x32 tiles plus a global image, 4 tokens per tile. SmolVLM is the same layout under its own
+classes."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ TEMPLATE = (
 )
 
 
-def save_idefics3(folder: str | Path, seed: int = 0) -> Path:
-    """A tiny random Idefics3 with its Idefics3Processor."""
+def save_idefics3(folder: str | Path, seed: int = 0, family: str = "idefics3") -> Path:
+    """A tiny random Idefics3 with its Idefics3Processor (`family="smolvlm"`: a SmolVLM with its
+    SmolVLMProcessor, saved as a SmolVLM checkpoint names it)."""
     import transformers as tf
+
+    smol = family == "smolvlm"
 
     folder = Path(folder)
     tokenizer = vision_tokenizer(SPECIALS)
@@ -39,10 +43,10 @@ def save_idefics3(folder: str | Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    vision = tf.Idefics3VisionConfig(
+    vision = (tf.SmolVLMVisionConfig if smol else tf.Idefics3VisionConfig)(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
     )
-    config = tf.Idefics3Config(
+    config = (tf.SmolVLMConfig if smol else tf.Idefics3Config)(
         vision_config=vision,
         text_config=text,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
@@ -50,19 +54,28 @@ def save_idefics3(folder: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = tf.Idefics3ForConditionalGeneration(config).eval()
+    model = (tf.SmolVLMForConditionalGeneration if smol else tf.Idefics3ForConditionalGeneration)(config).eval()
     with torch.no_grad():  # spread the connector wide so image content moves the greedy choices
         for parameter in model.model.connector.parameters():
             parameter.normal_(0.0, 0.5)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
-    image_processor = tf.Idefics3ImageProcessorPil(
+    image_processor = (tf.SmolVLMImageProcessorPil if smol else tf.Idefics3ImageProcessorPil)(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
     )
-    processor = tf.Idefics3Processor(
+    if smol:  # its own class needs a video processor (torchvision): the engine's image-only one
+        from inference_service.models.smolvlm_processor import image_only_processor_class
+
+        processor_class = image_only_processor_class()
+    else:
+        processor_class = tf.Idefics3Processor
+    processor = processor_class(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=TEMPLATE
     )
     processor.save_pretrained(folder)
+    if smol:  # as a real SmolVLM checkpoint names its processor
+        saved = folder / "processor_config.json"
+        saved.write_text(saved.read_text().replace('"SmolVLMImagesOnlyProcessor"', '"SmolVLMProcessor"'))
     tokenizer.save_pretrained(folder)
     return folder

@@ -26,7 +26,12 @@ from inference_service.models import context, demo, loader, rope
 from inference_service.models.lora_files import AdapterError, parse_adapter_specs
 from inference_service.models.lora_registry import AdapterRegistry
 from inference_service.models.prequantized import load_prequantized
-from inference_service.models.registry import check_architecture, is_vision_language, probe_model
+from inference_service.models.registry import (
+    CROSS_ATTENTION_VISION,
+    check_architecture,
+    is_vision_language,
+    probe_model,
+)
 from inference_service.outputs import EngineInfo, Runner, ScheduledRequest
 from inference_service.sample.grammar import GrammarBudget, GrammarCompiler
 from inference_service.sample.ngram_proposer import NgramProposer
@@ -122,7 +127,10 @@ def build_from(
         runner = model_runner if shard_runner is None else shard_runner(model_runner)
     else:  # blocks stay the memory budget of the per-request caches (in the model's dtype)
         kv_dtype = dtype
-        num_blocks = plan_num_blocks(config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device)
+        reserved = loaded.encoder.reserved_bytes if loaded.encoder is not None else 0  # Mllama's vision tower
+        num_blocks = plan_num_blocks(
+            config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device, reserved
+        )
         runner = TransformersRunner(loaded.model, loaded.device)
         if config.cache.kv_cache_dtype != "auto":
             logger.warning(
@@ -343,7 +351,7 @@ def load(config: EngineConfig) -> LoadedModel:
             # it was loaded with, and builds no causal mask for it).
             with progress.phase("loading weights", "loaded weights again", total=1), progress.library_bars_off():
                 model, num_quantized = load_weights(FALLBACK_ATTENTION)
-    if processor is not None and fallback_reason is not None:
+    if processor is not None and fallback_reason is not None and hf_config.model_type not in CROSS_ATTENTION_VISION:
         raise ModelLoadError(
             f"vision-language architecture '{hf_config.model_type}' needs the paged attention: {fallback_reason}"
         )

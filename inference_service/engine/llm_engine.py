@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_service.engine.block_hash_index import cache_salt
+from inference_service.engine.cross_attention_images import CrossAttentionImages
 from inference_service.engine.detokenizer import TextState, decode, special_token_ids
 from inference_service.engine.forward_clock import ForwardClock
 from inference_service.engine.isolation import request_error, sample_rows
@@ -105,7 +106,11 @@ class LLMEngine:
         # Vision-language models: the encoder's stage at admission (None: text only).
         encoder = runner if info.vision_architecture and isinstance(runner, ImageEncoder) else None
         mrope = info.vision_architecture in MROPE_ARCHITECTURES
-        self.vision = VisionStage(encoder, mrope) if encoder is not None else None
+        self.vision: VisionStage | CrossAttentionImages | None = None
+        if encoder is not None:
+            self.vision = VisionStage(encoder, mrope)
+        elif info.vision_architecture:  # the runner's model encodes images itself (Mllama, fallback path)
+            self.vision = CrossAttentionImages()
         self.processor: object | None = None  # the model's processor, for the front end (vision models)
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.live: dict[str, LiveRequest] = {}

@@ -16,6 +16,7 @@ from inference_service.frontend.images import MARKDOWN_IMAGE, LoadedImage
 from inference_service.frontend.vision_family import VisionFamily
 from inference_service.frontend.vision_gemma3 import Gemma3Family
 from inference_service.frontend.vision_idefics3 import Idefics3Family
+from inference_service.frontend.vision_mllama import MllamaFamily
 from inference_service.frontend.vision_paligemma import PaliGemmaFamily
 from inference_service.outputs import EngineInfo
 from inference_service.sampling_params import ImageInput
@@ -32,6 +33,7 @@ FAMILIES: dict[str, type[VisionFamily]] = {
     "paligemma": PaliGemmaFamily,
     "idefics3": Idefics3Family,
     "smolvlm": Idefics3Family,
+    "mllama": MllamaFamily,
 }
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 

@@ -26,6 +26,7 @@ from inference_service.config import DEMO_MODEL_ID, ModelConfig, default_cache_d
 from inference_service.errors import ModelLoadError
 from inference_service.models import demo, rope
 from inference_service.models.qwen_vl_processor import QWEN_VL_FAMILIES, load_qwen_vl_processor
+from inference_service.models.smolvlm_processor import SMOLVLM_FAMILIES, load_smolvlm_processor
 from inference_service.worker.weights.gguf.convert import conversion_name, convert_gguf, file_sha256, is_converted
 
 logger = logging.getLogger(__name__)
@@ -297,6 +298,8 @@ def load_processor(path: str | os.PathLike, trust_remote_code: bool = False, mod
     try:
         if model_type in QWEN_VL_FAMILIES:
             processor = load_qwen_vl_processor(folder, trust_remote_code)
+        elif model_type in SMOLVLM_FAMILIES:
+            processor = load_smolvlm_processor(folder, trust_remote_code)
         else:
             processor = AutoProcessor.from_pretrained(
                 os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True

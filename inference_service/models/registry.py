@@ -59,10 +59,13 @@ ENCODER_DECODER_REASON = (
 # Vision-language models served on the paged path, images merged into the prompt's embeddings
 # (tests/integration/test_vision_models.py checks each against transformers' generate); the
 # others are refused by name, with the reason.
-VISION_ARCHITECTURES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "paligemma", "gemma3", "idefics3")
-VISION_NOT_YET = {
-    "smolvlm": "Idefics3's layout, but its processor (num2words, torchvision) is not checked against transformers yet",
-    "mllama": "its cross-attention to the image does not fit the paged cache yet",
+VISION_ARCHITECTURES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "paligemma", "gemma3", "idefics3", "smolvlm")
+VISION_NOT_YET: dict[str, str] = {}
+# Vision-language models whose language model reads the image through cross-attention layers: served
+# by the fallback runner (tests/integration/test_vision_mllama.py), with this reason.
+CROSS_ATTENTION_VISION = {
+    "mllama": "its language model reads the image through cross-attention layers: transformers' attention, "
+    "the image's K/V kept in each request's cache",
 }
 
 
@@ -76,11 +79,14 @@ def check_architecture(config) -> str | None:
     needs the fallback runner (None: the paged path, pending the probe)."""
     model_type = getattr(config, "model_type", "unknown")
     if is_vision_language(config):
+        if model_type in CROSS_ATTENTION_VISION:
+            return CROSS_ATTENTION_VISION[model_type]
         if model_type not in VISION_ARCHITECTURES:
             why = VISION_NOT_YET.get(model_type, "its image inputs are not supported yet")
             raise ModelLoadError(
                 f"vision-language architecture '{model_type}' is not supported: {why}; "
-                f"of the vision-language models, this engine serves {', '.join(VISION_ARCHITECTURES)}"
+                f"of the vision-language models, this engine serves "
+                f"{', '.join((*VISION_ARCHITECTURES, *CROSS_ATTENTION_VISION))}"
             )
         return None
     if getattr(config, "is_encoder_decoder", False):

@@ -1,6 +1,7 @@
 """The fallback runner: models the paged attention can't serve exactly (BLOOM's ALiBi, Falcon's and
-GPT-J's own attention, MPT, encoder-decoders, or anything that fails the load-time probe) run
-through transformers' own attention, with one cache per request in transformers' format.
+GPT-J's own attention, MPT, encoder-decoders, Mllama's cross-attention to images, or anything that
+fails the load-time probe) run through transformers' own attention, with one cache per request in
+transformers' format.
 
 The engine around it is unchanged: the scheduler still batches continuously (requests join and
 leave at every step, prompts are chunked, KV blocks are still the memory budget, preemption still
@@ -25,6 +26,7 @@ import torch
 from inference_service.outputs import ScheduledRequest, StepLogits
 from inference_service.worker.step_rows import RowsToKeep
 from inference_service.worker.transformers_runner import cache_rows
+from inference_service.worker.transformers_runner.cross_attention import cross_attention_forward
 from inference_service.worker.transformers_runner.forward import Batch, Sequence, forward_for
 
 ATTENTION_IMPL = "transformers"  # what /info and the startup log call this path
@@ -40,7 +42,7 @@ class TransformersRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        self.forward = forward_for(model, device)
+        self.forward = cross_attention_forward(model, device) or forward_for(model, device)
         self._sequences: dict[str, Sequence] = {}
         self._batches: dict[tuple[str, ...], Batch] = {}  # the last step's, reused while unchanged
         self.num_batched_rows = 0  # rows that ran in a batch of several requests, since start
