@@ -194,15 +194,19 @@ def test_a_follow_up_turn_reuses_the_image_blocks(llava_engine, reference):
     async def turns(engine, front_end):
         first = await chat_tokens(engine, front_end, chat_request(turn))
         hits_before = engine.stats().num_prefix_hit_tokens
+        encoded_before = llava_engine.vision.num_encoded_images
         second = await chat_tokens(engine, front_end, follow)
         hits_same = engine.stats().num_prefix_hit_tokens - hits_before
+        encoded = [llava_engine.vision.num_encoded_images - encoded_before]
         third = await chat_tokens(engine, front_end, other_image)
         hits_other = engine.stats().num_prefix_hit_tokens - hits_before - hits_same
-        return first, second, third, hits_same, hits_other
+        encoded.append(llava_engine.vision.num_encoded_images - encoded_before - encoded[0])
+        return first, second, third, hits_same, hits_other, encoded
 
-    first, second, third, hits_same, hits_other = run(llava_engine, turns)
+    first, second, third, hits_same, hits_other, encoded = run(llava_engine, turns)
     image_end = first[0].images[0].positions[-1] + 1
     assert hits_same >= image_end  # the image's blocks were reused, not recomputed
+    assert encoded == [0, 1]  # ...nor the image encoded again; another image is
     assert hits_other < first[0].images[0].positions[0] + 4  # another image at the same place: no reuse past it
     assert second[1] == reference(second[0])
     assert third[1] == reference(third[0])

@@ -132,17 +132,18 @@ def test_two_images_text_only_and_staggered_arrivals_match_transformers(qwen):
 
 @QWEN2_VL_ONLY
 def test_a_follow_up_turn_reuses_the_image_blocks(qwen):
-    engine, reference, _ = qwen
+    llm_engine, reference, _ = qwen
     turn = [(90, 40, 160), "what is in this image"]
     follow = chat_request(turn, "a red thing", ["and what colour is it"])
 
     async def turns(engine, front_end):
         first = await chat_tokens(engine, front_end, chat_request(turn))
-        hits_before = engine.stats().num_prefix_hit_tokens
+        hits_before, encoded = engine.stats().num_prefix_hit_tokens, llm_engine.vision.num_encoded_images
         second = await chat_tokens(engine, front_end, follow)
+        assert llm_engine.vision.num_encoded_images == encoded  # the cached image is not encoded again
         return first, second, engine.stats().num_prefix_hit_tokens - hits_before
 
-    first, second, hits = run(engine, turns)
+    first, second, hits = run(llm_engine, turns)
     assert hits >= first[0].images[0].positions[-1] + 1  # the image's blocks were reused
     assert second[1] == reference(second[0])
 

@@ -89,8 +89,9 @@ def test_a_follow_up_turn_reuses_the_tiles(idefics3_engine, idefics3_dir):
 
     async def turns(engine, front_end):
         first = await chat_tokens(engine, front_end, chat_request(turn))
-        before = engine.stats().num_prefix_hit_tokens
+        before, encoded = engine.stats().num_prefix_hit_tokens, idefics3_engine.vision.num_encoded_images
         second = await chat_tokens(engine, front_end, chat_request(turn, "a thing", ["and its colour"]))
+        assert idefics3_engine.vision.num_encoded_images == encoded  # the cached tiles are not encoded again
         return first, second, engine.stats().num_prefix_hit_tokens - before
 
     first, second, hits = run(idefics3_engine, turns)
