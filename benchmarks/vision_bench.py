@@ -253,7 +253,7 @@ async def follow_up(engine: AsyncEngine, front_end: FrontEnd, llm_engine, params
     first_turn = [user_turn(index, params["image"], "describe this picture in detail")]
     first, first_raw, reply = await first_token_seconds(engine, front_end, chat(first_turn, params["reply_tokens"]))
     second_turn = [*first_turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "and its colour?"}]
-    hits, encoded = llm_engine.stats().num_prefix_hit_tokens, llm_engine.vision.num_encoded_images
+    hits, encoded = llm_engine.stats().num_prefix_hit_tokens, encoded_images(llm_engine)
     second, second_raw, _ = await first_token_seconds(engine, front_end, chat(second_turn, params["reply_tokens"]))
     return {
         "first_ttft_s": first,
@@ -261,8 +261,14 @@ async def follow_up(engine: AsyncEngine, front_end: FrontEnd, llm_engine, params
         "first_raw_ttft_s": first_raw,
         "second_raw_ttft_s": second_raw,
         "second_hit_tokens": llm_engine.stats().num_prefix_hit_tokens - hits,
-        "second_encoded_images": llm_engine.vision.num_encoded_images - encoded,
+        "second_encoded_images": encoded_images(llm_engine) - encoded,
     }
+
+
+def encoded_images(llm_engine) -> int:
+    """Images the engine's vision stage encoded so far (not counted, 0, on the fallback path, where the
+    model's own code encodes them)."""
+    return llm_engine.vision.num_encoded_images if llm_engine.vision is not None else 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -137,6 +137,13 @@ def test_one_image_chunked_through_it_matches_transformers(llava_engine, referen
     assert results[RED][1] != results[BLUE][1]  # the image decides the answer
 
 
+def test_decode_steps_run_through_the_fused_decode_plan(llava_engine):
+    """LLaVA's language model is Llama: its decode-only steps (no image token in them) take the fused
+    plan; every other test here checks them token for token against transformers."""
+    assert llava_engine.runner.decode_step is not None
+    assert len(llava_engine.runner.decode_step.layers) == llava_engine.runner.model.config.text_config.num_hidden_layers
+
+
 def test_logprobs_match_transformers(llava_engine, reference):
     request = chat_request([RED, "what is in this image"])
 
