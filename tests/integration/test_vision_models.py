@@ -18,6 +18,7 @@ from inference_service.errors import ModelLoadError, ValidationError
 from inference_service.frontend.front_end import FrontEnd
 from tests.image_server import data_uri, image_bytes
 from tests.tiny_vision import save_llava, save_llava_next
+from tests.vision_reference import greedy_reference
 from textgen.v1 import generate_pb2 as pb
 
 RED, BLUE, GREEN = (220, 20, 20), (20, 20, 220), (20, 200, 20)
@@ -51,34 +52,13 @@ def reference(llava_dir):
 
 
 def transformers_reference(folder):
-    from transformers import AutoModelForImageTextToText
+    """Greedy tokens (and each one's raw logprob) of transformers on the processor outputs the engine ran."""
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
-
-    def generate(request, with_logprobs: bool = False):
-        """Greedy tokens (and each one's raw logprob) on the processor outputs the engine ran."""
-        ids = torch.tensor([request.prompt_token_ids])
-        pixels = torch.cat([image.pixel_values for image in request.images])
+    def inputs(model, request, ids):
         extras = {key: torch.cat([image.extras[key] for image in request.images]) for key in request.images[0].extras}
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                pixel_values=pixels,
-                **extras,
-                max_new_tokens=request.stopping.max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, ids.shape[1] :].tolist()
-        if not with_logprobs:
-            return tokens
-        steps = zip(out.logits, tokens, strict=True)
-        logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
-        return tokens, logprobs
+        return {"pixel_values": torch.cat([image.pixel_values for image in request.images]), **extras}
 
-    return generate
+    return greedy_reference(folder, inputs)
 
 
 def chat_request(*turns: list, max_tokens: int = MAX_NEW, size=(40, 30)) -> pb.ChatCompletionRequest:
