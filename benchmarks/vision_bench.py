@@ -81,7 +81,7 @@ FULL = {
     "answer_tokens": (64, 256),  # each chat answer's length, drawn in this range
     "prefill_heavy_tokens": 32,
     "arrival_gap_s": 0.1,  # mean gap of the chat workload's Poisson arrivals
-    "conversations": 3,
+    "conversations": 5,
     "reply_tokens": 32,
     "hidden": 384,
     "layers": 6,
