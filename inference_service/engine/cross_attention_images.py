@@ -12,7 +12,11 @@ from inference_service.outputs import ScheduledRequest
 class CrossAttentionImages:
     """`VisionStage`'s place for models whose runner encodes the images."""
 
+    def __init__(self) -> None:
+        self.num_encoded_images = 0  # handed to the runner, which encodes each in that chunk
+
     def prepare(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
         for item in scheduled:
             if item.num_computed_tokens == 0:
                 item.images = requests[item.request_id].images
+                self.num_encoded_images += len(item.images)

@@ -59,8 +59,9 @@ class Request:
     encoder_token_ids: list[int] | None = None
     adapter_id: str | None = None  # the LoRA adapter computing it; None: the base model
     # Images: their placeholders' positions and pixels; the encoder's rows for each, computed once
-    # at the first admission and kept across preemptions; the prompt ids the block hashes read, each
-    # image token standing for its image's content (None: the prompt ids themselves).
+    # when a chunk first needs them (None: not yet, or never: all its tokens came from the prefix
+    # cache) and kept across preemptions; the prompt ids the block hashes read, each image token
+    # standing for its image's content (None: the prompt ids themselves).
     images: tuple[ImageInput, ...] = ()
     image_embeds: list[Any] | None = None
     rope_positions: Any = None  # multimodal rotary models: `mrope.PromptPositions`, made at admission

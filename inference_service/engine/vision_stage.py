@@ -4,8 +4,11 @@ prompt chunks carry the rows that replace their image placeholders.
 - Requests admitted in the same step have their images encoded in one call (the runner batches
   images of one shape); a request keeps its rows until it ends, so a preemption recomputes only
   the language model's K/V, not the encoder.
+- Tokens reused from the prefix cache are never run, so an image whose every token is reused (the
+  same image in a follow-up turn) is never encoded: a request's images are encoded when the first
+  chunk that runs past their start is scheduled, each once.
 - A chunk may cut through an image (chunked prefill): it gets the slice of the image's rows that
-  falls inside it. Tokens reused from the prefix cache are never run, so their rows are not needed.
+  falls inside it.
 - Models with multimodal rotary positions (`mrope`) also get each chunk's three positions per token.
 """
 
@@ -36,18 +39,23 @@ class VisionStage:
         self.num_encoded_images = 0
 
     def prepare(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
-        """Encode what this step's chunks need and is not encoded yet, then attach the rows."""
-        pending = [
-            requests[item.request_id]
-            for item in scheduled
-            if requests[item.request_id].images and requests[item.request_id].image_embeds is None
-        ]
+        """Encode the images that this step's requests still have to run and that are not encoded
+        yet (all of them in one call), then attach each chunk's rows."""
+        pending: list[tuple[Request, list[Any], int]] = []  # (request, its rows, index of its image)
+        for item in scheduled:
+            request = requests[item.request_id]
+            if not request.images:
+                continue
+            if request.image_embeds is None:
+                request.image_embeds = [None] * len(request.images)
+            for index, image in enumerate(request.images):
+                if request.image_embeds[index] is None and image.positions[-1] >= item.num_computed_tokens:
+                    pending.append((request, request.image_embeds, index))
         if pending:
-            images = [image for request in pending for image in request.images]
-            rows = self.encoder.encode_images(images)
-            self.num_encoded_images += len(images)
-            for request in pending:
-                request.image_embeds, rows = rows[: len(request.images)], rows[len(request.images) :]
+            rows = self.encoder.encode_images([request.images[index] for request, _, index in pending])
+            self.num_encoded_images += len(pending)
+            for (_, embeds_of_request, index), embeds in zip(pending, rows, strict=True):
+                embeds_of_request[index] = embeds
         for item in scheduled:
             request = requests[item.request_id]
             if request.images:
@@ -68,6 +76,10 @@ def chunk_rows(request: Request, start: int, count: int) -> list[tuple[int, Any]
     for image, embeds in zip(request.images, request.image_embeds or (), strict=True):
         positions = image.positions
         first, last = positions[0], positions[-1] + 1
+        if last <= start or first >= end:
+            continue  # not in this chunk (perhaps reused from the prefix cache, never encoded)
+        if embeds is None:
+            raise RuntimeError(f"request {request.request_id}: an image in this chunk was not encoded")
         if last - first == len(positions):  # one run of placeholders
             low, high = max(first, start), min(last, end)
             if low < high:

@@ -228,8 +228,11 @@ def test_compare_commits_exports_a_commit_and_sets_ratios_side_by_side(tmp_path)
 def test_vision_bench_quick(tmp_path):
     run_script("vision_bench.py", "--quick", "--out", str(tmp_path))
     table = (tmp_path / "vision.md").read_text()
-    assert "Throughput ratio" in table and "Follow-up turn" in table
-    assert json.loads((tmp_path / "vision.json").read_text())["params"]["requests"] == 4
+    assert "engine ÷ transformers" in table and "Follow-up turn" in table
+    results = json.loads((tmp_path / "vision.json").read_text())
+    assert results["params"]["requests"] == 4
+    assert list(results["workloads"]) == ["chat", "burst", "prefill-heavy"]
+    assert results["follow_up"]["medians"]["second_encoded_images"] == 0  # the cached image is not encoded again
 
 
 def test_vision_bench_quick_on_another_family(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from inference_service.engine.builder import build_engine
 from tests.integration.test_vision_models import BLUE, GREEN, RED, chat_request, chat_tokens, llava_config, run
 from tests.tiny_vision_gemma import save_gemma3, save_paligemma
+from tests.vision_reference import greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -29,36 +30,15 @@ def paligemma_dir(tmp_path_factory):
 def reference_for(folder):
     """transformers' greedy generate on the engine's prompt and pixels, with the token types the
     processor gives (1: an image's soft token for Gemma 3; 0: PaliGemma's prefix)."""
-    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
-    model_type = model.config.model_type
-
-    def generate(request, with_logprobs: bool = False):
-        ids = torch.tensor([request.prompt_token_ids])
+    def inputs(model, request, ids):
         types = torch.zeros_like(ids)
-        if model_type == "gemma3":
+        if model.config.model_type == "gemma3":
             for image in request.images:
                 types[0, list(image.positions)] = 1
-        pixels = torch.cat([image.pixel_values for image in request.images])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                token_type_ids=types,
-                pixel_values=pixels,
-                max_new_tokens=request.stopping.max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, ids.shape[1] :].tolist()
-        if not with_logprobs:
-            return tokens
-        steps = zip(out.logits, tokens, strict=True)
-        return tokens, [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
+        return {"token_type_ids": types, "pixel_values": torch.cat([image.pixel_values for image in request.images])}
 
-    return generate
+    return greedy_reference(folder, inputs)
 
 
 def staggered_pair(engine, two, one):

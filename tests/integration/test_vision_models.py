@@ -18,6 +18,7 @@ from inference_service.errors import ModelLoadError, ValidationError
 from inference_service.frontend.front_end import FrontEnd
 from tests.image_server import data_uri, image_bytes
 from tests.tiny_vision import save_llava, save_llava_next
+from tests.vision_reference import greedy_reference
 from textgen.v1 import generate_pb2 as pb
 
 RED, BLUE, GREEN = (220, 20, 20), (20, 20, 220), (20, 200, 20)
@@ -51,34 +52,13 @@ def reference(llava_dir):
 
 
 def transformers_reference(folder):
-    from transformers import AutoModelForImageTextToText
+    """Greedy tokens (and each one's raw logprob) of transformers on the processor outputs the engine ran."""
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
-
-    def generate(request, with_logprobs: bool = False):
-        """Greedy tokens (and each one's raw logprob) on the processor outputs the engine ran."""
-        ids = torch.tensor([request.prompt_token_ids])
-        pixels = torch.cat([image.pixel_values for image in request.images])
+    def inputs(model, request, ids):
         extras = {key: torch.cat([image.extras[key] for image in request.images]) for key in request.images[0].extras}
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                pixel_values=pixels,
-                **extras,
-                max_new_tokens=request.stopping.max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, ids.shape[1] :].tolist()
-        if not with_logprobs:
-            return tokens
-        steps = zip(out.logits, tokens, strict=True)
-        logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
-        return tokens, logprobs
+        return {"pixel_values": torch.cat([image.pixel_values for image in request.images]), **extras}
 
-    return generate
+    return greedy_reference(folder, inputs)
 
 
 def chat_request(*turns: list, max_tokens: int = MAX_NEW, size=(40, 30)) -> pb.ChatCompletionRequest:
@@ -135,6 +115,13 @@ def test_one_image_chunked_through_it_matches_transformers(llava_engine, referen
         assert image.num_tokens == 16 and image.positions[0] < 20 < image.positions[-1]  # cut by the chunk
         assert tokens == reference(request)
     assert results[RED][1] != results[BLUE][1]  # the image decides the answer
+
+
+def test_decode_steps_run_through_the_fused_decode_plan(llava_engine):
+    """LLaVA's language model is Llama: its decode-only steps (no image token in them) take the fused
+    plan; every other test here checks them token for token against transformers."""
+    assert llava_engine.runner.decode_step is not None
+    assert len(llava_engine.runner.decode_step.layers) == llava_engine.runner.model.config.text_config.num_hidden_layers
 
 
 def test_logprobs_match_transformers(llava_engine, reference):
@@ -194,15 +181,19 @@ def test_a_follow_up_turn_reuses_the_image_blocks(llava_engine, reference):
     async def turns(engine, front_end):
         first = await chat_tokens(engine, front_end, chat_request(turn))
         hits_before = engine.stats().num_prefix_hit_tokens
+        encoded_before = llava_engine.vision.num_encoded_images
         second = await chat_tokens(engine, front_end, follow)
         hits_same = engine.stats().num_prefix_hit_tokens - hits_before
+        encoded = [llava_engine.vision.num_encoded_images - encoded_before]
         third = await chat_tokens(engine, front_end, other_image)
         hits_other = engine.stats().num_prefix_hit_tokens - hits_before - hits_same
-        return first, second, third, hits_same, hits_other
+        encoded.append(llava_engine.vision.num_encoded_images - encoded_before - encoded[0])
+        return first, second, third, hits_same, hits_other, encoded
 
-    first, second, third, hits_same, hits_other = run(llava_engine, turns)
+    first, second, third, hits_same, hits_other, encoded = run(llava_engine, turns)
     image_end = first[0].images[0].positions[-1] + 1
     assert hits_same >= image_end  # the image's blocks were reused, not recomputed
+    assert encoded == [0, 1]  # ...nor the image encoded again; another image is
     assert hits_other < first[0].images[0].positions[0] + 4  # another image at the same place: no reuse past it
     assert second[1] == reference(second[0])
     assert third[1] == reference(third[0])

@@ -16,6 +16,7 @@ from inference_service.engine.mrope import prompt_positions
 from tests.image_server import data_uri, image_bytes
 from tests.integration.test_vision_models import BLUE, GREEN, RED, chat_request, chat_tokens, llava_config, run
 from tests.tiny_qwen_vl import VISION_END, VISION_START, save_qwen_vl
+from tests.vision_reference import greedy_reference
 from textgen.v1 import generate_pb2 as pb
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
@@ -36,39 +37,19 @@ def qwen(request, tmp_path_factory):
 
 
 def qwen_reference(folder):
-    from transformers import AutoModelForImageTextToText
+    """Greedy tokens (and raw logprobs) of transformers on the processor outputs the engine ran:
+    `generate` places the 3-D positions itself (`get_rope_index`, then `rope_deltas`)."""
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
-    image_token_id = model.config.image_token_id
-
-    def generate(request, with_logprobs: bool = False):
-        """Greedy tokens (and raw logprobs) of transformers on the processor outputs the engine ran:
-        `generate` places the 3-D positions itself (`get_rope_index`, then `rope_deltas`)."""
-        ids = torch.tensor([request.prompt_token_ids])
+    def inputs(model, request, ids):
         images = {}
         if request.images:
             images = {
                 "pixel_values": torch.cat([image.pixel_values for image in request.images]),
                 "image_grid_thw": torch.cat([image.extras["image_grid_thw"] for image in request.images]),
             }
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                mm_token_type_ids=(ids == image_token_id).int(),
-                **images,
-                max_new_tokens=request.stopping.max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, ids.shape[1] :].tolist()
-        if not with_logprobs:
-            return tokens
-        steps = zip(out.logits, tokens, strict=True)
-        return tokens, [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
+        return {"mm_token_type_ids": (ids == model.config.image_token_id).int(), **images}
 
-    return generate
+    return greedy_reference(folder, inputs)
 
 
 def test_one_image_chunked_through_it_matches_transformers(qwen):
@@ -132,17 +113,18 @@ def test_two_images_text_only_and_staggered_arrivals_match_transformers(qwen):
 
 @QWEN2_VL_ONLY
 def test_a_follow_up_turn_reuses_the_image_blocks(qwen):
-    engine, reference, _ = qwen
+    llm_engine, reference, _ = qwen
     turn = [(90, 40, 160), "what is in this image"]
     follow = chat_request(turn, "a red thing", ["and what colour is it"])
 
     async def turns(engine, front_end):
         first = await chat_tokens(engine, front_end, chat_request(turn))
-        hits_before = engine.stats().num_prefix_hit_tokens
+        hits_before, encoded = engine.stats().num_prefix_hit_tokens, llm_engine.vision.num_encoded_images
         second = await chat_tokens(engine, front_end, follow)
+        assert llm_engine.vision.num_encoded_images == encoded  # the cached image is not encoded again
         return first, second, engine.stats().num_prefix_hit_tokens - hits_before
 
-    first, second, hits = run(engine, turns)
+    first, second, hits = run(llm_engine, turns)
     assert hits >= first[0].images[0].positions[-1] + 1  # the image's blocks were reused
     assert second[1] == reference(second[0])
 

@@ -26,6 +26,7 @@ from tests.integration.test_vision_models import (
     run,
 )
 from tests.tiny_vision_idefics import save_idefics3
+from tests.vision_reference import greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -36,32 +37,13 @@ def idefics3_dir(tmp_path_factory):
 def tiles_reference(folder):
     """transformers' greedy generate with the images' tiles side by side in one batch entry, as the
     processor gives them ([1, tiles of all images, 3, H, W])."""
-    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
+    def inputs(model, request, ids):
+        masks = [image.extras["pixel_attention_mask"] for image in request.images]
+        pixels = [image.pixel_values for image in request.images]
+        return {"pixel_values": torch.cat(pixels, dim=1), "pixel_attention_mask": torch.cat(masks, dim=1)}
 
-    def generate(request, with_logprobs: bool = False):
-        ids = torch.tensor([request.prompt_token_ids])
-        pixels = torch.cat([image.pixel_values for image in request.images], dim=1)
-        masks = torch.cat([image.extras["pixel_attention_mask"] for image in request.images], dim=1)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                pixel_values=pixels,
-                pixel_attention_mask=masks,
-                max_new_tokens=request.stopping.max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, ids.shape[1] :].tolist()
-        if not with_logprobs:
-            return tokens
-        steps = zip(out.logits, tokens, strict=True)
-        return tokens, [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
-
-    return generate
+    return greedy_reference(folder, inputs)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +71,9 @@ def test_a_follow_up_turn_reuses_the_tiles(idefics3_engine, idefics3_dir):
 
     async def turns(engine, front_end):
         first = await chat_tokens(engine, front_end, chat_request(turn))
-        before = engine.stats().num_prefix_hit_tokens
+        before, encoded = engine.stats().num_prefix_hit_tokens, idefics3_engine.vision.num_encoded_images
         second = await chat_tokens(engine, front_end, chat_request(turn, "a thing", ["and its colour"]))
+        assert idefics3_engine.vision.num_encoded_images == encoded  # the cached tiles are not encoded again
         return first, second, engine.stats().num_prefix_hit_tokens - before
 
     first, second, hits = run(idefics3_engine, turns)

@@ -48,12 +48,12 @@ class DecodeStep:
 
     def __init__(self, model: Any, glue: DecodeGlue | BF16DecodeGlue | None = None):
         # model: a transformers PreTrainedModel, whose attributes torch types as tensors
-        body = model.model
+        body, config = _text_model(model)
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
         self.final_norm = _Norm(body.norm)
         self.lm_head: torch.nn.Module = model.lm_head
-        window = getattr(model.config, "sliding_window", None) if model.config.model_type == "mistral" else None
+        window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.layers = [_Layer(layer, window) for layer in body.layers]
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
 
@@ -355,16 +355,27 @@ def decode_step_for(model: Any, glue: DecodeGlue | BF16DecodeGlue | None = None)
     return DecodeStep(model, glue)
 
 
-def _unsupported(model: Any) -> str | None:
+def _text_model(model: Any) -> tuple[Any, Any]:
+    """The decoder body (embeddings, layers, final norm) and its config: a vision-language model's
+    language model (LLaVA's, Idefics3's: a decode step holds no image token, so it is text only)."""
     # model: a transformers PreTrainedModel, whose attributes torch types as tensors
     config = model.config
+    text_config = config.get_text_config()
+    if text_config is config:
+        return getattr(model, "model", None), config
+    return model.get_decoder(), text_config
+
+
+def _unsupported(model: Any) -> str | None:
+    body, config = _text_model(model)
     if config.model_type not in LLAMA_STYLE:
         return f"model type {config.model_type!r} is not one whose layer is Llama's"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
         return "a rotary embedding over part of each head"
-    body = getattr(model, "model", None)
+    if getattr(model, "lm_head", None) is None:
+        return "the model has no lm_head"
     if body is None or not all(hasattr(body, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
         return "the model has not Llama's layout"
     for layer in body.layers:
