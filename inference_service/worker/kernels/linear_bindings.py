@@ -31,13 +31,17 @@ MAX_PANEL_K = 8192
 class SmallBatchLinear:
     """x [..., K] · weight [N, K]ᵀ (+ bias) → [..., N], for at most MAX_LINEAR_ROWS rows of x."""
 
-    def __init__(self, library: ctypes.CDLL):
-        self._fn = native_build.bind(library, "small_batch_linear_f32", [POINTER] * 4 + [I64] * 3)
+    dtype = torch.float32  # of x, weight, bias and the result
+    symbol = "small_batch_linear_f32"
+    kind = "linear kernel"
 
-    @staticmethod
-    def supports_weight(weight: torch.Tensor) -> bool:
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = native_build.bind(library, self.symbol, [POINTER] * 4 + [I64] * 3)
+
+    @classmethod
+    def supports_weight(cls, weight: torch.Tensor) -> bool:
         return (
-            weight.dtype == torch.float32
+            weight.dtype == cls.dtype
             and weight.device.type == "cpu"
             and weight.dim() == 2
             and weight.is_contiguous()
@@ -45,50 +49,31 @@ class SmallBatchLinear:
         )
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """weight [N, K] and bias [N] (or None) contiguous, all of `dtype`."""
         out_features, in_features = weight.shape
         x = x.contiguous()
         rows = x.numel() // in_features
         out = x.new_empty(*x.shape[:-1], out_features)
         if rows == 0:  # a step that keeps no logits still runs the head on zero rows
             return out
-        bias_ptr = bias.data_ptr() if bias is not None else None
-        status = self._fn(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows, out_features, in_features)
-        if status != 0:
-            raise RuntimeError(f"linear kernel refused {rows} rows of {in_features} features")
-        return out
-
-
-class BF16Linear:
-    """x [..., K] · weight [N, K]ᵀ (+ bias) → [..., N], all bfloat16, fp32 accumulation, for a few rows."""
-
-    def __init__(self, library: ctypes.CDLL):
-        self._fn = native_build.bind(library, "small_batch_linear_bf16", [POINTER] * 4 + [I64] * 3)
-        self.uses_dot_product = bool(native_build.bind(library, "bf16_linear_uses_dot_product", [])())
-
-    @staticmethod
-    def supports_weight(weight: torch.Tensor) -> bool:
-        return (
-            weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu"
-            and weight.dim() == 2
-            and weight.is_contiguous()
-            and weight.shape[1] % 8 == 0
-        )
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x bf16 [..., K]; weight bf16 [N, K] and bias bf16 [N] (or None), contiguous."""
-        out_features, in_features = weight.shape
-        x = x.contiguous()
-        rows = x.numel() // in_features
-        out = x.new_empty(*x.shape[:-1], out_features)
-        if rows == 0:
-            return out
         status = self._fn(
             x.data_ptr(), weight.data_ptr(), pointer(bias), out.data_ptr(), rows, out_features, in_features
         )
         if status != 0:
-            raise RuntimeError(f"bf16 linear kernel refused {rows} rows of {in_features} features")
+            raise RuntimeError(f"{self.kind} refused {rows} rows of {in_features} features")
         return out
+
+
+class BF16Linear(SmallBatchLinear):
+    """x [..., K] · weight [N, K]ᵀ (+ bias) → [..., N], all bfloat16, fp32 accumulation, for a few rows."""
+
+    dtype = torch.bfloat16
+    symbol = "small_batch_linear_bf16"
+    kind = "bf16 linear kernel"
+
+    def __init__(self, library: ctypes.CDLL):
+        super().__init__(library)
+        self.uses_dot_product = bool(native_build.bind(library, "bf16_linear_uses_dot_product", [])())
 
 
 class PanelLinear:
