@@ -82,21 +82,25 @@ def _operand(value) -> str:
 
 
 class _NativeCalls:
-    """Records each call of the native kernels (ctypes functions bound through the kernels
-    module's `_bind`): the function and its size arguments (ints up to 2**31; pointers are larger
+    """Records each call of the native kernels (ctypes functions bound through the kernels'
+    `bind`): the function and its size arguments (ints up to 2**31; pointers are larger
     ints, shown by their alignment mod 64 bytes). Installed before the engine is built."""
 
     def __init__(self):
         self.recording = False
         self.counts: collections.Counter[str] = collections.Counter()
-        for module_name in ("inference_service.worker.kernels.bindings", "inference_service.worker.cpu_kernels"):
+        for module_name, attribute in (
+            ("inference_service.worker.kernels.native_build", "bind"),  # the kernels' own modules call it there
+            ("inference_service.worker.kernels.bindings", "_bind"),
+            ("inference_service.worker.cpu_kernels", "_bind"),  # older commits
+        ):
             try:
                 module = importlib.import_module(module_name)
             except ImportError:
                 continue
-            bind = getattr(module, "_bind", None)
+            bind = getattr(module, attribute, None)
             if bind is not None:
-                module._bind = self._wrapping(bind)
+                setattr(module, attribute, self._wrapping(bind))
 
     def _wrapping(self, bind):
         def wrapped_bind(library, name, argtypes):

@@ -12,19 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.cross_attention_images import CrossAttentionImages
-from inference_service.engine.detokenizer import TextState, decode, special_token_ids
+from inference_service.engine.detokenizer import TextState
 from inference_service.engine.forward_clock import ForwardClock
 from inference_service.engine.isolation import request_error, sample_rows
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.mrope import MROPE_ARCHITECTURES
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import FINISHED_STATUS, Request, RequestStatus
+from inference_service.engine.request_outputs import LiveRequest, RequestOutputs
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
@@ -35,36 +35,17 @@ from inference_service.outputs import (
     EngineInfo,
     EngineStats,
     FinishReason,
-    PrefillToken,
     RequestOutput,
     Runner,
-    ScheduledRequest,
     SchedulerOutput,
     StepLogits,
     StepStats,
-    Token,
 )
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
 from inference_service.sampling_params import EngineRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LiveRequest:
-    """The one record of a request the engine runs: the scheduler's `Request` (counters, status),
-    what the caller asked (`spec`), its sampling state, its text and the tokens held back."""
-
-    request: Request
-    spec: EngineRequest
-    sampling: SamplingState
-    text: TextState
-    pending: list[Token] = field(default_factory=list)  # held back: may be the start of a stop sequence
-    pending_top: list[list[Token]] = field(default_factory=list)
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_n_tokens
-    sent_prefill: bool = False
 
 
 def prefix_cache_salt(info: EngineInfo) -> bytes:
@@ -118,8 +99,7 @@ class LLMEngine:
         # Called on the engine thread after every step with its `StepStats` (metrics hook it here).
         self.step_observer: Callable[[StepStats], None] | None = None
         self._forward_clock = ForwardClock(runner.device)
-        self._eos_ids = frozenset(info.eos_token_ids)
-        self._special_ids = special_token_ids(tokenizer) | self._eos_ids
+        self.request_outputs = RequestOutputs(tokenizer, info)
 
     def _adapter_salt_from(self, salt: bytes) -> Callable[[str], bytes]:
         def adapter_salt(name: str) -> bytes:
@@ -260,7 +240,9 @@ class LLMEngine:
         for item in plan.scheduled:
             if item.request_id in step_logits.prompt_logits:
                 try:
-                    self._record_prompt_logprobs(item, step_logits.prompt_logits[item.request_id])
+                    self.request_outputs.record_prompt_logprobs(
+                        self.live[item.request_id], item, step_logits.prompt_logits[item.request_id]
+                    )
                 except Exception as error:  # noqa: BLE001 — only this request fails
                     logger.exception("prompt logprobs failed for request %s", item.request_id)
                     outputs.append(self._fail(item.request_id, request_error(error, "prompt logprobs")))
@@ -318,26 +300,6 @@ class LLMEngine:
             logger.exception("prefetching grammar masks failed")
         return outputs
 
-    def _record_prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> None:
-        """logits [n, V] predict positions start+1 .. start+n; keep those inside the prompt."""
-        live = self.live[item.request_id]
-        # Positions already recorded (before a preemption that restarted the prompt) are skipped.
-        first = max(item.num_computed_tokens, len(live.prompt_logprobs))
-        end = min(item.num_computed_tokens + item.num_new_tokens, live.request.num_prompt_tokens - 1)
-        if end <= first:
-            return
-        targets = torch.tensor(live.request.prompt_token_ids[first + 1 : end + 1], device=logits.device)
-        offset = first - item.num_computed_tokens
-        logprobs = torch.log_softmax(logits[offset : end - item.num_computed_tokens], dim=-1)  # [m, V]
-        live.prompt_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
-        top_n = min(live.spec.sampling.top_n_tokens, logprobs.shape[-1])
-        if top_n > 0:
-            values, ids = logprobs.topk(top_n, dim=-1)
-            live.prompt_top.extend(
-                list(zip(row_ids, row_values, strict=True))
-                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
-            )
-
     def _on_token(
         self, request_id: str, sampled: SamplerOutput, row: int, guess: Sequence[int] = ()
     ) -> tuple[RequestOutput | None, bool]:
@@ -346,13 +308,13 @@ class LLMEngine:
         request did not finish. A request that fails here ends with its error as the output."""
         try:
             live = self.live[request_id]
-            reason = self._take_token(live, sampled, row)
+            reason = self.request_outputs.take_token(live, sampled, row)
             if reason is not None:
                 return self._finish(request_id, reason), False
             if guess and guess[0] == sampled.token_ids[row]:
                 return None, True
             num_held = live.text.num_tokens - live.text.num_releasable_tokens()
-            return self._release(live, len(live.pending) - num_held), False
+            return self.request_outputs.release(live, len(live.pending) - num_held), False
         except GenerationError as error:  # already says what went wrong (a token off the grammar)
             logger.error("request %s failed: %s", request_id, error.detail)
             return self._fail(request_id, error), False
@@ -360,63 +322,10 @@ class LLMEngine:
             logger.exception("processing the sampled token failed for request %s", request_id)
             return self._fail(request_id, request_error(error, "processing the sampled token")), False
 
-    def _take_token(self, live: LiveRequest, sampled: SamplerOutput, row: int) -> FinishReason | None:
-        """Append the token to the request, its text and its pending output; whether it ends it."""
-        request = live.request
-        token_id = sampled.token_ids[row]
-        request.output_token_ids.append(token_id)
-        live.sampling.append(token_id)
-        if request.timings.first_token is None:
-            request.timings.first_token = time.perf_counter()
-        special = self._is_special(token_id)
-        added = live.text.add(token_id, special)
-        live.pending.append(Token(token_id, added.text, sampled.logprobs[row], special))
-        live.pending_top.append(
-            [self._top_token(i, lp) for i, lp in zip(sampled.top_ids[row], sampled.top_logprobs[row], strict=True)]
-        )
-        grammar = live.sampling.grammar
-        return self._finish_reason(request, token_id, added.stop_matched, grammar is not None and grammar.is_complete)
-
-    def _finish_reason(
-        self, request: Request, token_id: int, stop_matched: bool, grammar_complete: bool
-    ) -> FinishReason | None:
-        """TGI's precedence: length, then EOS, then a stop sequence.
-
-        A complete grammar (nothing but EOS allowed next) ends the request as if EOS had been
-        sampled, without spending a step on it: what the model could still say is EOS alone.
-        """
-        if (
-            request.num_output_tokens >= request.stopping.max_new_tokens
-            or request.num_tokens >= self.info.max_total_tokens
-        ):
-            return FinishReason.LENGTH
-        if grammar_complete or (token_id in self._eos_ids and not request.stopping.ignore_eos):
-            return FinishReason.EOS_TOKEN
-        if stop_matched:
-            return FinishReason.STOP_SEQUENCE
-        return None
-
-    def _release(self, live: LiveRequest, count: int) -> RequestOutput | None:
-        if count <= 0 and live.sent_prefill:
-            return None
-        output = RequestOutput(
-            request_id=live.request.request_id,
-            tokens=live.pending[:count],
-            top_tokens=live.pending_top[:count],
-            num_generated_tokens=live.request.num_output_tokens,
-            num_prompt_tokens=live.request.num_input_tokens,
-        )
-        del live.pending[:count], live.pending_top[:count]
-        if not live.sent_prefill:
-            live.sent_prefill = True
-            if live.spec.sampling.prompt_logprobs:
-                output.prefill_tokens = self._prefill_tokens(live)
-        return output
-
     def _finish(self, request_id: str, reason: FinishReason) -> RequestOutput:
         live = self.live[request_id]
         request = live.request
-        output = self._release(live, len(live.pending)) or RequestOutput(request_id=request_id)
+        output = self.request_outputs.release(live, len(live.pending)) or RequestOutput(request_id=request_id)
         text = live.spec.text_prefix + live.text.final_text(strip_stop=live.spec.stopping.strip_stop)
         output.finish_reason = reason
         output.generated_text = text
@@ -463,22 +372,3 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.live.pop(request_id, None)
         self.runner.release(request_id)
-
-    # -- text helpers ---------------------------------------------------------------------
-    def _prefill_tokens(self, live: LiveRequest) -> list[PrefillToken]:
-        ids = live.request.prompt_token_ids
-        logprobs = [None, *live.prompt_logprobs]
-        tops = [[], *live.prompt_top]
-        return [
-            PrefillToken(i, self._token_text(i), lp, [self._top_token(t, tlp) for t, tlp in top])
-            for i, lp, top in zip(ids, logprobs, tops + [[]] * (len(ids) - len(tops)), strict=False)
-        ]
-
-    def _top_token(self, token_id: int, logprob: float) -> Token:
-        return Token(token_id, self._token_text(token_id), logprob, self._is_special(token_id))
-
-    def _token_text(self, token_id: int) -> str:
-        return decode(self.tokenizer, [token_id], skip_special_tokens=False)
-
-    def _is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids

@@ -17,7 +17,7 @@ another:
    (shortest remaining first), so a lone long prompt still uses the whole budget.
 
 The budget bounds how long a step takes, and so how long a new arrival waits for the step in
-progress; it is sized per device (engine.builder: small on CPU). Prefill chunks are counted in work,
+progress; it is sized per device (engine.engine_info: small on CPU). Prefill chunks are counted in work,
 not tokens (`engine.step_cost`): a chunk deep into a long prompt attends over all the keys before it,
 so it gets fewer tokens for the same time. And in a step that carries streams (decodes, or a short
 prompt that gives its first token in it), the chunks that leave part of their prompt for later share

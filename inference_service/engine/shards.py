@@ -27,7 +27,7 @@ import torch
 
 from inference_service import progress
 from inference_service.config import EngineConfig
-from inference_service.engine import builder
+from inference_service.engine import builder, model_load
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.errors import ModelLoadError
 from inference_service.models import loader
@@ -98,13 +98,13 @@ def for_shard(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, device=name))
 
 
-def load_shard(config: EngineConfig, group: ShardGroup) -> builder.LoadedModel:
+def load_shard(config: EngineConfig, group: ShardGroup) -> model_load.LoadedModel:
     """Load the model and keep this shard's slice; every shard says whether it could, and all fail
     together (each one's reason is in its own log; shard 0 raises its own, or names the others)."""
     device = loader.resolve_device(config.model.device)
     failure: Exception | None = None
     try:
-        loaded = builder.load(config)
+        loaded = model_load.load(config)
         _check_shardable(loaded, group.world_size)
         shard_model(loaded.model, group)
     except ShardingRefused as error:
@@ -120,7 +120,7 @@ def load_shard(config: EngineConfig, group: ShardGroup) -> builder.LoadedModel:
     return loaded
 
 
-def _check_shardable(loaded: builder.LoadedModel, world_size: int) -> None:
+def _check_shardable(loaded: model_load.LoadedModel, world_size: int) -> None:
     if loaded.fallback_reason is not None:
         raise ShardingRefused(
             "this model runs through transformers' attention (the fallback runner), which is not sharded "

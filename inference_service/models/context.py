@@ -6,7 +6,7 @@ allows more ("to save VRAM"), and takes 4096 when the config states none (BLOOM'
 relative positions): `get_max_position_embeddings().unwrap_or(4096)`. The same here, with the
 other names configs use for it (`seq_length`, `n_ctx`, `max_sequence_length`); a multimodal model's
 text config is read first. The KV cache capacity and the tokenizer's `model_max_length` bound it
-further (builder.make_info), as TGI's warm-up does.
+further (engine_info.make_info), as TGI's warm-up does.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
 from inference_service.worker.kernels import bindings as cpu_kernels
+from inference_service.worker.kernels import native_build
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.decode_glue import decode_glue_for
 
@@ -174,8 +175,8 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, broken))
-    with fresh_build(), caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+    monkeypatch.setattr(native_build, "SOURCES", (*native_build.SOURCES, broken))  # what load_library builds
+    with fresh_build(), caplog.at_level(logging.WARNING, logger=native_build.__name__):
         assert cpu_kernels.load_paged_decode() is None
     assert "broken.cpp" in caplog.text
 
