@@ -44,11 +44,12 @@ struct Part {  // one site of the projection and its columns in y
 static_assert(sizeof(Entry) == 32 && sizeof(Group) == 32 && sizeof(Part) == 24, "C ABI layout");
 
 constexpr int64_t kTile = 4;                      // rows per task: their shrinks share each A load
-// FMAs below which the kernel runs on one thread. A one-row decode call (≤ ~70k FMAs, a few µs) runs
-// inline; a 16-row batch's calls (0.3-1M FMAs, tens of µs) split across the threads, as the base's
-// linear kernels do from 64k weights on (csrc/small_batch_linear.cpp): on one thread while the base's
-// projections use two, the adapters' share of a 16-row step was twice their share of the work.
-constexpr int64_t kMinParallelWork = 1 << 18;
+// FMAs below which the kernel runs on one thread: a decode step's calls (16 rows of gate|up at rank 16:
+// ~1M FMAs, tens of µs) stay on the calling thread. Splitting them as the base's linears do (from 2^18
+// FMAs) was measured on the busy shared 2-core machine, 30 demo-model layers of 16 rows over 4
+// adapters: best 138 ms / median 2.3 s per step on two threads against 32 / 63 ms on one: each extra
+// fork-join per projection waits for a descheduled thread. Long prefills still split.
+constexpr int64_t kMinParallelWork = 1 << 22;
 constexpr int64_t kMaxRank = 1024;
 
 const Entry* entry_of(const Group& g, int64_t site) {
