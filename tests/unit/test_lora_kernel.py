@@ -131,3 +131,21 @@ def test_sgmv_split_over_threads_equals_float64():
     got = y.clone()
     assert native.add_native(x, got, _step([(adapter, rows)], 400), fused.native_parts)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 7])  # each expand tile height, and a single row (BGMV)
+def test_expand_tiles_and_column_tails_equal_float64(num_rows):
+    """Every tile height the expand is instantiated for, over a width of 32 + 16 + 8 + 5 columns (each
+    block size and the scalar tail), one adapter for the whole step."""
+    generator = torch.Generator().manual_seed(num_rows)
+    width = 61
+    a, b = torch.randn(12, IN, generator=generator), torch.randn(12, width, generator=generator)
+    adapter = AdapterWeights("a", 12, {(0, "o_proj"): LoraPair(a=a.t(), b=b)})
+    x, y = torch.randn(num_rows, IN, generator=generator), torch.randn(num_rows, width, generator=generator)
+    parts = [((0, "o_proj"), slice(0, width))]
+    expected = _reference(x, y, [(adapter, list(range(num_rows)))], parts)
+    got = y.clone()
+    assert native.add_native(
+        x, got, _step([(adapter, list(range(num_rows)))], num_rows), native.parts_of([((0, "o_proj"), 0, width)])
+    )
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)

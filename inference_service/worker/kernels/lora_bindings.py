@@ -64,11 +64,11 @@ class LoraKernel:
 
     @staticmethod
     def supports(x: torch.Tensor, y: torch.Tensor) -> bool:
-        """x [T, in] and y [T, out] fp32 on CPU, rows contiguous, `in` a multiple of 8."""
+        """x [T, in] and y [T, out] fp32 on CPU, rows contiguous, `in` a multiple of 8 (the device is
+        the plan's to check, once per step)."""
         return (
-            x.dtype == torch.float32
-            and y.dtype == torch.float32
-            and x.device.type == "cpu"
+            x.dtype is torch.float32
+            and y.dtype is torch.float32
             and x.dim() == 2
             and y.dim() == 2
             and x.is_contiguous()
@@ -82,10 +82,12 @@ class LoraKernel:
         y: torch.Tensor,
         rows: torch.Tensor | None,
         groups: torch.Tensor,
-        parts: torch.Tensor,
+        parts: int,
+        num_parts: int,
         max_rank: int,
     ) -> None:
-        """`rows` [R] int64: the step's row of each position the groups name (None: position = row)."""
+        """`rows` [R] int64: the step's row of each position the groups name (None: position = row);
+        `parts` the address of `num_parts` Parts (part_table)."""
         status = self._sgmv(
             x.data_ptr(),
             x.shape[1],
@@ -94,18 +96,16 @@ class LoraKernel:
             rows.data_ptr() if rows is not None else None,
             groups.data_ptr(),
             groups.shape[0],
-            parts.data_ptr(),
-            parts.shape[0],
+            parts,
+            num_parts,
             max_rank,
         )
         if status != 0:
             raise RuntimeError(f"LoRA kernel refused x {list(x.shape)} (rank up to {max_rank})")
 
-    def bgmv(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, parts: torch.Tensor) -> None:
-        """One row: x [1, in], y [1, out], one adapter's table."""
-        status = self._bgmv(
-            x.data_ptr(), x.shape[1], y.data_ptr(), table.data_ptr(), table.shape[0], parts.data_ptr(), parts.shape[0]
-        )
+    def bgmv(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, parts: int, num_parts: int) -> None:
+        """One row: x [1, in], y [1, out], one adapter's table; `parts` as in sgmv."""
+        status = self._bgmv(x.data_ptr(), x.shape[1], y.data_ptr(), table.data_ptr(), table.shape[0], parts, num_parts)
         if status != 0:
             raise RuntimeError(f"LoRA kernel refused x {list(x.shape)}")
 

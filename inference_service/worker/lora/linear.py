@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from inference_service.worker.lora.batch import LoraStep, current_step
-from inference_service.worker.lora.native import add_native, parts_of
+from inference_service.worker.lora.native import NativeParts, add_native, parts_of
 from inference_service.worker.lora.weights import Site
 
 # Up to this many rows of x the LoRA products run on one CPU thread (decode steps, short prefills).
@@ -42,15 +42,15 @@ def _one_thread(x: torch.Tensor) -> Iterator[None]:
 
 
 def add_lora(
-    x: torch.Tensor, y: torch.Tensor, parts: list[tuple[Site, slice]], native_parts: torch.Tensor
+    x: torch.Tensor, y: torch.Tensor, parts: list[tuple[Site, slice]], native_parts: NativeParts
 ) -> torch.Tensor:
     """y [..., out] += each group's update of x [..., in] at each part's site, into its columns of y:
     one native call where the kernel applies (lora/native.py), else the torch path per part."""
     step = current_step()
     if step is None:
         return y
-    x2 = x.reshape(-1, x.shape[-1])  # [T, in]
-    y2 = y.view(-1, y.shape[-1])  # [T, out]: y is the base's fresh output
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [T, in]
+    y2 = y if y.dim() == 2 else y.view(-1, y.shape[-1])  # [T, out]: y is the base's fresh output
     if add_native(x2, y2, step, native_parts):
         return y
     with _one_thread(x):

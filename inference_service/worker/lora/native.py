@@ -36,17 +36,36 @@ def site_index(site: Site) -> int:
     return layer * len(TARGETS) + TARGETS.index(target)
 
 
-def parts_of(parts: list[tuple[Site, int, int]]) -> torch.Tensor:
+class NativeParts:
+    """A projection's parts for the kernel, (site, first column, width) each, with the table's address
+    read once: a decode step makes 4 calls per layer, and each saved attribute read counts."""
+
+    def __init__(self, parts: list[tuple[Site, int, int]]):
+        self.table = part_table([(site_index(site), start, width) for site, start, width in parts])
+        self.address: int = self.table.data_ptr()
+        self.count: int = self.table.shape[0]
+
+
+def parts_of(parts: list[tuple[Site, int, int]]) -> NativeParts:
     """A projection's parts for the kernel: (site, first column, width) each."""
-    return part_table([(site_index(site), start, width) for site, start, width in parts])
+    return NativeParts(parts)
 
 
 @dataclass
 class NativePlan:
+    """A step's groups as the kernel takes them, made once per step and used by its every call."""
+
+    kernel: LoraKernel
     rows: torch.Tensor | None  # the step row of each position the groups name; None: position = row
     groups: torch.Tensor  # [G, 4] kernel Groups
     max_rank: int
     single: torch.Tensor | None  # the one adapter's table when the step is one row (BGMV)
+
+    def add(self, x2: torch.Tensor, y2: torch.Tensor, parts: NativeParts) -> None:
+        if self.single is not None:
+            self.kernel.bgmv(x2, y2, self.single, parts.address, parts.count)
+        else:
+            self.kernel.sgmv(x2, y2, self.rows, self.groups, parts.address, parts.count, self.max_rank)
 
 
 def adapter_table(adapter: AdapterWeights) -> torch.Tensor:
@@ -64,43 +83,40 @@ def adapter_table(adapter: AdapterWeights) -> torch.Tensor:
     return adapter.native_table[0]
 
 
-def plan_of(step: LoraStep, num_rows: int) -> NativePlan | None:
-    """The step's plan (made once per step); None when the kernel cannot take its adapters."""
+def plan_of(step: LoraStep, x2: torch.Tensor) -> NativePlan | None:
+    """The step's plan (made on its first call, from that call's x [T, in]); None when the kernel
+    cannot take the step (no kernel, not on CPU, a rank over its bound)."""
     if step.native is None:
-        step.native = _make_plan(step, num_rows) or False
+        step.native = _make_plan(step, x2) or False
     return step.native or None
 
 
-def _make_plan(step: LoraStep, num_rows: int) -> NativePlan | None:
+def _make_plan(step: LoraStep, x2: torch.Tensor) -> NativePlan | None:
+    kernel = load_lora_kernel() if x2.device.type == "cpu" else None
     max_rank = max(group.adapter.rank for group in step.groups)
-    if max_rank > MAX_RANK or any(g.adapter.pairs and g.adapter.rank < 1 for g in step.groups):
+    if kernel is None or max_rank > MAX_RANK or any(g.adapter.pairs and g.adapter.rank < 1 for g in step.groups):
         return None
+    num_rows = x2.shape[0]
     tables = [adapter_table(group.adapter) for group in step.groups]
     if len(step.groups) == 1 and step.groups[0].rows is None:
         single = tables[0] if num_rows == 1 else None
-        return NativePlan(None, group_table([(tables[0], 0, num_rows)]), max_rank, single)
+        return NativePlan(kernel, None, group_table([(tables[0], 0, num_rows)]), max_rank, single)
     rows, spans, start = [], [], 0
     for group, table in zip(step.groups, tables, strict=True):
         assert group.rows is not None  # several groups: each names its rows
         rows.append(group.rows.to(torch.int64))
         spans.append((table, start, start + group.num_rows))
         start += group.num_rows
-    return NativePlan(torch.cat(rows).contiguous(), group_table(spans), max_rank, None)
+    return NativePlan(kernel, torch.cat(rows).contiguous(), group_table(spans), max_rank, None)
 
 
-def add_native(x2: torch.Tensor, y2: torch.Tensor, step: LoraStep, parts: torch.Tensor) -> bool:
+def add_native(x2: torch.Tensor, y2: torch.Tensor, step: LoraStep, parts: NativeParts) -> bool:
     """y2 [T, out] += the step's updates of x2 [T, in] over `parts`, in one kernel call; False (nothing
     done) where the kernel does not apply and the torch path must run."""
-    if x2.shape[0] > MAX_NATIVE_ROWS or x2.device.type != "cpu":
+    if x2.shape[0] > MAX_NATIVE_ROWS or not LoraKernel.supports(x2, y2):
         return False
-    kernel = load_lora_kernel()
-    if kernel is None or not LoraKernel.supports(x2, y2):
+    plan = step.native if step.native is not None else plan_of(step, x2)
+    if not plan:
         return False
-    plan = plan_of(step, x2.shape[0])
-    if plan is None:
-        return False
-    if plan.single is not None:
-        kernel.bgmv(x2, y2, plan.single, parts)
-    else:
-        kernel.sgmv(x2, y2, plan.rows, plan.groups, parts, plan.max_rank)
+    plan.add(x2, y2, parts)
     return True
