@@ -54,7 +54,7 @@ class FusedBF16Layers:
                 row[_COLUMN[name]] = tensor.data_ptr() if tensor is not None else 0
             row[_COLUMN["window"]] = layer.window or 0
         self.weight_bytes = sum(m.weight.numel() * m.weight.element_size() for ms in linears for m in ms)
-        self._cache_of_table: object = None  # the KV cache whose layer pointers the table holds
+        self._cache_of_table: tuple[object, int] | None = None  # the KV cache whose pointers the table holds
 
     def takes(self, meta: StepMetadata, hidden: torch.Tensor) -> bool:
         cache = meta.kv_cache
@@ -74,11 +74,12 @@ class FusedBF16Layers:
         """hidden [S, D] bf16 → the residual stream after every layer (the last MLP's output added)."""
         cache = meta.kv_cache
         assert cache is not None and meta.decode_block_table is not None and meta.decode_context_lens is not None
-        if self._cache_of_table is not cache:
+        stored = (cache, cache.keys[0].data_ptr())  # the cache's tensors are allocated once, with it
+        if self._cache_of_table != stored:
             for row, layer in zip(self.table, self.layers, strict=True):
                 keys, values = cache.layer(layer.index)
                 row[_COLUMN["key_cache"]], row[_COLUMN["value_cache"]] = keys.data_ptr(), values.data_ptr()
-            self._cache_of_table = cache
+            self._cache_of_table = stored
         hidden = hidden.contiguous()
         self.kernel.run(
             self.table,
