@@ -61,7 +61,7 @@ def projection_name(vocab: int, width: int):
             return "head"
         if k > width:
             return "down"
-        return "gate|up" if n > 2 * width else "o" if n == width else "q|k|v"
+        return "gate_up" if n > 2 * width else "o" if n == width else "qkv"
 
     return name
 
@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
                 best[dtype] = steps
     keys = [
         "layers in one call",
-        "q|k|v",
+        "qkv",
         "o",
-        "gate|up",
+        "gate_up",
         "down",
         "head",
         "add_rms_norm",

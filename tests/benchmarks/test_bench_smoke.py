@@ -252,5 +252,5 @@ def test_decode_speed_bench_quick(tmp_path, tiny_model_dir):
 def test_decode_phases_times_each_phase_of_both_dtypes(tiny_model_dir):
     result = run_script("decode_phases.py", "--model-id", str(tiny_model_dir), "--tokens", "4", "--rounds", "1")
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
-    assert {"layers in one call", "q|k|v", "head", "attention", "step"} <= rows.keys()
+    assert {"layers in one call", "qkv", "head", "attention", "step"} <= rows.keys()
     assert rows["step"].rstrip().endswith("× |"), "no bf16 ÷ fp32 ratio for the whole step"
