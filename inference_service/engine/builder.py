@@ -47,6 +47,7 @@ from inference_service.worker.runner.cuda_graphs import (
     static_decode_sizes,
 )
 from inference_service.worker.runner.decode_step import decode_step_for
+from inference_service.worker.runner.graph_memory import graph_reserve_bytes
 from inference_service.worker.runner.image_encoder import ImageEncoder
 from inference_service.worker.runner.model_runner import ModelRunner, probe_layer_shapes
 from inference_service.worker.shard_group import ShardGroup
@@ -178,11 +179,22 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
 
     num_blocks = 0
     reserved = loaded.encoder.reserved_bytes if loaded.encoder is not None else 0  # the image encoder's
+    sizes = parse_cuda_graphs(config.model.cuda_graphs)
+    graph_sizes = static_decode_sizes(sizes, loaded.device.type, sharded=group is not None)
     if group is None and loaded.device.type == "cuda" and sized_by_memory(config.cache):
         profile_tokens = _profile_tokens(config, loaded)
+        max_total = config.limits.max_total_tokens or default_max_total(loaded)
+        graphs = graph_reserve_bytes(  # the decode graphs, captured later, are kept out of the KV budget
+            loaded.model.config,
+            graph_sizes,
+            dtype.itemsize,
+            max_total,
+            config.scheduler.speculate,
+            config.cache.block_size,
+        )
         num_blocks = profile_kv_blocks(
             runner_over, shapes, dtype, loaded.device, config.cache, profile_tokens, kv_dtype=kv_dtype,
-            reserved_bytes=reserved,
+            reserved_bytes=reserved + graphs,
         )  # fmt: skip
     elif group is None or group.is_first:
         # On CPU every shard's cache comes out of the same memory: the budget holds all of them.
@@ -193,8 +205,6 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
     kv_writer = kv_writer_for(loaded.device, dtype)
     block_size = config.cache.block_size
     # CUDA graphs of decode steps: their padding rows write into one block beyond the pool.
-    sizes = parse_cuda_graphs(config.model.cuda_graphs)
-    graph_sizes = static_decode_sizes(sizes, loaded.device.type, sharded=group is not None)
     padding = PADDING_BLOCKS if graph_sizes else 0
     runner = runner_over(
         PagedKVCache(shapes, num_blocks + padding, block_size, dtype, loaded.device, kv_dtype, kv_writer)

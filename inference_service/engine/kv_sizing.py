@@ -76,7 +76,8 @@ def profile_kv_blocks(
     free, total = memory_info() if memory_info is not None else torch.cuda.mem_get_info(device)
     bytes_per_block = PagedKVCache.bytes_per_token(shapes, kv_dtype or dtype) * cache.block_size
     # The profile's own blocks go back to torch's allocator when it is dropped: they count too.
-    # A vision model's image encoder runs at admission, beside the cache: its activations stay free.
+    # A vision model's image encoder runs at admission, beside the cache: its activations stay free, and
+    # so does what the CUDA graphs captured after sizing will hold (runner/graph_memory.py).
     free = max(0, free - reserved_bytes)
     num_blocks = memory_plan.kv_blocks_from_memory(free, total, cache.cuda_memory_fraction, bytes_per_block)
     num_blocks += profile_blocks

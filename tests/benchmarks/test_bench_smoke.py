@@ -247,3 +247,10 @@ def test_decode_speed_bench_quick(tmp_path, tiny_model_dir):
     assert "growth from short" in (tmp_path / "decode_speed.md").read_text()
     runs = json.loads((tmp_path / "decode_speed.json").read_text())["runs"]
     assert [run["n"] for run in runs["fp32"]["32"]] == [run["n"] for run in runs["bf16"]["32"]] == [8 - 1]
+
+
+def test_decode_phases_times_each_phase_of_both_dtypes(tiny_model_dir):
+    result = run_script("decode_phases.py", "--model-id", str(tiny_model_dir), "--tokens", "4", "--rounds", "1")
+    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert {"layers in one call", "qkv", "head", "attention", "step"} <= rows.keys()
+    assert rows["step"].rstrip().endswith("× |"), "no bf16 ÷ fp32 ratio for the whole step"

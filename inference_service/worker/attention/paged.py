@@ -111,8 +111,17 @@ def paged_attention(
     if meta.decode_only:
         out = attend_decode(meta, query[0], key_cache, value_cache, scaling, window, softcap, scales)  # [Sd, H, Dv]
         return out.unsqueeze(0), None
-    if _use_triton(query, value) and not any(chunk.both_way_spans for chunk in meta.prefills):
-        # prefill chunks and decode rows in one launch (causal only: both-way spans take the torch path)
+    both_ways = any(chunk.both_way_spans for chunk in meta.prefills)  # those take the torch path
+    if query.is_cuda and not both_ways and _flash_attn_takes(query[0].transpose(0, 1), key_cache, value_cache, meta):
+        from inference_service.worker.attention import flash_attn_backend
+
+        out = flash_attn_backend.attend_step(
+            query[0].transpose(0, 1), key_cache, value_cache, _gpu_layout(meta, "step"),
+            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+        )  # fmt: skip
+        return out.unsqueeze(0), None
+    if _use_triton(query, value) and not both_ways:
+        # prefill chunks and decode rows in one launch (causal only)
         from inference_service.worker.attention import triton_paged
 
         out = triton_paged.paged_attention(
@@ -200,6 +209,15 @@ def attend_decode(
             softcap,
             scales,
         ).to(q.dtype)
+    if q.is_cuda and _flash_attn_takes(q_by_seq, key_cache, value_cache, meta):
+        from inference_service.worker.attention import flash_attn_backend
+
+        return flash_attn_backend.attend_decode(
+            q_by_seq, key_cache, value_cache,
+            _needed(meta.decode_block_table, "decode block table"),
+            _needed(meta.decode_context_lens, "decode context lengths"),
+            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+        )  # fmt: skip
     if _use_triton(q, value_cache):
         from inference_service.worker.attention import triton_paged
 
@@ -224,6 +242,14 @@ def attend_decode(
         meta.decode_masks[window] = mask
     out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
     return out.squeeze(2)
+
+
+def _flash_attn_takes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: StepMetadata) -> bool:
+    """Whether flash-attn's kernels (the optional extra) compute this CUDA attention: asked before
+    the Triton kernel, which computes the rest (attention/flash_attn_backend.py says what it takes)."""
+    from inference_service.worker.attention import flash_attn_backend
+
+    return flash_attn_backend.takes(q, key_cache, value_cache, _needed(meta.kv_cache, "KV cache").block_size)
 
 
 def _use_triton(query: torch.Tensor, value: torch.Tensor) -> bool:

@@ -34,6 +34,7 @@ SOURCES = (
     CSRC / "kv_write.cpp",
     CSRC / "bf16_linear.cpp",
     CSRC / "bf16_glue.cpp",
+    CSRC / "bf16_layers.cpp",
 )
 # Included by the sources: part of the cache key.
 HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h")

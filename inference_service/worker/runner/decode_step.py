@@ -36,6 +36,7 @@ from inference_service.worker.linears.bf16 import BF16NativeLinear
 from inference_service.worker.linears.native import NativeLinear
 from inference_service.worker.linears.panelled import PanelledLinear
 from inference_service.worker.linears.quant import QuantLinear
+from inference_service.worker.runner.bf16_layers import fused_bf16_layers_for
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +57,32 @@ class DecodeStep:
         window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.layers = [_Layer(layer, window) for layer in body.layers]
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
+        # bf16 on CPU: every layer in one native call where the step allows (runner/bf16_layers.py)
+        self.fused = fused_bf16_layers_for(self.layers) if isinstance(glue, BF16DecodeGlue) else None
 
     def __str__(self) -> str:
         """How decode steps run, for the startup log."""
+        if self.fused is not None:
+            return "fused projections, all layers in one native bf16 call"
         return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
 
     def forward(
         self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int]
     ) -> torch.Tensor:
         """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""
-        ops = self.ops
         hidden = self.embed(input_ids[0])  # [S, D]
         cos, sin = self.rotary(hidden, position_ids)  # [1, S, Dh]
-        cos, sin = cos[0], sin[0]
+        if self.fused is not None and self.fused.takes(meta, hidden):
+            hidden = self.fused.run(meta, hidden, cos[0], sin[0])
+        else:
+            hidden = self._layers(meta, hidden, cos[0], sin[0])
+        if len(keep_rows) != hidden.shape[0]:
+            hidden = hidden[keep_rows]
+        return self.lm_head(self.final_norm(hidden)).float()
+
+    def _layers(self, meta: StepMetadata, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layers op by op: hidden [S, D] → the residual stream after the last one."""
+        ops = self.ops
         delta = None  # the last sublayer's output, not yet added to `hidden`
         for layer in self.layers:
             rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
@@ -84,10 +98,7 @@ class DecodeStep:
             )  # [S, H, Dv]
             hidden, normed = ops.add_norm(hidden, layer.o_proj(attended.reshape(rows, -1)), layer.post_norm)
             delta = layer.down(ops.silu_mul(layer.gate_up(normed)))
-        hidden = hidden + delta
-        if len(keep_rows) != hidden.shape[0]:
-            hidden = hidden[keep_rows]
-        return self.lm_head(self.final_norm(hidden)).float()
+        return hidden + delta if delta is not None else hidden
 
 
 class _Norm:
