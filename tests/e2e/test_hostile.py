@@ -8,10 +8,12 @@ output is token for token what it is alone (greedy decoding). Afterwards every K
 
     pytest -m soak -s tests/e2e/test_hostile.py
 
-sends HOSTILE_SOAK_CASES (default 3000) cases drawn over all kinds by a seeded generator, four at a
-time, beside three innocent request loops, and reports (in benchmarks/results/hostile_soak.{json,md})
-the innocent requests' latency against their idle latency and the server's and Envoy's memory
-before and after. It asserts every answer and output, and no KV block or memory growth; latency is
+sends HOSTILE_SOAK_CASES (default 3000; 500 for a quick run) cases drawn over all kinds by a seeded
+generator, four at a time, beside three innocent request loops, and reports (in
+benchmarks/results/hostile_soak.{json,md}, and one `hostile soak:` line on stdout) the cases, the
+5xx and server-fault answers, wrong answers, innocent failures, each innocent run's latency divided
+by its idle median (median, p95, max), the KV blocks free and the server's and Envoy's memory before
+and after. It asserts every answer and output, and no KV block or memory growth; latency is
 reported, not asserted.
 """
 
