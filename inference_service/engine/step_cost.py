@@ -31,8 +31,8 @@ threads and the load; a fixed 1/16 of the budget made a stream beside a long pre
 idle per-token time on a busy CPU. The clock learns, from the steps the engine runs, a step's fixed
 time and a unit of prefill work's time, and sizes each share so that a step carrying streams takes at
 most `STREAM_STEP_RATIO` times the same step without the prefill (Sarathi-Serve's token budget chosen
-for a latency target, kept up to date as the load changes). Until it has seen both kinds of step it
-falls back to `stream_share`.
+for a latency target, kept up to date as the load changes), never below `MIN_SHARE_OF_STATIC` of the
+static share. Until it has seen both kinds of step it falls back to `stream_share`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ KEYS_PER_WIDTH = 3
 # A step that carries streams takes at most this many times the same step without its prefill chunks:
 # a stream's tokens come within 2× their idle pace with room for the clock's error.
 STREAM_STEP_RATIO = 1.6
+# ...but a learned share is never below this part of the static one: a small chunk deep in a long
+# prompt pays per-chunk costs (its context's K/V) that no share removes, and below a few tokens a
+# step the prompt would crawl beside a stream for no gain to it (measured on a busy CPU: 2 units).
+MIN_SHARE_OF_STATIC = 1 / 4
 
 
 class StepClock:
@@ -132,5 +136,6 @@ class StepCost:
         """What the prefill chunks of a step carrying streams may cost together, `num_prompts`
         prompts still prefilling (running or waiting): a share each, at most the budget."""
         learned = self.clock.share() if self.clock is not None else None
-        share = budget * self.stream_share if learned is None else learned
+        static = budget * self.stream_share
+        share = static if learned is None else max(learned, static * MIN_SHARE_OF_STATIC)
         return max(min(float(budget), share * max(1, num_prompts)), decode_work)

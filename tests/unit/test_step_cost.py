@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.request import Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
-from inference_service.engine.step_cost import STREAM_STEP_RATIO, StepClock, StepCost
+from inference_service.engine.step_cost import MIN_SHARE_OF_STATIC, STREAM_STEP_RATIO, StepClock, StepCost
 from inference_service.sampling_params import SamplingParams, StoppingParams
 
 COST = StepCost(context_scale=100, stream_share=1 / 8)
@@ -211,6 +211,8 @@ def test_the_stream_pool_is_the_learned_share_once_learned():
     assert math.isclose(cost.stream_pool(64, 1, num_prompts=2), 6)  # a share per prompt
     assert cost.stream_pool(64, 1, num_prompts=100) == 64  # at most the budget
     assert cost.stream_pool(64, 40) == 40  # the decodes' own work still bounds it from below
+    clock.per_work_s = 1.0  # a unit costs far more than the fixed time: the prompt still moves on
+    assert cost.stream_pool(64, 1) == 8 * MIN_SHARE_OF_STATIC
 
 
 def test_the_scheduler_times_its_steps_and_holds_a_long_prefill_to_the_learned_share():
