@@ -15,8 +15,11 @@ The long prompt is submitted `--delay` seconds before the bystander and cancelle
 Each run also times a long prompt alone (its time to first token: what the policy costs it).
 
 Policies (engine/step_cost.py): `tokens` counts a step's budget in tokens, whatever their context,
-and gives prefills the whole budget in every step; `work` (the engine's default) counts a chunk's
-attention over its context too, and gives prefills a small pool in a step that carries streams.
+and gives prefills the whole budget in every step; `work` counts a chunk's attention over its context
+too, and gives prefills a fixed small pool (1/16 of the budget) in a step that carries streams;
+`clock` (the engine's default) sizes that pool from the step times it has measured, so that such a
+step takes at most STREAM_STEP_RATIO times the same step without the prefill. Each policy keeps its
+own clock, so one's steps do not teach another's.
 
 Usage: python benchmarks/bystander_latency.py [--quick] [--model-id ID] [--long-tokens N] [--runs N]
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import random
 import statistics
@@ -38,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, tiny_model  # noqa: E402
 from inference_service.config import DEMO_MODEL_ID  # noqa: E402
 from inference_service.engine.async_engine import AsyncEngine  # noqa: E402
-from inference_service.engine.step_cost import StepCost  # noqa: E402
+from inference_service.engine.step_cost import STREAM_STEP_RATIO, StepCost  # noqa: E402
 
 BYSTANDER = "Hello, how are you?"
-POLICIES = ("tokens", "work")
+POLICIES = ("tokens", "work", "clock")
 
 
 async def timed(engine: AsyncEngine, request) -> float:
@@ -92,6 +96,15 @@ async def measure(engine: AsyncEngine, set_policy, requests, long_requests, args
     return times
 
 
+def clock_line(clock) -> str:
+    if clock is None or clock.share() is None:
+        return "not learned"
+    return (
+        f"fixed {clock.fixed_s * 1000:.1f} ms, {clock.per_work_s * 1000:.2f} ms per unit of work, "
+        f"share {clock.share():.1f} units (step ≤ {STREAM_STEP_RATIO}× its streams' own)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-id", default=DEMO_MODEL_ID)
@@ -111,7 +124,8 @@ def main() -> None:
     engine, _ = common.load_engine(
         tiny_model.resolve(args.model_id), max_batch_prefill_tokens=args.max_batch_prefill_tokens
     )
-    costs = {"tokens": StepCost(), "work": engine.scheduler.cost}
+    default = engine.scheduler.cost
+    costs = {"tokens": StepCost(), "work": dataclasses.replace(default, clock=None), "clock": default}
 
     def set_policy(policy: str) -> None:  # between requests: the engine thread is idle
         engine.scheduler.cost = costs[policy]
@@ -145,6 +159,7 @@ def main() -> None:
                 common.ratio(m["stream_beside_s"], m["stream_alone_s"]),
                 common.fmt(m["long_alone_s"], 2),
                 common.ratio(m["long_alone_s"], med["tokens"]["long_alone_s"]),
+                common.ratio(m["long_alone_s"], med["work"]["long_alone_s"]),
             ]
         )
     table = common.markdown_table(
@@ -158,13 +173,15 @@ def main() -> None:
             "beside ÷ alone",
             f"{args.long_tokens}-token prompt alone, TTFT s",
             "÷ tokens policy",
+            "÷ work policy",
         ],
         rows,
     )
     budget = engine.info.max_batch_prefill_tokens
     summary = (
         f"step budget {budget}; medians of {args.runs} run(s), both policies in every run; "
-        f"context scale {costs['work'].context_scale:.0f} keys, stream share {costs['work'].stream_share:g}"
+        f"context scale {costs['work'].context_scale:.0f} keys, stream share {costs['work'].stream_share:g}; "
+        f"clock: {clock_line(default.clock)}"
     )
     print(f"{common.machine_line(common.machine())}\n{common.command_line()}\n\n{table}\n\n{summary}")
     folder = common.output_dir(args.out, args.quick)

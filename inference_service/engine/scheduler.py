@@ -25,7 +25,9 @@ only a small pool of work, one share per long prompt still prefilling: a stream'
 for the weights' read plus a bounded slice of a long prefill, not for a full budget of it, and a
 burst of long prompts still prefills in large steps beside its own first streams. Chunks that end
 their prompt are not held to the pool: a burst of short prompts still fills the budget, and each
-gets its first token in one step.
+gets its first token in one step. The share is sized from measured step times (`StepClock`: the
+scheduler times each step from its plan to `update`), so a step carrying streams stays within a set
+multiple of the same step without the prefill, whatever the model, device and load.
 
 When the KV pool runs dry, the newest running request is preempted: its blocks are freed and it is
 recomputed later from its prompt and the tokens it already generated.
@@ -181,6 +183,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # The last plan's prefill work and when it was handed out: `update` times the step with them
+        # for the cost model's clock.
+        self._planned: tuple[float, bool, float] | None = None
 
     # -- admission and removal ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -292,6 +297,9 @@ class Scheduler:
         scheduled = [self._schedule_one(chunk) for chunk in chunks]
         for chunk in chunks:
             chunk.request.timings.batch_sizes.append(len(scheduled))
+        if self.cost.clock is not None:
+            held = plan.pool < math.inf and any(chunk.leaves_prompt for chunk in plan.prefills.values())
+            self._planned = (plan.prefill_work, held, time.perf_counter())
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, admitted_ids=admitted)
 
     def _short_arrival(self, slice_work: int) -> bool:
@@ -391,6 +399,10 @@ class Scheduler:
     def update(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Advance the computed counters of everything that ran (its known tokens; guesses count
         once accepted, through `accept_drafts`)."""
+        if self._planned is not None and self.cost.clock is not None and output.scheduled:
+            work, held, started = self._planned
+            self.cost.clock.observe(work, time.perf_counter() - started, held)
+        self._planned = None
         for item in output.scheduled:
             request = requests[item.request_id]
             request.num_computed_tokens += item.num_known_tokens

@@ -166,7 +166,7 @@ def test_bystander_latency_quick(tmp_path, tiny_model_dir):
     result = run_script("bystander_latency.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
     assert "beside ÷ alone" in result.stdout
     data = json.loads((tmp_path / "bystander_latency.json").read_text())
-    for policy in ("tokens", "work"):  # both step-budget policies, measured in the same run
+    for policy in ("tokens", "work", "clock"):  # every step-budget policy, measured in the same run
         times = data[policy]
         assert len(times["alone_s"]) == len(times["beside_s"]) == len(times["stream_beside_s"]) == 1
         assert min(times["alone_s"] + times["beside_s"] + times["long_alone_s"]) > 0

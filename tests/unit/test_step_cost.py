@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.request import Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
-from inference_service.engine.step_cost import StepCost
+from inference_service.engine.step_cost import MIN_SHARE_OF_STATIC, STREAM_STEP_RATIO, StepClock, StepCost
 from inference_service.sampling_params import SamplingParams, StoppingParams
 
 COST = StepCost(context_scale=100, stream_share=1 / 8)
@@ -158,3 +158,78 @@ def test_short_prompts_beside_a_stream_still_fill_the_budget():
         ("stream", 1, True),
         *((f"s{index}", 10, True) for index in range(5)),
     ]
+
+
+# -- the clock: the stream share learned from step times --------------------------------------------
+def test_the_clock_learns_a_steps_fixed_time_and_a_units_time():
+    clock = StepClock()
+    assert clock.share() is None  # nothing seen: the static share serves
+    clock.observe(prefill_work=40, seconds=0.5)
+    assert clock.share() is None  # a large step before any small one: its split is unknown
+    for _ in range(30):
+        clock.observe(prefill_work=2, seconds=0.03)  # decodes and a tiny prompt: the fixed cost
+        clock.observe(prefill_work=100, seconds=0.03 + 100 * 0.002)  # a prefill: 2 ms per unit more
+        clock.observe(prefill_work=20, seconds=9.0)  # in between: teaches neither
+    assert math.isclose(clock.fixed_s, 0.03, rel_tol=1e-6)
+    assert math.isclose(clock.per_work_s, 0.002, rel_tol=1e-3)
+    # The share keeps a step carrying streams within STREAM_STEP_RATIO of its own time.
+    assert math.isclose(clock.share(), (STREAM_STEP_RATIO - 1) * 0.03 / 0.002, rel_tol=1e-3)
+
+
+def test_steps_beside_streams_correct_the_share_they_sized():
+    """A small chunk deep into a long prompt costs more per unit than a large step's average (it reads
+    its whole context's K/V for a few tokens): the steps held to the share teach its rate."""
+    clock = StepClock()
+    for _ in range(30):
+        clock.observe(2, 0.03)
+        clock.observe(100, 0.23)  # 2 ms per unit in a large step
+    share = clock.share()
+    for _ in range(30):
+        clock.observe(share, 0.03 + share * 0.004, beside_streams=True)  # 4 ms per unit beside streams
+    assert math.isclose(clock.fixed_s, 0.03) and math.isclose(clock.per_work_s, 0.002)  # untouched
+    assert math.isclose(clock.share(), share / 2, rel_tol=1e-3)
+
+
+def test_the_clock_follows_the_load():
+    clock = StepClock()
+    for _ in range(30):
+        clock.observe(2, 0.03)
+        clock.observe(100, 0.23)
+    before = clock.share()
+    for _ in range(30):  # the weights' read got slower (another process took the memory bandwidth)
+        clock.observe(2, 0.06)
+        clock.observe(100, 0.26)
+    assert clock.share() > 1.5 * before
+
+
+def test_the_stream_pool_is_the_learned_share_once_learned():
+    clock = StepClock()
+    cost = StepCost(context_scale=100, stream_share=1 / 8, clock=clock)
+    assert cost.stream_pool(64, 2) == 8  # not learned yet: the static share
+    clock.fixed_s, clock.per_work_s = 0.03, 0.006  # a share of 0.6 × 0.03 / 0.006 = 3 units
+    assert math.isclose(cost.stream_pool(64, 1), 3)
+    assert math.isclose(cost.stream_pool(64, 1, num_prompts=2), 6)  # a share per prompt
+    assert cost.stream_pool(64, 1, num_prompts=100) == 64  # at most the budget
+    assert cost.stream_pool(64, 40) == 40  # the decodes' own work still bounds it from below
+    clock.per_work_s = 1.0  # a unit costs far more than the fixed time: the prompt still moves on
+    assert cost.stream_pool(64, 1) == 8 * MIN_SHARE_OF_STATIC
+
+
+def test_the_scheduler_times_its_steps_and_holds_a_long_prefill_to_the_learned_share():
+    clock = StepClock()
+    cost = StepCost(context_scale=100, stream_share=1 / 8, clock=clock)
+    kv = KVCacheManager(num_blocks=512, block_size=4)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=64, cost=cost)
+    requests = {"stream": _request("stream", 3, max_new=30), "long": _request("long", 600)}
+    scheduler.add(requests["stream"])
+    _run_step(scheduler, requests)
+    assert clock.fixed_s is not None  # the step was timed (a tiny prompt: the fixed cost)
+    clock.fixed_s, clock.per_work_s = 0.03, 0.006  # as if learned: a share of 3 units
+    clock.SMOOTHING = 0.0  # hold it there: this test's steps take microseconds
+    scheduler.add(requests["long"])
+    for _ in range(10):
+        before = requests["long"].num_computed_tokens
+        plan = _run_step(scheduler, requests)
+        assert plan.scheduled[0].request_id == "stream"
+        assert requests["long"].num_computed_tokens > before  # it moves on every step...
+        assert _prefill_work(plan, cost, {"stream"}) <= max(3, cost.work(before, 1))  # ...by the share
