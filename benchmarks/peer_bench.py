@@ -141,8 +141,9 @@ class LlamaServer:
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
-        # stdin held open: the server may take a closed stdin for its parent gone (unconfirmed).
-        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -178,6 +179,7 @@ async def stream_llama(session, url: str, ids: list[int], max_new: int) -> Strea
         "return_tokens": True,
     }
     record = Stream(time.perf_counter())
+    predicted = 0
     async with session.post(url + "/completion", json=body) as response:
         if response.status != 200:
             record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
@@ -186,8 +188,11 @@ async def stream_llama(session, url: str, ids: list[int], max_new: int) -> Strea
             if not line.startswith(b"data:"):
                 continue
             event = json.loads(line[5:])
-            count = len(event.get("tokens") or []) or (1 if event.get("content") else 0)
-            if count:
+            # Counted by `tokens_predicted`, not by the event's `tokens`: the server holds back a token
+            # that ends inside a UTF-8 character and sends it with the next, listing only one of them.
+            count = event.get("tokens_predicted", predicted) - predicted
+            if count > 0:
+                predicted += count
                 record.arrivals.append((time.perf_counter(), count))
             if event.get("stop"):
                 record.server_timings = event.get("timings", {})
@@ -316,7 +321,11 @@ def run_llama(paths, fmt, args, prompts, out: Path, with_batch: bool) -> dict:
 
     async def go(url: str, what: str):
         timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        # A connection per request: after a long streamed response llama-server drops the kept-alive
+        # connection, and the next request written into it fails ("Can not write request body",
+        # "Server disconnected"); the benchmark then stopped the server.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
             async def send(text, ids, length, max_new):
                 return await stream_llama(session, url, ids, max_new)
