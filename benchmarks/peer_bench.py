@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -58,6 +59,8 @@ THREADS = 2
 SECTIONS = ("decode", "batch", "long")
 KV_DTYPES = ("fp16", "auto")
 LLAMA = "llama.cpp"
+# Our opt-in int8 activations for 4-bit weights (inference_service/worker/kernels/int8_activations.py).
+ACTIVATIONS_ENV = "INFERENCE_SERVICE_QUANT_ACTIVATIONS"
 
 
 @dataclass
@@ -285,11 +288,25 @@ def ours_model(paths: dict[str, Path], fmt: str) -> str:
     return str(paths["hf"] if fmt == "f32" else paths[fmt])
 
 
-def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool) -> dict:
+def ours_label(kv_dtype: str, activations: str = "fp32") -> str:
+    return f"ours {kv_dtype} KV" + (f", {activations} activations" if activations != "fp32" else "")
+
+
+def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool, activations: str = "fp32") -> dict:
     longest = max(args.contexts + [BATCH_PROMPT_TOKENS])
-    label = f"ours {fmt}, {kv_dtype} KV"
+    label = f"{ours_label(kv_dtype, activations)}, {fmt}"
     print(f"{label}: starting", file=sys.stderr, flush=True)
-    server = Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), out / f"{label}.log".replace(" ", "_"))
+    log_path = out / f"{label}.log".replace(" ", "_").replace(",", "")
+    # The server's processes inherit the environment: the opt-in activation format is set for it alone.
+    saved = os.environ.get(ACTIVATIONS_ENV)
+    os.environ[ACTIVATIONS_ENV] = activations
+    try:
+        server = Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), log_path)
+    finally:
+        if saved is None:
+            os.environ.pop(ACTIVATIONS_ENV, None)
+        else:
+            os.environ[ACTIVATIONS_ENV] = saved
     try:
 
         async def go():
@@ -534,6 +551,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contexts", nargs="+", type=int, help=f"default: {CONTEXTS}")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: all (quick: decode batch)")
     parser.add_argument("--batch-requests", type=int, help="default: 64 (quick: 32)")
+    parser.add_argument(
+        "--quant-activations",
+        nargs="+",
+        choices=["fp32", "int8"],
+        default=["fp32", "int8"],
+        help="our activation formats for Q4_1 weights, a decode row each (int8: opt-in, changes numerics)",
+    )
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"per request (default: {NEW_TOKENS})")
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     args.models = args.models or (["demo"] if args.quick else ["demo", "llama-1.5b"])
@@ -545,7 +570,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global NEW_TOKENS
     args = parse_args(argv)
+    NEW_TOKENS = args.new_tokens  # fewer only for a look on a busy machine: ms/token is per token
     if {"decode", "batch"} & set(args.sections):
         llama_cpp.binary("llama-server")  # NotBuilt says how to build it, before any model is written
     out = common.output_dir(args.out, args.quick)
@@ -564,6 +591,10 @@ def main(argv: list[str] | None = None) -> int:
                     entry.setdefault("decode", {})[f"ours {kv_dtype} KV"] = ours["decode"]
                     if "batch" in ours:
                         entry.setdefault("batch", {})[f"ours {kv_dtype} KV"] = ours["batch"]
+                if fmt != "f32" and "decode" in args.sections:
+                    for activations in (a for a in args.quant_activations if a != "fp32"):
+                        ours = run_ours(paths, fmt, args.kv_dtypes[0], args, prompts, raw, False, activations)
+                        entry["decode"][ours_label(args.kv_dtypes[0], activations)] = ours["decode"]
                 llama = run_llama(paths, fmt, args, prompts, raw, with_batch)
                 entry.setdefault("decode", {})[LLAMA] = llama["decode"]
                 if "batch" in llama:

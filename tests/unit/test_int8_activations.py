@@ -192,3 +192,20 @@ def test_greedy_tokens_agree_with_the_fp32_path(kernel, monkeypatch):
     assert tokens == reference
     difference = (logits - reference_logits).abs().max().item()
     assert 0 < difference <= 0.05 * reference_logits.std().item()
+
+
+def test_the_load_probe_allows_the_rounding_only_when_asked(monkeypatch):
+    """The paged-attention probe compares decode rows (int8 when asked) with a plain forward (more rows:
+    fp32): with int8 activations it allows bf16's margin, else fp32's."""
+    from inference_service.errors import ModelLoadError
+    from inference_service.models import registry
+
+    expected = torch.linspace(-10, 10, 50)
+    rounded = expected + 0.05
+    monkeypatch.delenv(int8_activations.ENV_SWITCH, raising=False)
+    with pytest.raises(ModelLoadError, match="paged logits differ"):
+        registry._compare("llama", rounded, expected, torch.float32)
+    monkeypatch.setenv(int8_activations.ENV_SWITCH, "int8")
+    registry._compare("llama", rounded, expected, torch.float32)
+    with pytest.raises(ModelLoadError, match="paged logits differ"):
+        registry._compare("llama", expected + 5.0, expected, torch.float32)

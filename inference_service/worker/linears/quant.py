@@ -26,7 +26,43 @@ from inference_service.worker.kernels.packed import PackedWeight
 # each; 1 MiB slices made its prefill 7% slower), the head in slices.
 DEQUANT_SLICE_ELEMENTS = 1 << 20
 _UNRESOLVED = object()
-_FewRows = bindings.QuantLinearKernel | int8_activations.Int8ActivationLinear
+
+
+class _FewRows:
+    """A packed-weight kernel bound to one layer's weight: x [..., K] fp32 → [..., N] for up to
+    `max_rows` rows, with the weight's pointers and sizes taken once (a decode step makes ~120 of
+    these calls; the kernels' own __call__ looks them up each time). It keeps the weight's tensors,
+    so the pointers stay valid; QuantLinear makes a new one whenever its buffers change (repoint,
+    `.to()`)."""
+
+    def __init__(
+        self,
+        kernel: bindings.QuantLinearKernel | int8_activations.Int8ActivationLinear,
+        packed: PackedWeight,
+        bias: torch.Tensor | None,
+        max_rows: int,
+    ):
+        self.packed, self.bias = packed, bias
+        self.max_elements = max_rows * packed.in_features
+        self._fn = kernel._fn  # both kernels' C entry points take the same arguments
+        self._weight = (
+            packed.codes.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.offsets.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+        )
+        self._sizes = (packed.out_features, packed.in_features, packed.bits, packed.group_size)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self._sizes[0], self._sizes[1]
+        x = x.contiguous()
+        rows = x.numel() // k
+        out = x.new_empty(*x.shape[:-1], n)
+        if rows and self._fn(x.data_ptr(), *self._weight, out.data_ptr(), rows, n, k, *self._sizes[2:]) != 0:
+            raise RuntimeError(f"the packed-weight kernel refused x {list(x.shape)} for {self.packed.bits}-bit codes")
+        return out
+
+
 _Kernels = tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None, _FewRows | None]
 
 
@@ -124,9 +160,19 @@ class QuantLinear(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = self._kernel if self._kernel is not _UNRESOLVED else self._native_kernels()
+        few_rows = cast(_Kernels, kernels)[3]
+        if (
+            few_rows is not None
+            and x.numel() <= few_rows.max_elements
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())
+        ):
+            return few_rows(x)  # decode steps: no buffer lookups on the way (~120 calls a step)
         if self.input_perm is not None:
             x = x[..., self.input_perm]
-        kernel, fits, panel, few_rows = self._native_kernels()
+        kernel, fits, panel, _ = self._native_kernels()
         if (
             panel is not None
             and x.dtype == torch.float32
@@ -135,8 +181,8 @@ class QuantLinear(torch.nn.Module):
         ):
             if self.panelled:
                 return panel.codes(x, self.codes, self.scales, self.offsets, self.bias, self.group_size)
-            if fits and few_rows is not None and x.numel() <= bindings.MAX_QUANT_ROWS[self.bits] * self.in_features:
-                return few_rows(x, self.packed, self.bias)
+            if fits and kernel is not None and x.numel() <= bindings.MAX_QUANT_ROWS[self.bits] * self.in_features:
+                return kernel(x, self.packed, self.bias)  # input_perm's rows
             if panel.takes(self.in_features):
                 return panel.quant(x, self.packed, self.bias)
         return dequantized_linear(x, self.packed, self.bias, kernel)
@@ -144,7 +190,8 @@ class QuantLinear(torch.nn.Module):
     def _native_kernels(self) -> _Kernels:
         """The native library's packed-weight kernel (None: torch only), whether it takes these
         canonical codes, its panel GEMM (None where the library or the bias does not apply), and the
-        kernel for few rows: the packed-weight one, or the int8-activation one where asked for."""
+        call for few rows (None where it does not fit or input_perm applies): the packed-weight kernel,
+        or the int8-activation one where asked for, bound to this layer's buffers."""
         if self._kernel is _UNRESOLVED:
             device = self.codes.device
             kernel = bindings.quant_kernel_for(device, self.scales.dtype)
@@ -153,9 +200,10 @@ class QuantLinear(torch.nn.Module):
             bias_ok = self.bias is None or (self.bias.dtype == torch.float32 and self.bias.is_contiguous())
             panel = bindings.panel_kernel_for(device, self.scales.dtype) if kernel is not None and bias_ok else None
             fits = kernel is not None and bias_ok and not self.panelled and kernel.supports(self.packed)
-            few_rows: _FewRows | None = kernel
-            if fits:
-                few_rows = int8_activations.kernel_for(self.packed, device, self.scales.dtype) or kernel
+            few_rows = None
+            if fits and kernel is not None and panel is not None and self.input_perm is None:
+                chosen = int8_activations.kernel_for(self.packed, device, self.scales.dtype) or kernel
+                few_rows = _FewRows(chosen, self.packed, self.bias, bindings.MAX_QUANT_ROWS[self.bits])
             self._kernel = kernel, fits, panel, few_rows
         return cast(_Kernels, self._kernel)
 
