@@ -19,13 +19,16 @@ Both are real servers on loopback, measured by streaming from a client, one afte
   token, decode ms/token, the KV pool the server sized and the server's peak resident memory.
 
 Formats: `f32` (ours: the safetensors folder; llama.cpp: the F32 GGUF) and `q4_1` (both the Q4_1
-GGUF; ours with `--quantize gguf`). Models from `peer_models.py`: `demo` (SmolLM2-135M, stated at
-32k positions so 16k runs), `llama-0.5b`, `llama-1.5b`. Our server ends a stream at EOS (its API has
+GGUF; ours with `--quantize gguf`, and a second decode row with int8 activations,
+`INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8`, unless `--quant-activations fp32`). Models from
+`peer_models.py`: `demo` (SmolLM2-135M, stated at 32k positions so 16k runs), `llama-0.5b`,
+`llama-1.5b`. Our server ends a stream at EOS (its API has
 no ignore_eos); llama.cpp is asked to ignore it: ms/token is per token either way.
 
 Needs `python benchmarks/llama_cpp.py build` once (~10-20 min); the models are written on first use.
 
-    python benchmarks/peer_bench.py --quick     # demo model, F32 + Q4_1, contexts 128/512/4k, batch: ~10 min
+    python benchmarks/peer_bench.py --quick     # demo model, F32 + Q4_1, contexts 128/512/4k, batch: ~10 min quiet
+    python benchmarks/peer_bench.py --quick --contexts 128 512 --batch-requests 16 --new-tokens 24  # a look
     python benchmarks/peer_bench.py             # demo + 1.5B, contexts 128 → 16k, batch, long: hours
 """
 
