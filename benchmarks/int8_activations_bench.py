@@ -74,7 +74,7 @@ def generate(engine, prompt: list[int], tokens: int) -> tuple[list[int], list[fl
         if produced:
             steps.append(elapsed)
         for output in outputs:
-            produced.extend(output.tokens)
+            produced.extend(token.id for token in output.tokens)
     return produced, steps
 
 
