@@ -19,13 +19,16 @@ Both are real servers on loopback, measured by streaming from a client, one afte
   token, decode ms/token, the KV pool the server sized and the server's peak resident memory.
 
 Formats: `f32` (ours: the safetensors folder; llama.cpp: the F32 GGUF) and `q4_1` (both the Q4_1
-GGUF; ours with `--quantize gguf`). Models from `peer_models.py`: `demo` (SmolLM2-135M, stated at
-32k positions so 16k runs), `llama-0.5b`, `llama-1.5b`. Our server ends a stream at EOS (its API has
+GGUF; ours with `--quantize gguf`, and a second decode row with int8 activations,
+`INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8`, unless `--quant-activations fp32`). Models from
+`peer_models.py`: `demo` (SmolLM2-135M, stated at 32k positions so 16k runs), `llama-0.5b`,
+`llama-1.5b`. Our server ends a stream at EOS (its API has
 no ignore_eos); llama.cpp is asked to ignore it: ms/token is per token either way.
 
 Needs `python benchmarks/llama_cpp.py build` once (~10-20 min); the models are written on first use.
 
-    python benchmarks/peer_bench.py --quick     # demo model, F32 + Q4_1, contexts 128/512/4k, batch: ~10 min
+    python benchmarks/peer_bench.py --quick     # demo model, F32 + Q4_1, contexts 128/512/4k, batch: ~10 min quiet
+    python benchmarks/peer_bench.py --quick --contexts 128 512 --batch-requests 16 --new-tokens 24  # a look
     python benchmarks/peer_bench.py             # demo + 1.5B, contexts 128 → 16k, batch, long: hours
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -58,6 +62,8 @@ THREADS = 2
 SECTIONS = ("decode", "batch", "long")
 KV_DTYPES = ("fp16", "auto")
 LLAMA = "llama.cpp"
+# Our opt-in int8 activations for 4-bit weights (inference_service/worker/kernels/int8_activations.py).
+ACTIVATIONS_ENV = "INFERENCE_SERVICE_QUANT_ACTIVATIONS"
 
 
 @dataclass
@@ -141,8 +147,9 @@ class LlamaServer:
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
-        # stdin held open: the server may take a closed stdin for its parent gone (unconfirmed).
-        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -178,6 +185,7 @@ async def stream_llama(session, url: str, ids: list[int], max_new: int) -> Strea
         "return_tokens": True,
     }
     record = Stream(time.perf_counter())
+    predicted = 0
     async with session.post(url + "/completion", json=body) as response:
         if response.status != 200:
             record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
@@ -186,8 +194,11 @@ async def stream_llama(session, url: str, ids: list[int], max_new: int) -> Strea
             if not line.startswith(b"data:"):
                 continue
             event = json.loads(line[5:])
-            count = len(event.get("tokens") or []) or (1 if event.get("content") else 0)
-            if count:
+            # Counted by `tokens_predicted`, not by the event's `tokens`: the server holds back a token
+            # that ends inside a UTF-8 character and sends it with the next, listing only one of them.
+            count = event.get("tokens_predicted", predicted) - predicted
+            if count > 0:
+                predicted += count
                 record.arrivals.append((time.perf_counter(), count))
             if event.get("stop"):
                 record.server_timings = event.get("timings", {})
@@ -280,11 +291,25 @@ def ours_model(paths: dict[str, Path], fmt: str) -> str:
     return str(paths["hf"] if fmt == "f32" else paths[fmt])
 
 
-def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool) -> dict:
+def ours_label(kv_dtype: str, activations: str = "fp32") -> str:
+    return f"ours {kv_dtype} KV" + (f", {activations} activations" if activations != "fp32" else "")
+
+
+def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool, activations: str = "fp32") -> dict:
     longest = max(args.contexts + [BATCH_PROMPT_TOKENS])
-    label = f"ours {fmt}, {kv_dtype} KV"
+    label = f"{ours_label(kv_dtype, activations)}, {fmt}"
     print(f"{label}: starting", file=sys.stderr, flush=True)
-    server = Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), out / f"{label}.log".replace(" ", "_"))
+    log_path = out / f"{label}.log".replace(" ", "_").replace(",", "")
+    # The server's processes inherit the environment: the opt-in activation format is set for it alone.
+    saved = os.environ.get(ACTIVATIONS_ENV)
+    os.environ[ACTIVATIONS_ENV] = activations
+    try:
+        server = Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), log_path)
+    finally:
+        if saved is None:
+            os.environ.pop(ACTIVATIONS_ENV, None)
+        else:
+            os.environ[ACTIVATIONS_ENV] = saved
     try:
 
         async def go():
@@ -316,7 +341,11 @@ def run_llama(paths, fmt, args, prompts, out: Path, with_batch: bool) -> dict:
 
     async def go(url: str, what: str):
         timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        # A connection per request: after a long streamed response llama-server drops the kept-alive
+        # connection, and the next request written into it fails ("Can not write request body",
+        # "Server disconnected"); the benchmark then stopped the server.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
             async def send(text, ids, length, max_new):
                 return await stream_llama(session, url, ids, max_new)
@@ -525,6 +554,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contexts", nargs="+", type=int, help=f"default: {CONTEXTS}")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: all (quick: decode batch)")
     parser.add_argument("--batch-requests", type=int, help="default: 64 (quick: 32)")
+    parser.add_argument(
+        "--quant-activations",
+        nargs="+",
+        choices=["fp32", "int8"],
+        default=["fp32", "int8"],
+        help="our activation formats for Q4_1 weights, a decode row each (int8: opt-in, changes numerics)",
+    )
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"per request (default: {NEW_TOKENS})")
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     args.models = args.models or (["demo"] if args.quick else ["demo", "llama-1.5b"])
@@ -536,7 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global NEW_TOKENS
     args = parse_args(argv)
+    NEW_TOKENS = args.new_tokens  # fewer only for a look on a busy machine: ms/token is per token
     if {"decode", "batch"} & set(args.sections):
         llama_cpp.binary("llama-server")  # NotBuilt says how to build it, before any model is written
     out = common.output_dir(args.out, args.quick)
@@ -555,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
                     entry.setdefault("decode", {})[f"ours {kv_dtype} KV"] = ours["decode"]
                     if "batch" in ours:
                         entry.setdefault("batch", {})[f"ours {kv_dtype} KV"] = ours["batch"]
+                if fmt != "f32" and "decode" in args.sections:
+                    for activations in (a for a in args.quant_activations if a != "fp32"):
+                        ours = run_ours(paths, fmt, args.kv_dtypes[0], args, prompts, raw, False, activations)
+                        entry["decode"][ours_label(args.kv_dtypes[0], activations)] = ours["decode"]
                 llama = run_llama(paths, fmt, args, prompts, raw, with_batch)
                 entry.setdefault("decode", {})[LLAMA] = llama["decode"]
                 if "batch" in llama:

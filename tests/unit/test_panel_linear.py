@@ -176,7 +176,7 @@ def test_panelled_codes_without_the_native_library_take_torchs_path(monkeypatch)
     x = torch.randn(3, 40)
     with torch.no_grad():
         assert_close(module(x), expected(x, packed.dequantize(), module.bias))
-    assert module._native_kernels() == (None, False, None)
+    assert module._native_kernels() == (None, False, None, None)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 16, 40, 100])

@@ -159,7 +159,7 @@ def test_switched_off_uses_torch(kernel, monkeypatch):
     x = torch.randn(2, 64)
     with torch.no_grad():
         assert_close(module(x), reference(x, packed, None))
-    assert module._native_kernels() == (None, False, None)
+    assert module._native_kernels() == (None, False, None, None)
 
 
 def test_input_perm(kernel):

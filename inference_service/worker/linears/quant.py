@@ -8,7 +8,8 @@ to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the packed-weight k
 the codes directly, and more (prefill, large batches) to the panel GEMM, which widens each panel of
 codes as it packs it. Other dtypes or devices, or no native library: the weight is dequantized to
 x's dtype in slices of output rows and multiplied by torch's GEMM, which keeps the temporary fp32
-weight small.
+weight small. With `INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8` the few-row path of 4-bit codes rounds
+x to int8 and uses integer dot products instead (kernels/int8_activations.py; opt-in: numerics change).
 """
 
 from __future__ import annotations
@@ -18,13 +19,51 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from inference_service.worker.kernels import bindings, panels
+from inference_service.worker.kernels import bindings, int8_activations, panels
 from inference_service.worker.kernels.packed import PackedWeight
 
 # fp32 weight elements dequantized at once: 4 MiB, a whole projection of the demo model (one GEMM
 # each; 1 MiB slices made its prefill 7% slower), the head in slices.
 DEQUANT_SLICE_ELEMENTS = 1 << 20
 _UNRESOLVED = object()
+
+
+class _FewRows:
+    """A packed-weight kernel bound to one layer's weight: x [..., K] fp32 → [..., N] for up to
+    `max_rows` rows, with the weight's pointers and sizes taken once (a decode step makes ~120 of
+    these calls; the kernels' own __call__ looks them up each time). It keeps the weight's tensors,
+    so the pointers stay valid; QuantLinear makes a new one whenever its buffers change (repoint,
+    `.to()`)."""
+
+    def __init__(
+        self,
+        kernel: bindings.QuantLinearKernel | int8_activations.Int8ActivationLinear,
+        packed: PackedWeight,
+        bias: torch.Tensor | None,
+        max_rows: int,
+    ):
+        self.packed, self.bias = packed, bias
+        self.max_elements = max_rows * packed.in_features
+        self._fn = kernel._fn  # both kernels' C entry points take the same arguments
+        self._weight = (
+            packed.codes.data_ptr(),
+            packed.scales.data_ptr(),
+            packed.offsets.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+        )
+        self._sizes = (packed.out_features, packed.in_features, packed.bits, packed.group_size)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self._sizes[0], self._sizes[1]
+        x = x.contiguous()
+        rows = x.numel() // k
+        out = x.new_empty(*x.shape[:-1], n)
+        if rows and self._fn(x.data_ptr(), *self._weight, out.data_ptr(), rows, n, k, *self._sizes[2:]) != 0:
+            raise RuntimeError(f"the packed-weight kernel refused x {list(x.shape)} for {self.packed.bits}-bit codes")
+        return out
+
+
+_Kernels = tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None, _FewRows | None]
 
 
 class QuantLinear(torch.nn.Module):
@@ -65,7 +104,7 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("input_perm", input_perm)  # int64 [K]: GPTQ's act-order
         self._view: PackedWeight | None = None
         # resolved on first use, again after the buffers move
-        self._kernel: tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None] | object = _UNRESOLVED
+        self._kernel: _Kernels | object = _UNRESOLVED
 
     @classmethod
     def from_packed(
@@ -121,9 +160,19 @@ class QuantLinear(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = self._kernel if self._kernel is not _UNRESOLVED else self._native_kernels()
+        few_rows = cast(_Kernels, kernels)[3]
+        if (
+            few_rows is not None
+            and x.numel() <= few_rows.max_elements
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())
+        ):
+            return few_rows(x)  # decode steps: no buffer lookups on the way (~120 calls a step)
         if self.input_perm is not None:
             x = x[..., self.input_perm]
-        kernel, fits, panel = self._native_kernels()
+        kernel, fits, panel, _ = self._native_kernels()
         if (
             panel is not None
             and x.dtype == torch.float32
@@ -133,14 +182,16 @@ class QuantLinear(torch.nn.Module):
             if self.panelled:
                 return panel.codes(x, self.codes, self.scales, self.offsets, self.bias, self.group_size)
             if fits and kernel is not None and x.numel() <= bindings.MAX_QUANT_ROWS[self.bits] * self.in_features:
-                return kernel(x, self.packed, self.bias)
+                return kernel(x, self.packed, self.bias)  # input_perm's rows
             if panel.takes(self.in_features):
                 return panel.quant(x, self.packed, self.bias)
         return dequantized_linear(x, self.packed, self.bias, kernel)
 
-    def _native_kernels(self) -> tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None]:
+    def _native_kernels(self) -> _Kernels:
         """The native library's packed-weight kernel (None: torch only), whether it takes these
-        canonical codes, and its panel GEMM (None where the library or the bias does not apply)."""
+        canonical codes, its panel GEMM (None where the library or the bias does not apply), and the
+        call for few rows (None where it does not fit or input_perm applies): the packed-weight kernel,
+        or the int8-activation one where asked for, bound to this layer's buffers."""
         if self._kernel is _UNRESOLVED:
             device = self.codes.device
             kernel = bindings.quant_kernel_for(device, self.scales.dtype)
@@ -149,8 +200,12 @@ class QuantLinear(torch.nn.Module):
             bias_ok = self.bias is None or (self.bias.dtype == torch.float32 and self.bias.is_contiguous())
             panel = bindings.panel_kernel_for(device, self.scales.dtype) if kernel is not None and bias_ok else None
             fits = kernel is not None and bias_ok and not self.panelled and kernel.supports(self.packed)
-            self._kernel = kernel, fits, panel
-        return cast(tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None], self._kernel)
+            few_rows = None
+            if fits and kernel is not None and panel is not None and self.input_perm is None:
+                chosen = int8_activations.kernel_for(self.packed, device, self.scales.dtype) or kernel
+                few_rows = _FewRows(chosen, self.packed, self.bias, bindings.MAX_QUANT_ROWS[self.bits])
+            self._kernel = kernel, fits, panel, few_rows
+        return cast(_Kernels, self._kernel)
 
 
 def dequantized_linear(
