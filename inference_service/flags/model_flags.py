@@ -115,8 +115,9 @@ MODEL_FLAGS = (
     Flag(
         "--cuda-graphs",
         "model.cuda_graphs",
-        "Decode batch sizes to capture as CUDA graphs (TGI's), comma-separated; 0 for none. Checked and "
-        "planned (a batch pads to the next size); CUDA decode steps still run without graphs for now.",
+        "Decode batch sizes to capture as CUDA graphs (TGI's), comma-separated; 0 for none. On one CUDA "
+        "device, decode-only steps pad to the next size and replay a graph captured the first time that "
+        "size runs; the memory the graphs hold is kept out of the KV cache budget.",
     ),
     Flag(
         "--num-shard",

@@ -106,9 +106,12 @@ def test_decode_rows_batch_and_text_only_requests_run_beside_them(mllama_engine,
     colours = [RED, BLUE, GREEN]
 
     async def crowd(engine, front_end):
-        requests = [chat_request([c, "describe"], max_tokens=10) for c in colours]
-        requests.append(chat_request(["describe the quick brown fox"], max_tokens=10))
-        return await asyncio.gather(*(chat_tokens(engine, front_end, r) for r in requests))
+        """Processed first, then admitted together (as OpenAI's `n` is), so the image requests decode together."""
+        chats = [chat_request([c, "describe"], max_tokens=10) for c in colours]
+        chats.append(chat_request(["describe the quick brown fox"], max_tokens=10))
+        requests = [(await front_end.chat(chat, stream=False))[1][0] for chat in chats]
+        results = await engine.generate_all(requests)
+        return [(r, [token.id for token in result.tokens]) for r, result in zip(requests, results, strict=True)]
 
     before = mllama_engine.runner.num_batched_rows
     results = run(mllama_engine, crowd)
