@@ -71,6 +71,14 @@ async def beside(engine: AsyncEngine, long_request, bystander, delay: float) -> 
         long_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await long_task
+        await idle(engine)
+
+
+async def idle(engine: AsyncEngine) -> None:
+    """Until the cancelled long prompt is gone: its abort is applied between steps, so by then its
+    last step has ended and the next measurement does not wait for it."""
+    while (stats := engine.stats()).num_running or stats.num_waiting:
+        await asyncio.sleep(0.005)
 
 
 async def measure(engine: AsyncEngine, set_policy, requests, long_requests, args) -> dict[str, dict[str, list[float]]]:
