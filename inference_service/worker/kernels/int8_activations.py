@@ -22,7 +22,7 @@ import subprocess
 
 import torch
 
-from inference_service.worker.kernels import bindings
+from inference_service.worker.kernels import bindings, linear_bindings
 from inference_service.worker.kernels.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -77,31 +77,7 @@ class Int8ActivationLinear:
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x fp32 [..., K]; bias fp32 [N] contiguous or None."""
-        k, n = packed.in_features, packed.out_features
-        x = x.contiguous()
-        rows = x.numel() // k
-        out = x.new_empty(*x.shape[:-1], n)
-        if rows == 0:
-            return out
-        status = self._fn(
-            x.data_ptr(),
-            packed.codes.data_ptr(),
-            packed.scales.data_ptr(),
-            packed.offsets.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            rows,
-            n,
-            k,
-            packed.bits,
-            packed.group_size,
-        )
-        if status != 0:
-            raise RuntimeError(
-                f"int8-activation kernel refused {packed.bits}-bit codes in groups of {packed.group_size} "
-                f"over {k} features"
-            )
-        return out
+        return linear_bindings.run_packed(self._fn, x, packed, bias, "int8-activation kernel")
 
 
 @functools.cache

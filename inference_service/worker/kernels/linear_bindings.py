@@ -218,28 +218,33 @@ class QuantLinearKernel:
 
     def __call__(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x fp32 [..., K]; bias fp32 [N] contiguous or None."""
-        k, n = packed.in_features, packed.out_features
-        x = x.contiguous()
-        rows = x.numel() // k
-        out = x.new_empty(*x.shape[:-1], n)
-        if rows == 0:
-            return out
-        status = self._fn(
-            x.data_ptr(),
-            packed.codes.data_ptr(),
-            packed.scales.data_ptr(),
-            packed.offsets.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            out.data_ptr(),
-            rows,
-            n,
-            k,
-            packed.bits,
-            packed.group_size,
-        )
-        if status != 0:
-            raise RuntimeError(
-                f"quantized linear kernel refused {packed.bits}-bit codes in groups of "
-                f"{packed.group_size} over {k} features"
-            )
+        return run_packed(self._fn, x, packed, bias, "quantized linear kernel")
+
+
+def run_packed(fn, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    """One call of a packed-codes linear kernel (`fn` takes x, codes, scales, offsets, bias, out, rows,
+    N, K, bits and group size, and returns 0 or refuses the layout): x fp32 [..., K] → [..., N]."""
+    k, n = packed.in_features, packed.out_features
+    x = x.contiguous()
+    rows = x.numel() // k
+    out = x.new_empty(*x.shape[:-1], n)
+    if rows == 0:
         return out
+    status = fn(
+        x.data_ptr(),
+        packed.codes.data_ptr(),
+        packed.scales.data_ptr(),
+        packed.offsets.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        rows,
+        n,
+        k,
+        packed.bits,
+        packed.group_size,
+    )
+    if status != 0:
+        raise RuntimeError(
+            f"{kernel} refused {packed.bits}-bit codes in groups of {packed.group_size} over {k} features"
+        )
+    return out
