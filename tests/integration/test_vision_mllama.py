@@ -18,6 +18,7 @@ from tests.image_server import data_uri, image_bytes
 from tests.integration.test_vision_both_ways import staggered_pair
 from tests.integration.test_vision_models import BLUE, GREEN, RED, chat_request, chat_tokens, llava_config, run
 from tests.tiny_vision_mllama import save_mllama
+from tests.vision_reference import greedy_reference
 from textgen.v1 import generate_pb2 as pb
 
 # How the processor's per-image tensors are batched: along this axis (cross_attention_mask: [1, prompt, images, tiles]).
@@ -37,34 +38,16 @@ def mllama_engine(mllama_dir):
 @pytest.fixture(scope="module")
 def reference(mllama_dir):
     """transformers' greedy generate on the request's processor outputs (its images put back together)."""
-    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(mllama_dir).eval()
+    def images(model, request, ids) -> dict:
+        if not request.images:
+            return {}
+        found = {"pixel_values": torch.cat([image.pixel_values for image in request.images], dim=1)}
+        for name, axis in IMAGE_AXES.items():
+            found[name] = torch.cat([image.extras[name] for image in request.images], dim=axis)
+        return found
 
-    def generate(request, with_logprobs: bool = False):
-        ids = torch.tensor([request.prompt_token_ids])
-        images = {}
-        if request.images:
-            images["pixel_values"] = torch.cat([image.pixel_values for image in request.images], dim=1)
-            for name, axis in IMAGE_AXES.items():
-                images[name] = torch.cat([image.extras[name] for image in request.images], dim=axis)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                **images,
-                max_new_tokens=request.stopping.max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, ids.shape[1] :].tolist()
-        if not with_logprobs:
-            return tokens
-        steps = zip(out.logits, tokens, strict=True)
-        return tokens, [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in steps]
-
-    return generate
+    return greedy_reference(mllama_dir, images)
 
 
 def assert_matches(reference, request, tokens) -> None:
