@@ -54,11 +54,11 @@ def build(scheme: str, model_id: str):
     return engine
 
 
-def decode_steps_ms(engine, prompt: list[int], tokens: int) -> list[float]:
-    """Each decode step's time (the prefill steps left out) of one greedy stream."""
+def greedy_stream(engine, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+    """One greedy stream: its token ids and each decode step's ms (the prefill steps left out)."""
     engine.add_request("bench", common.validated(prompt, tokens))
+    produced: list[int] = []
     steps: list[float] = []
-    produced = 0
     while engine.has_unfinished():
         started = time.perf_counter()
         outputs = engine.step()
@@ -68,8 +68,9 @@ def decode_steps_ms(engine, prompt: list[int], tokens: int) -> list[float]:
                 raise RuntimeError(f"the request failed: {output.error}")
         if produced:  # the step that produced the first token was (the end of) the prefill
             steps.append(elapsed)
-        produced += sum(len(output.tokens) for output in outputs)
-    return steps
+        for output in outputs:
+            produced.extend(token.id for token in output.tokens)
+    return produced, steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(settings["rounds"]):
         for length, prompt in prompts.items():
             for scheme, engine in engines.items():
-                steps = decode_steps_ms(engine, prompt, settings["decode_tokens"])
+                _, steps = greedy_stream(engine, prompt, settings["decode_tokens"])
                 runs[scheme][length].append(common.summarize(steps))
     best = {s: {n: min(r, key=lambda run: run["p50"]) for n, r in per.items()} for s, per in runs.items()}
     short = min(prompts)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from benchmarks.decode_speed_bench import greedy_stream  # noqa: E402
 from inference_service.config import DEMO_MODEL_ID  # noqa: E402
 
 ENV = "INFERENCE_SERVICE_QUANT_ACTIVATIONS"
@@ -59,25 +59,6 @@ def build(activations: str, model_id: str):
     return engine
 
 
-def generate(engine, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
-    """One greedy stream: its tokens and each decode step's ms (the prefill steps left out)."""
-    engine.add_request("bench", common.validated(prompt, tokens))
-    produced: list[int] = []
-    steps: list[float] = []
-    while engine.has_unfinished():
-        started = time.perf_counter()
-        outputs = engine.step()
-        elapsed = 1000 * (time.perf_counter() - started)
-        for output in outputs:
-            if output.error is not None:
-                raise RuntimeError(f"the request failed: {output.error}")
-        if produced:
-            steps.append(elapsed)
-        for output in outputs:
-            produced.extend(token.id for token in output.tokens)
-    return produced, steps
-
-
 def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -105,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(settings["rounds"]):
         for length, prompt in prompts.items():
             for name, engine in engines.items():
-                runs[name][length].append(common.summarize(generate(engine, prompt, settings["tokens"])[1]))
+                runs[name][length].append(common.summarize(greedy_stream(engine, prompt, settings["tokens"])[1]))
     best = {name: {n: min(r, key=lambda run: run["p50"])["p50"] for n, r in per.items()} for name, per in runs.items()}
 
     from benchmarks.loadgen import Prompts
@@ -115,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     for index in range(settings["prompts"]):
         ids = tokenizer(texts.text(index), add_special_tokens=False)["input_ids"][-64:]
         for name, engine in engines.items():
-            continuations[name].append(generate(engine, ids, settings["agreement_tokens"])[0])
+            continuations[name].append(greedy_stream(engine, ids, settings["agreement_tokens"])[0])
     pairs = list(zip(continuations["fp32"], continuations["int8"], strict=True))
     identical = sum(a == b for a, b in pairs)
     mean_shared = sum(shared_prefix(a, b) for a, b in pairs) / len(pairs)
