@@ -20,7 +20,6 @@ GGUF Q8_0 are the same check on other weights, behind `extended`:
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import json
@@ -32,13 +31,12 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from benchmarks import peer_models
-from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.builder import build_engine
 from inference_service.worker.linears.quant import QuantLinear
 from inference_service.worker.lora.install import unwrap
 from inference_service.worker.weights.gguf.convert import convert_gguf
 from tests.benchmarks.test_peer_models import write_tokenizer_gguf
-from tests.integration.test_lora_numerics import _REFERENCE, ATTENTION, MLP, _check_against_peft, _config, _run
+from tests.integration.test_lora_numerics import _REFERENCE, ATTENTION, MLP, _check_against_peft, _config, served_runs
 from tests.lora_adapters import make_adapter, peft_model
 from tools.checkpoint_writers import write_checkpoint
 
@@ -93,15 +91,7 @@ def assert_served_linears_apply(served: torch.nn.Module, weights: dict[str, torc
 def serve_and_check(built, base: torch.nn.Module, adapters: dict[str, Path]) -> None:
     """Serve every prompt under the base and each adapter (staggered, in one engine) and check each
     row against peft's adapter over `base`."""
-    engine = AsyncEngine(built, max_concurrent_requests=64)
-    engine.start()
-
-    async def main():
-        runs = await _run(engine, 0.01)
-        await engine.shutdown(5.0)
-        return runs
-
-    runs = asyncio.run(main())
+    runs = served_runs(built)
     references = {None: base}
     for name, path in adapters.items():
         references[name] = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
@@ -206,15 +196,7 @@ def test_a_bf16_base_plus_the_float_adapter(tiny_model_dir, adapters):
     config = _config(tiny_model_dir, adapters)
     built = build_engine(dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16")))
     assert {p.dtype for p in built.runner.model.parameters()} == {torch.bfloat16}
-    engine = AsyncEngine(built, max_concurrent_requests=64)
-    engine.start()
-
-    async def main():
-        runs = await _run(engine, 0.01)
-        await engine.shutdown(5.0)
-        return runs
-
-    runs = asyncio.run(main())
+    runs = served_runs(built)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation="eager")
     references = {None: base.eval()}
     for name, path in adapters.items():

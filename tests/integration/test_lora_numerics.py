@@ -75,6 +75,19 @@ async def _run(engine: AsyncEngine, stagger_s: float, max_new_tokens: int = 12):
     return await asyncio.gather(*(one(i, a, p) for i, (a, p) in enumerate(jobs)))
 
 
+def served_runs(built, stagger_s: float = 0.01):
+    """`_run` on an engine serving `built`, started before and shut down after."""
+    engine = AsyncEngine(built, max_concurrent_requests=64)
+    engine.start()
+
+    async def main():
+        runs = await _run(engine, stagger_s)
+        await engine.shutdown(5.0)
+        return runs
+
+    return asyncio.run(main())
+
+
 _REFERENCE: dict[tuple[str | None, tuple[int, ...]], tuple[list[int], list[float]]] = {}
 
 
@@ -154,15 +167,7 @@ def test_a_quantized_base_plus_the_float_adapter(tiny_model_dir, adapters):
                 twin.get_submodule(name.removesuffix(".base")).weight.copy_(module.packed.dequantize())
                 num_quantized += 1
     assert num_quantized == 2 * 7 + 1  # every projection and the head
-    engine = AsyncEngine(built, max_concurrent_requests=64)
-    engine.start()
-
-    async def main():
-        runs = await _run(engine, 0.01)
-        await engine.shutdown(5.0)
-        return runs
-
-    runs = asyncio.run(main())
+    runs = served_runs(built)
     references = {None: twin}
     for name, path in adapters.items():
         reference = peft_model(tiny_model_dir, None)
