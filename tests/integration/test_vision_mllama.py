@@ -6,7 +6,6 @@ first), decode rows batched, preemption, and a text-only request beside them."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
@@ -16,7 +15,16 @@ from inference_service.engine.builder import build_engine
 from inference_service.errors import ValidationError
 from tests.image_server import data_uri, image_bytes
 from tests.integration.test_vision_both_ways import staggered_pair
-from tests.integration.test_vision_models import BLUE, GREEN, RED, chat_request, chat_tokens, llava_config, run
+from tests.integration.test_vision_models import (
+    BLUE,
+    GREEN,
+    RED,
+    assert_preempted_crowd_matches,
+    chat_request,
+    chat_tokens,
+    llava_config,
+    run,
+)
 from tests.tiny_vision_mllama import save_mllama
 from tests.vision_reference import greedy_reference
 from textgen.v1 import generate_pb2 as pb
@@ -108,18 +116,7 @@ def test_decode_rows_batch_and_text_only_requests_run_beside_them(mllama_engine,
 def test_preempted_mllama_requests_match_transformers(mllama_dir, reference):
     """A pool too small for all of them: requests are preempted and recomputed, images encoded again."""
     engine = build_engine(llava_config(mllama_dir, num_tokens=96, prefill=64, max_total=64))
-    colours = [RED, BLUE, GREEN, (200, 200, 20)]
-
-    async def crowd(engine, front_end):
-        return await asyncio.gather(
-            *(chat_tokens(engine, front_end, chat_request([c, "describe"], max_tokens=30)) for c in colours)
-        )
-
-    results = run(engine, crowd)
-    assert engine.scheduler.num_preemptions > 0
-    for request, tokens in results:
-        assert tokens == reference(request)
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert_preempted_crowd_matches(engine, reference)
 
 
 def test_too_many_images_are_refused_and_tgi_markdown_images_are_served(mllama_dir, reference):

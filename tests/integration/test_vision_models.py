@@ -199,9 +199,9 @@ def test_a_follow_up_turn_reuses_the_image_blocks(llava_engine, reference):
     assert third[1] == reference(third[0])
 
 
-def test_preempted_image_requests_match_transformers(llava_dir, reference):
-    """A pool too small for all of them: requests are preempted and recomputed (the encoder's rows kept)."""
-    engine = build_engine(llava_config(llava_dir, num_tokens=160, prefill=64, max_total=100))
+def assert_preempted_crowd_matches(engine, reference) -> None:
+    """Four image requests at once on `engine` (a pool too small for them all): some are preempted
+    and recomputed, each still equals transformers, and every KV block is free afterwards."""
     colours = [RED, BLUE, GREEN, (200, 200, 20)]
 
     async def crowd(engine, front_end):
@@ -214,6 +214,12 @@ def test_preempted_image_requests_match_transformers(llava_dir, reference):
     for request, tokens in results:
         assert tokens == reference(request)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_preempted_image_requests_match_transformers(llava_dir, reference):
+    """A pool too small for all of them: requests are preempted and recomputed (the encoder's rows kept)."""
+    engine = build_engine(llava_config(llava_dir, num_tokens=160, prefill=64, max_total=100))
+    assert_preempted_crowd_matches(engine, reference)
 
 
 def test_tgi_markdown_images_match_the_chat_route(llava_engine, reference):

@@ -14,7 +14,16 @@ import torch
 from inference_service.engine.builder import build_engine
 from inference_service.engine.mrope import prompt_positions
 from tests.image_server import data_uri, image_bytes
-from tests.integration.test_vision_models import BLUE, GREEN, RED, chat_request, chat_tokens, llava_config, run
+from tests.integration.test_vision_models import (
+    BLUE,
+    GREEN,
+    RED,
+    assert_preempted_crowd_matches,
+    chat_request,
+    chat_tokens,
+    llava_config,
+    run,
+)
 from tests.tiny_qwen_vl import VISION_END, VISION_START, save_qwen_vl
 from tests.vision_reference import greedy_reference
 from textgen.v1 import generate_pb2 as pb
@@ -134,18 +143,7 @@ def test_preempted_image_requests_match_transformers(qwen):
     """A pool too small for all of them: preempted requests are recomputed at the same positions."""
     _, reference, folder = qwen
     engine = build_engine(llava_config(folder, num_tokens=160, prefill=64, max_total=100))
-    colours = [RED, BLUE, GREEN, (200, 200, 20)]
-
-    async def crowd(engine, front_end):
-        return await asyncio.gather(
-            *(chat_tokens(engine, front_end, chat_request([c, "describe"], max_tokens=30)) for c in colours)
-        )
-
-    results = run(engine, crowd)
-    assert engine.scheduler.num_preemptions > 0
-    for request, tokens in results:
-        assert tokens == reference(request)
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert_preempted_crowd_matches(engine, reference)
 
 
 @QWEN2_VL_ONLY
