@@ -25,6 +25,7 @@ from inference_service.engine.builder import warm_up
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.shards import build_engine
+from inference_service.engine.step_yield import Arrivals
 from inference_service.errors import OverloadedError, RunnerLost, ServerFailed, UnavailableError
 from inference_service.outputs import EngineInfo, EngineStats, GenerateResult, RequestOutput, StepStats
 from inference_service.sample.grammar import GrammarCompiler
@@ -91,6 +92,8 @@ class AsyncEngine:
         self._max_concurrent = max_concurrent_requests
         self._num_in_flight = 0
         self._commands: queue.Queue[Command] = queue.Queue()
+        # Requests and aborts on their way to the engine thread: a lone prefill step gives way to them.
+        self._arrivals: Arrivals = engine.arrivals
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._draining = False
@@ -129,7 +132,7 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         aborted = list(self._streams)
         for request_id in aborted:
-            self._commands.put(AbortRequest(request_id, "server shutting down"))
+            self._queue(AbortRequest(request_id, "server shutting down"))
         while self._streams and asyncio.get_running_loop().time() < deadline + 5:
             await asyncio.sleep(0.02)
         self._stopping.set()
@@ -238,7 +241,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(AddRequest(request_id, request))
+        self._queue(AddRequest(request_id, request))
         finished = False
         try:
             while True:
@@ -252,9 +255,14 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(AbortRequest(request_id, "request cancelled"))
+                self._queue(AbortRequest(request_id, "request cancelled"))
             with self._lock:
                 self._streams.pop(request_id, None)
+
+    def _queue(self, command: AddRequest | AbortRequest) -> None:
+        """A command that may change the next step's plan: counted as arriving until it is taken."""
+        self._arrivals.coming()
+        self._commands.put(command)
 
     def _admit(self, count: int) -> None:
         with self._lock:
@@ -312,6 +320,8 @@ class AsyncEngine:
             self._deliver(outputs)
 
     def _apply(self, command: Command) -> list[RequestOutput]:
+        if isinstance(command, AddRequest | AbortRequest):
+            self._arrivals.taken()
         if isinstance(command, AddRequest):
             if command.request_id not in self._streams:  # its caller is already gone
                 return []

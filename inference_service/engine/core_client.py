@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inference_service.config import EngineConfig
@@ -28,6 +28,7 @@ from inference_service.engine import core_process
 from inference_service.engine import core_wire as wire
 from inference_service.engine.async_engine import AbortRequest, AddRequest, AsyncEngine, RunOnEngine, Wake
 from inference_service.engine.builder import make_grammar_compiler
+from inference_service.engine.step_yield import Arrivals
 from inference_service.errors import ModelLoadError, ServerFailed
 from inference_service.outputs import EngineInfo, EngineStats, RequestOutput, StepStats
 from inference_service.sample.grammar import GrammarCompiler
@@ -58,6 +59,8 @@ class _CoreFace:
     last_stats: EngineStats
     adapters: None = None
     step_observer: Callable[[StepStats], None] | None = None
+    # Counted by the sender's callers for no one: the core counts its own (core_process.py).
+    arrivals: Arrivals = field(default_factory=Arrivals)
 
     def stats(self) -> EngineStats:
         return self.last_stats

@@ -144,6 +144,7 @@ class CoreLoop:
             return False
 
     def _apply(self, command: wire.AddRequest | wire.AbortRequest) -> list[RequestOutput]:
+        self.engine.arrivals.taken()
         if isinstance(command, wire.AbortRequest):
             output = self.engine.abort_request(command.request_id, command.reason)
             return [output] if output is not None else []
@@ -168,6 +169,8 @@ class CoreLoop:
                 except InferenceError as error:  # checked by the API process already; said, not raised
                     self.send(wire.Outputs([RequestOutput(command.request_id, error=error)], self.stats, []))
                     continue
+            if isinstance(command, wire.AddRequest | wire.AbortRequest):  # a lone prefill step gives way to it
+                self.engine.arrivals.coming()
             self.commands.put(command)
 
     def _compiled(self, command: wire.AddRequest) -> wire.AddRequest:

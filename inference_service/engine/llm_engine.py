@@ -28,6 +28,7 @@ from inference_service.engine.request_outputs import LiveRequest, RequestOutputs
 from inference_service.engine.scheduler import Scheduler
 from inference_service.engine.speculation import Speculator
 from inference_service.engine.step_cost import StepCost
+from inference_service.engine.step_yield import StepYield
 from inference_service.engine.vision_stage import ImageEncoder, VisionStage
 from inference_service.errors import GenerationError, InferenceError, NotFoundError, RequestCancelled, RunnerLost
 from inference_service.models.lora_registry import AdapterRegistry
@@ -44,6 +45,7 @@ from inference_service.outputs import (
 from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sample.sampler import Sampler, SamplerOutput, SamplingState
 from inference_service.sampling_params import EngineRequest
+from inference_service.worker.step_yield import StepYielded
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,9 @@ class LLMEngine:
         # Called on the engine thread after every step with its `StepStats` (metrics hook it here).
         self.step_observer: Callable[[StepStats], None] | None = None
         self._forward_clock = ForwardClock(runner.device)
+        # A step nobody's token comes from gives way to a request that arrives during it.
+        self.step_yield = StepYield()
+        self.arrivals = self.step_yield.arrivals  # counted by the front that queues requests
         self.request_outputs = RequestOutputs(tokenizer, info)
 
     def _adapter_salt_from(self, salt: bytes) -> Callable[[str], bytes]:
@@ -177,9 +182,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        self.num_steps += 1
         stats = self._step_stats(plan)
-        outputs = self._run_step(plan, stats)
+        try:
+            outputs = self._run_step(plan, stats)
+        except StepYielded:  # nothing of it counts: the next plan has the arrival in it
+            return []
+        self.num_steps += 1
         if self.step_observer is not None:
             try:
                 self.step_observer(stats)
@@ -218,7 +226,11 @@ class LLMEngine:
                 self.vision.prepare(
                     plan.scheduled, {item.request_id: self.live[item.request_id].request for item in plan.scheduled}
                 )
-            step_logits = self.runner.execute(plan.scheduled)
+            clock = self.scheduler.cost.clock
+            with self.step_yield.running(plan.scheduled, clock.fixed_s if clock is not None else None):
+                step_logits = self.runner.execute(plan.scheduled)
+        except StepYielded:
+            raise
         except RunnerLost:  # no later step can run either: the caller stops serving
             stats.failed, stats.total_s = True, time.perf_counter() - started
             raise

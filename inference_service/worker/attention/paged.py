@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from inference_service.worker import step_yield
 from inference_service.worker.attention.kv_cache import PagedKVCache, widen
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def paged_attention(
         scaling = query.shape[-1] ** -0.5
     window = sliding_window if sliding_window else None
     kv_cache = _needed(meta.kv_cache, "KV cache")
+    step_yield.poll(layer, len(kv_cache.keys))  # a lone prefill step may give way to an arrival here
     kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]
     key_cache, value_cache = kv_cache.layer(layer)
     scales = kv_cache.scales(layer)

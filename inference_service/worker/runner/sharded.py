@@ -18,6 +18,7 @@ import torch
 
 from inference_service.errors import RunnerLost
 from inference_service.outputs import ScheduledRequest, StepLogits
+from inference_service.worker import step_yield
 from inference_service.worker.runner.model_runner import ModelRunner
 from inference_service.worker.shard_group import ShardGroup, ShardLost
 
@@ -57,7 +58,8 @@ class ShardedRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> StepLogits:
         self._send(Step(scheduled))
         try:
-            return self.runner.execute(scheduled)
+            with step_yield.never():  # the followers run the whole step: so must shard 0
+                return self.runner.execute(scheduled)
         except ShardLost as error:
             self.lost = error
             raise

@@ -1,0 +1,97 @@
+"""A lone prefill step gives way to a request that arrives during it.
+
+A step whose rows nobody waits on (every chunk leaves part of its prompt for later: a lone long
+prompt, or several) runs the whole budget, ~0.7 s on a 2-core CPU. A request arriving meanwhile
+waited for all of it before its own step could start: its first token came ~4.6× later than on an
+idle engine. Smaller lone steps would pay the step's fixed cost many times over a long prompt.
+
+So such a step runs interruptible: a front that queues a request or an abort for the engine loop
+counts it in `Arrivals` until the loop takes it, the paged attention function asks between decoder
+layers (`worker.step_yield`), and the step stops there. Nothing of it is kept: the scheduler's
+counters move only in `update`, which a yielded step never reaches, so its chunks run again from
+where they were, in a step planned with the arrival (held to the stream pool like any step that
+carries a stream); the K/V it wrote is written again, and its blocks stay with their requests.
+
+The waste is bounded: a step with less than `LEFT_TO_FINISH` of the clock's fixed step time left
+(estimated from its layers so far) finishes instead; and the time thrown away is at most
+`WASTE_SHARE` of the time of the interruptible steps that ran to their end (plus one step), so a
+flood of arrivals that change nothing (requests refused at once) cannot starve the long prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+from inference_service.outputs import ScheduledRequest
+from inference_service.worker.step_yield import StepYielded, yielding
+
+# A step this close to its end (in the clock's fixed step times) finishes rather than give way.
+LEFT_TO_FINISH = 0.25
+# Time thrown away by yields: at most this share of the interruptible steps' time run to the end.
+WASTE_SHARE = 0.2
+
+
+class Arrivals:
+    """Commands that may change the next step's plan (a new request, an abort), counted from just
+    before a front queues one until the engine loop takes it off the queue: a step yields only while
+    one is really waiting (counting them, rather than a flag the loop clears, leaves no race)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    def coming(self) -> None:
+        with self._lock:
+            self._pending += 1
+
+    def taken(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    @property
+    def waiting(self) -> bool:
+        return self._pending > 0
+
+
+class StepYield:
+    """Decides, per step and per layer, whether a step gives way; counts what that cost."""
+
+    def __init__(self) -> None:
+        self.arrivals = Arrivals()
+        self.num_yields = 0
+        self.wasted_s = 0.0  # time of the yielded steps, thrown away
+        self._credit_s = 0.0  # waste still allowed (WASTE_SHARE of the full steps' time; may dip below 0)
+        self._started = 0.0
+        self._finish_within_s = 0.0
+
+    @contextlib.contextmanager
+    def running(self, scheduled: list[ScheduledRequest], fixed_s: float | None) -> Iterator[None]:
+        """Run the step's forward pass in this context: it raises `StepYielded` if the step gave way.
+        `fixed_s`: a step's fixed time as the clock learned it (None: not learned)."""
+        if any(item.sample for item in scheduled) or self._credit_s < 0:
+            yield  # someone's token comes from this step, or too much was thrown away lately
+            return
+        self._started = time.perf_counter()
+        self._finish_within_s = LEFT_TO_FINISH * (fixed_s or 0.0)
+        try:
+            with yielding(self._check):
+                yield
+        except StepYielded:
+            spent = time.perf_counter() - self._started
+            self.num_yields += 1
+            self.wasted_s += spent
+            self._credit_s -= spent
+            raise
+        spent = time.perf_counter() - self._started
+        self._credit_s = min(self._credit_s + WASTE_SHARE * spent, spent)  # at most one step banked
+
+    def _check(self, done: float) -> bool:
+        if not self.arrivals.waiting:
+            return False
+        if done <= 0:
+            return True
+        left = (time.perf_counter() - self._started) * (1 - done) / done
+        return left > self._finish_within_s
