@@ -61,6 +61,7 @@ class StepYield:
 
     def __init__(self) -> None:
         self.arrivals = Arrivals()
+        self.enabled = True  # False: every step runs whole (benchmarks compare the two)
         self.num_yields = 0
         self.wasted_s = 0.0  # time of the yielded steps, thrown away
         self._credit_s = 0.0  # waste still allowed (WASTE_SHARE of the full steps' time; may dip below 0)
@@ -71,7 +72,7 @@ class StepYield:
     def running(self, scheduled: list[ScheduledRequest], fixed_s: float | None) -> Iterator[None]:
         """Run the step's forward pass in this context: it raises `StepYielded` if the step gave way.
         `fixed_s`: a step's fixed time as the clock learned it (None: not learned)."""
-        if any(item.sample for item in scheduled) or self._credit_s < 0:
+        if not self.enabled or any(item.sample for item in scheduled) or self._credit_s < 0:
             yield  # someone's token comes from this step, or too much was thrown away lately
             return
         self._started = time.perf_counter()
