@@ -13,9 +13,12 @@ where they were, in a step planned with the arrival (held to the stream pool lik
 carries a stream); the K/V it wrote is written again, and its blocks stay with their requests.
 
 The waste is bounded: a step with less than `LEFT_TO_FINISH` of the clock's fixed step time left
-(estimated from its layers so far) finishes instead; and the time thrown away is at most
-`WASTE_SHARE` of the time of the interruptible steps that ran to their end (plus one step), so a
-flood of arrivals that change nothing (requests refused at once) cannot starve the long prompt.
+(estimated from its layers so far) finishes instead. A yield for an arrival that changed the plan
+(a request admitted beside the long prompt, the long prompt aborted) costs the long prompt at most
+the part of one step it threw away, once per arrival. A yield after which the same requests run
+again changed nothing (a request refused at once, the abort of one that was not running): the time
+such yields throw away is at most `WASTE_SHARE` of the time of the interruptible steps that ran to
+their end (plus one step), so a flood of them cannot starve the long prompt.
 """
 
 from __future__ import annotations
@@ -64,28 +67,40 @@ class StepYield:
         self.enabled = True  # False: every step runs whole (benchmarks compare the two)
         self.num_yields = 0
         self.wasted_s = 0.0  # time of the yielded steps, thrown away
-        self._credit_s = 0.0  # waste still allowed (WASTE_SHARE of the full steps' time; may dip below 0)
+        # What yields that changed nothing may still throw away (WASTE_SHARE of the full steps' time;
+        # it may dip below 0, and then no step yields until full steps have made up for it).
+        self._credit_s = 0.0
         self._started = 0.0
         self._finish_within_s = 0.0
+        self._last_yield: tuple[frozenset[str], float] | None = None  # its requests, the time it threw away
 
     @contextlib.contextmanager
     def running(self, scheduled: list[ScheduledRequest], fixed_s: float | None) -> Iterator[None]:
         """Run the step's forward pass in this context: it raises `StepYielded` if the step gave way.
         `fixed_s`: a step's fixed time as the clock learned it (None: not learned)."""
-        if not self.enabled or any(item.sample for item in scheduled) or self._credit_s < 0:
-            yield  # someone's token comes from this step, or too much was thrown away lately
+        request_ids = frozenset(item.request_id for item in scheduled)
+        if self._last_yield is not None:
+            yielded_ids, thrown_away_s = self._last_yield
+            if request_ids == yielded_ids:  # the same requests again: that yield changed nothing
+                self._credit_s -= thrown_away_s
+            self._last_yield = None
+        if not self.enabled or any(item.sample for item in scheduled):
+            yield  # someone's token comes from this step: it runs whole
             return
         self._started = time.perf_counter()
-        self._finish_within_s = LEFT_TO_FINISH * (fixed_s or 0.0)
-        try:
-            with yielding(self._check):
-                yield
-        except StepYielded:
-            spent = time.perf_counter() - self._started
-            self.num_yields += 1
-            self.wasted_s += spent
-            self._credit_s -= spent
-            raise
+        if self._credit_s < 0:
+            yield  # too much thrown away for nothing lately: it runs whole, and makes up for that
+        else:
+            self._finish_within_s = LEFT_TO_FINISH * (fixed_s or 0.0)
+            try:
+                with yielding(self._check):
+                    yield
+            except StepYielded:
+                spent = time.perf_counter() - self._started
+                self.num_yields += 1
+                self.wasted_s += spent
+                self._last_yield = (request_ids, spent)
+                raise
         spent = time.perf_counter() - self._started
         self._credit_s = min(self._credit_s + WASTE_SHARE * spent, spent)  # at most one step banked
 
