@@ -1,7 +1,7 @@
 """A lone prefill step gives way to a request that arrives during it.
 
-A step whose rows nobody waits on (every chunk leaves part of its prompt for later: a lone long
-prompt, or several) runs the whole budget, ~0.7 s on a 2-core CPU. A request arriving meanwhile
+A step of long prompts' chunks alone (nobody decodes in it, no prompt is run whole in it: a lone
+long prompt, or several) runs the whole budget, ~0.7 s on a 2-core CPU. A request arriving meanwhile
 waited for all of it before its own step could start: its first token came ~4.6× later than on an
 idle engine. Smaller lone steps would pay the step's fixed cost many times over a long prompt.
 
@@ -84,8 +84,8 @@ class StepYield:
             if request_ids == yielded_ids:  # the same requests again: that yield changed nothing
                 self._credit_s -= thrown_away_s
             self._last_yield = None
-        if not self.enabled or any(item.sample for item in scheduled):
-            yield  # someone's token comes from this step: it runs whole
+        if not self.enabled or not all(_long_prompt_chunk(item) for item in scheduled):
+            yield  # a stream's token, or a short prompt's first, comes from this step: it runs whole
             return
         self._started = time.perf_counter()
         if self._credit_s < 0:
@@ -111,3 +111,10 @@ class StepYield:
             return True
         left = (time.perf_counter() - self._started) * (1 - done) / done
         return left > self._finish_within_s
+
+
+def _long_prompt_chunk(item: ScheduledRequest) -> bool:
+    """A chunk of a prompt prefilled over several steps: one that leaves part of it for later, or its
+    last (which would give the prompt's first token: given way, it comes a little later, and that
+    prompt's first token was a long wait anyway). Not a decode, nor a prompt run whole."""
+    return not item.sample or (item.num_computed_tokens > 0 and item.num_known_tokens > 1)

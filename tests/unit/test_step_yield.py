@@ -13,8 +13,8 @@ from inference_service.worker.step_yield import StepYielded
 NUM_LAYERS = 4
 
 
-def _chunk(request_id: str, sample: bool = False) -> ScheduledRequest:
-    return ScheduledRequest(request_id, 0, 8, list(range(8)), [0, 1], sample=sample)
+def _chunk(request_id: str, sample: bool = False, start: int = 0, count: int = 8) -> ScheduledRequest:
+    return ScheduledRequest(request_id, start, count, list(range(count)), [0, 1], sample=sample)
 
 
 def _forward() -> None:
@@ -42,10 +42,13 @@ def test_a_lone_prefill_step_gives_way_only_while_an_arrival_waits():
     assert steps.num_yields == 1
 
 
-def test_a_step_that_gives_someone_a_token_runs_whole():
+def test_a_step_that_gives_a_stream_or_a_short_prompt_a_token_runs_whole():
     steps = StepYield()
     steps.arrivals.coming()
-    assert not _step(steps, [_chunk("long"), _chunk("decode", sample=True)])
+    assert not _step(steps, [_chunk("long"), _chunk("decode", sample=True, start=20, count=1)])
+    assert not _step(steps, [_chunk("long"), _chunk("short", sample=True)])  # a prompt run whole
+    # A long prompt's last chunk gives way (its first token was a long wait anyway).
+    assert _step(steps, [_chunk("long", sample=True, start=64)])
     steps.enabled = False
     assert not _step(steps, [_chunk("long")])
 
