@@ -171,3 +171,33 @@ def test_a_request_sent_during_a_lone_prefill_step_through_the_async_engine_is_a
     assert long_tokens == _reference_greedy(reference, LONG, 4)
     assert short_tokens == _reference_greedy(reference, SHORT, 3)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_the_core_process_loop_counts_what_comes_down_the_pipe_until_it_takes_it(tiny_engine_config):
+    """The engine-core process's receiver counts a request and an abort as arriving once they are on
+    the loop's queue (after any grammar compile), and the loop stops counting them as it applies them."""
+    from multiprocessing import Pipe
+
+    from inference_service.engine import core_wire as wire
+    from inference_service.engine.core_process import CoreLoop
+
+    engine = _engine(tiny_engine_config)
+    ours, theirs = Pipe()
+    loop = CoreLoop(engine, theirs)
+    receiver = threading.Thread(target=loop._receive, daemon=True)
+    receiver.start()
+    try:
+        ours.send(wire.AddRequest("a", wire.for_wire(_greedy(SHORT, 1))))
+        ours.send(wire.AbortRequest("a", "request cancelled"))
+        for _ in range(1000):  # until the receiver has queued both
+            if loop.commands.qsize() == 2:
+                break
+            threading.Event().wait(0.01)
+        assert loop.commands.qsize() == 2 and engine.arrivals.waiting
+        outputs: list = []
+        assert not loop._apply_commands(outputs, block=False)
+        assert not engine.arrivals.waiting
+        assert [output.request_id for output in outputs] == ["a"] and not engine.has_unfinished()
+    finally:
+        ours.close()
+        receiver.join(5)
