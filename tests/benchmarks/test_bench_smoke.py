@@ -175,10 +175,12 @@ def test_bystander_latency_quick(tmp_path, tiny_model_dir):
 def test_tensor_parallel_bench_quick(tmp_path, tiny_model_dir):
     run_script("tensor_parallel_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
     assert "Tensor parallel: --num-shard 2 vs 1" in (tmp_path / "tensor_parallel.md").read_text()
-    summary = json.loads((tmp_path / "tensor_parallel.json").read_text())["summary"]
-    for workload in ("single", "batch"):
-        assert summary[workload]["identical"]
-        assert summary[workload]["decode_ms_per_step_ratio"] > 0
+    assert "fallback runner" in (tmp_path / "tensor_parallel.md").read_text()
+    results = json.loads((tmp_path / "tensor_parallel.json").read_text())
+    for summary in (results["summary"], results["fallback"]):
+        for workload in ("single", "batch"):
+            assert summary[workload]["identical"]
+            assert summary[workload]["decode_ms_per_step_ratio"] > 0
 
 
 def test_step_overhead_counts_a_decode_step(tmp_path, tiny_model_dir):

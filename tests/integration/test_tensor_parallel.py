@@ -26,7 +26,9 @@ from inference_service.engine.builder import build_engine
 from inference_service.errors import ModelLoadError
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from inference_service.worker.linears.quant import QuantLinear
 from tests.tiny_seq2seq import save_model, seq2seq_config
+from tests.tiny_vision_mllama import save_mllama
 from tests.unit.tiny_models import tiny_model
 from textgen.v1 import generate_pb2 as pb
 from tools.checkpoint_writers import write_checkpoint
@@ -196,6 +198,8 @@ def test_two_shards_on_the_fallback_runner_generate_what_one_does(family, tmp_pa
         assert "tensor parallel over 2 shards" in engine.runner.describe()
         assert engine.info.attention_impl == "transformers"
         assert (engine.info.quantize is not None) == (quantize is not None)
+        if quantize:  # the shard's projections are quantized slices
+            assert any(isinstance(m, QuantLinear) for m in engine.runner.runner.model.modules())
         assert_same_generations(generate(engine), alone)
         assert_same_generations(generate(engine), alone)  # again, over the caches the first run released
         assert engine.runner.runner.num_caches == 0
@@ -206,6 +210,13 @@ def test_two_shards_on_the_fallback_runner_generate_what_one_does(family, tmp_pa
 def test_a_fallback_model_it_cannot_cut_is_refused(tmp_path_factory, byte_tokenizer):
     folder = model_folder(tmp_path_factory, byte_tokenizer, "bloom", n_head=3, hidden_size=48)
     with pytest.raises(ModelLoadError, match="--num-shard 2: BloomAttention: 3 attention heads can't be split"):
+        shards.build_engine(engine_config(folder, num_shard=2))
+
+
+def test_a_fallback_architecture_without_a_plan_is_refused_by_name(tmp_path_factory):
+    """Mllama (cross-attention to images on the fallback runner) has no plan: a typed error naming it."""
+    folder = save_mllama(tmp_path_factory.mktemp("mllama"))
+    with pytest.raises(ModelLoadError, match="--num-shard 2: tensor parallelism does not cut 'mllama' models"):
         shards.build_engine(engine_config(folder, num_shard=2))
 
 
