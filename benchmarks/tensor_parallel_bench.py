@@ -20,7 +20,7 @@ Runs alternate between the engines, so machine noise falls on both. Greedy outpu
 ms, as medians over the runs, and their ratio (2 shards / 1 shard: under 1 is faster).
 
 Usage: python benchmarks/tensor_parallel_bench.py [--quick] [--runs N] [--batch N] [--no-gloo] [--no-fallback]
-                                                  [--out DIR]
+                                                  [--no-paged] [--out DIR]
 """
 
 from __future__ import annotations
@@ -261,6 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads-per-shard", type=int, default=1)
     parser.add_argument("--no-gloo", action="store_true", help="skip the 2-shard engine over gloo alone")
     parser.add_argument("--no-fallback", action="store_true", help="skip the fallback runner's engines (GPT-J)")
+    parser.add_argument("--no-paged", action="store_true", help="skip the paged runner's engines (Llama)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -272,16 +273,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = common.output_dir(args.out, args.quick)
-    if args.model_id:
-        model_dir, name = Path(args.model_id), args.model_id
-    elif args.quick:
-        model_dir, name = tiny_model.ensure_tiny_model(), "tiny random Llama"
-    else:
-        model_dir, name = ensure_bench_model(), "random Llama 12×768, 12/4 heads, 49k vocabulary"
     threads = args.threads_per_shard
-    summary = compare(model_dir, threads, args, gloo=not args.no_gloo)
-    markdown = report(summary, args, name)
-    results = {"args": vars(args), "summary": summary}
+    results: dict = {"args": vars(args)}
+    markdown = ""
+    if not args.no_paged:
+        if args.model_id:
+            model_dir, name = Path(args.model_id), args.model_id
+        elif args.quick:
+            model_dir, name = tiny_model.ensure_tiny_model(), "tiny random Llama"
+        else:
+            model_dir, name = ensure_bench_model(), "random Llama 12×768, 12/4 heads, 49k vocabulary"
+        results["summary"] = compare(model_dir, threads, args, gloo=not args.no_gloo)
+        markdown = report(results["summary"], args, name)
     if not args.no_fallback:
         fallback_name = "tiny random GPT-J" if args.quick else "random GPT-J 12×768, 12 heads, 49k vocabulary"
         results["fallback"] = compare(ensure_fallback_model(args.quick), threads, args, gloo=False)
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "tensor_parallel.md").write_text(markdown)
     common.write_json(out / "tensor_parallel.json", results)
     print(markdown)
-    summaries = [summary, results.get("fallback", {})]
+    summaries = [results.get("summary", {}), results.get("fallback", {})]
     return 0 if all(s["identical"] for entry in summaries for s in entry.values()) else 1
 
 
