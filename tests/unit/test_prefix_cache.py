@@ -478,8 +478,8 @@ def test_a_follow_up_reuses_the_first_turn_with_its_generated_tokens_and_partial
 
 
 def test_a_follow_up_that_differs_inside_a_block_reuses_up_to_the_difference():
-    prompt = list(range(10, 21))
-    _, second, _, scheduler = _follow_up_run(4, prompt, prompt[:9] + [99, 98, 97])
+    prompt = list(range(10, 22))  # 3 full blocks, the last one ending its chain (1 token sampled, never run)
+    _, second, _, scheduler = _follow_up_run(4, prompt, prompt[:9] + [99, 98, 97], max_new=1)
     assert second.timings.num_cached_tokens == 9 and scheduler.prefix.num_adopted_blocks == 1
 
 
@@ -496,3 +496,22 @@ def test_a_partial_hit_never_ends_inside_a_both_way_span():
     assert prefix.lookup(request) == PrefixHit([table[0]], 5, adopted_block=table[1])
     request.images = (ImageInput(positions=(4, 5, 6, 7), pixel_values=None, content_hash=b"x" * 32, span=(4, 8)),)
     assert prefix.lookup(request) == PrefixHit([table[0]], 4)
+
+
+def test_a_block_that_a_cached_chain_goes_on_through_is_never_adopted():
+    """A shared system prompt's last block, followed by one conversation's cached blocks: another
+    conversation differing inside it computes it afresh rather than cut the first one's chain."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    hashes = _chain(tokens, 4)
+
+    def origin(position: int) -> BlockOrigin:
+        return BlockOrigin(hashes[position - 1] if position else SALT, tuple(tokens[4 * position : 4 * position + 4]))
+
+    table = kv.allocate_slots("a", 12)
+    kv.cache_blocks("a", hashes, 3, origin)
+    kv.free("a")
+    assert kv.partial_match(hashes[0], (5, 6, 0)) is None  # block 1 is followed by block 2
+    assert kv.partial_match(hashes[1], (9, 0)) == (table[2], 1)  # block 2 ends the chain
+    kv.allocate_slots("b", 4 * 6)  # 6 blocks: 5 free, then block 2 (released first) is evicted
+    assert kv.partial_match(hashes[0], (5, 6, 0)) == (table[1], 2)  # nothing follows block 1 now
