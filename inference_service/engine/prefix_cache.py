@@ -131,10 +131,12 @@ class PrefixCache:
             self._drop_claim(request.request_id, block_hash)
         if self.enabled and request.num_computed_tokens % self.block_size:
             position = request.num_computed_tokens // self.block_size
-            self._block_hashes(request, position)
-            self.kv.keep_tail(
-                request.request_id, position, self._origin(request, position, request.num_computed_tokens)
-            )
+            try:
+                self._block_hashes(request, position)
+                origin = self._origin(request, position, request.num_computed_tokens)
+            except ValueError:  # its adapter is gone: nothing left to key the block by, so it is freed
+                return
+            self.kv.keep_tail(request.request_id, position, origin)
 
     @property
     def num_claims(self) -> int:
