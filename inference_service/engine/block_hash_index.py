@@ -10,9 +10,10 @@ Partial reuse: a follow-up turn's prompt usually runs on from an earlier request
 differs mid-block (its reply re-tokenized, a new question after the partial last block). So the
 index also knows each cached block's parent hash and token keys, and keeps a finished request's
 partial last block (a "tail": no hash, since it is not full) while nobody holds it. A request may
-then adopt an evictable child of its last hit whose first tokens equal its own, if no cached block
-follows it (a tail, or the last cached block of its chain): the block leaves the index, and the
-request keeps the matching slots' K/V and writes the rest of the block itself.
+then adopt an evictable child of its last hit whose first tokens equal its own, if no full cached
+block follows it (a tail, or the last full block of its chain): the block leaves the index, and the
+request keeps the matching slots' K/V and writes the rest of the block itself. (A tail after an
+adopted block is cut off until the same tokens fill that block again.)
 
 Pure Python over block ids, like `KVCacheManager`, which owns the reference counts and consults
 this index for hits and eviction.
@@ -68,7 +69,8 @@ class BlockHashIndex:
         self._origin: dict[int, BlockOrigin] = {}  # indexed blocks that know theirs, and every tail
         # (parent hash, first key) → blocks of that origin, oldest first
         self._children: dict[tuple[bytes, int], dict[int, None]] = {}
-        self._num_children: collections.Counter[bytes] = collections.Counter()  # parent hash → its children
+        # parent hash → how many full blocks follow it (tails do not count: cut off, one costs < a block)
+        self._num_full_children: collections.Counter[bytes] = collections.Counter()
         self._tails: set[int] = set()  # partial blocks of released requests (evictable, unhashed)
 
     def __len__(self) -> int:
@@ -124,9 +126,9 @@ class BlockHashIndex:
     def partial_match(self, parent: bytes, keys: Sequence[int]) -> tuple[int, int] | None:
         """The evictable child of `parent` whose first tokens equal the most of `keys`: (block,
         number of equal leading tokens), or None when none shares even the first token. Only a
-        chain's last cached block qualifies (a tail, or a full block with no cached child): a request
-        that adopts a block overwrites its later slots, so a block that other cached blocks follow
-        (a shared system prompt's last block, say) stays for the requests that match it whole. Looks at
+        chain's last full block or a tail qualifies: a request that adopts a block overwrites its
+        later slots, so a block that other full cached blocks follow (a shared system prompt's last
+        block, say) stays for the requests that match it whole. Looks at
         the most recently cached `_MAX_CANDIDATES` of them at most (a lookup stays cheap)."""
         best: tuple[int, int] | None = None
         if not keys:
@@ -134,7 +136,7 @@ class BlockHashIndex:
         for block_id in itertools.islice(reversed(self._children.get((parent, keys[0]), {})), _MAX_CANDIDATES):
             if block_id not in self._evictable:
                 continue  # held: a holder may still read every slot of it
-            if self._num_children[self._hash_of.get(block_id, b"")]:
+            if self._num_full_children[self._hash_of.get(block_id, b"")]:
                 continue  # a cached chain goes on through it: adopting it would cut that chain off
             stored = self._origin[block_id].keys
             common = 0
@@ -174,19 +176,21 @@ class BlockHashIndex:
     def _add_origin(self, block_id: int, origin: BlockOrigin) -> None:
         self._origin[block_id] = origin
         self._children.setdefault((origin.parent, origin.keys[0]), {})[block_id] = None
-        self._num_children[origin.parent] += 1
+        if block_id in self._hash_of:
+            self._num_full_children[origin.parent] += 1
 
     def _forget(self, block_id: int) -> None:
-        block_hash = self._hash_of.pop(block_id, None)
-        if block_hash is not None:
-            del self._block_of[block_hash]
-        self._tails.discard(block_id)
         origin = self._origin.pop(block_id, None)
         if origin is not None:
             siblings = self._children[origin.parent, origin.keys[0]]
             del siblings[block_id]
             if not siblings:
                 del self._children[origin.parent, origin.keys[0]]
-            self._num_children[origin.parent] -= 1
-            if not self._num_children[origin.parent]:
-                del self._num_children[origin.parent]
+            if block_id in self._hash_of:
+                self._num_full_children[origin.parent] -= 1
+                if not self._num_full_children[origin.parent]:
+                    del self._num_full_children[origin.parent]
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
+        self._tails.discard(block_id)

@@ -483,6 +483,13 @@ def test_a_follow_up_that_differs_inside_a_block_reuses_up_to_the_difference():
     assert second.timings.num_cached_tokens == 9 and scheduler.prefix.num_adopted_blocks == 1
 
 
+def test_the_same_prompt_again_reuses_all_but_its_last_token_at_any_length():
+    for length in (11, 12, 13):  # the first request's tail holds its one computed output token
+        prompt = list(range(10, 10 + length))
+        _, second, computed, _ = _follow_up_run(4, prompt, prompt, max_new=2)
+        assert second.timings.num_cached_tokens == length - 1 and computed == 2
+
+
 def test_a_partial_hit_never_ends_inside_a_both_way_span():
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)
     prefix = PrefixCache(kv, SALT)
@@ -513,5 +520,9 @@ def test_a_block_that_a_cached_chain_goes_on_through_is_never_adopted():
     kv.free("a")
     assert kv.partial_match(hashes[0], (5, 6, 0)) is None  # block 1 is followed by block 2
     assert kv.partial_match(hashes[1], (9, 0)) == (table[2], 1)  # block 2 ends the chain
-    kv.allocate_slots("b", 4 * 6)  # 6 blocks: 5 free, then block 2 (released first) is evicted
+    kv.allocate_slots("t", 4)
+    kv.keep_tail("t", 0, BlockOrigin(hashes[2], (13,)))
+    kv.free("t")
+    assert kv.partial_match(hashes[1], (9, 0)) == (table[2], 1)  # a tail after it does not count
+    kv.allocate_slots("b", 4 * 5)  # 5 blocks: 4 free, then block 2 (released first) is evicted
     assert kv.partial_match(hashes[0], (5, 6, 0)) == (table[1], 2)  # nothing follows block 1 now
