@@ -234,7 +234,12 @@ def test_vision_bench_quick(tmp_path):
     results = json.loads((tmp_path / "vision.json").read_text())
     assert results["params"]["requests"] == 4
     assert list(results["workloads"]) == ["chat", "burst", "prefill-heavy"]
-    assert results["follow_up"]["medians"]["second_encoded_images"] == 0  # the cached image is not encoded again
+    for kind in ("text", "random"):  # the cached image is not encoded again
+        assert results["follow_up"][kind]["medians"]["second_encoded_images"] == 0
+    # a reply that tokenizes back to its ids: the whole first turn is reused (a 4-token reply: all
+    # of the prompt and 3 reply tokens; the 4th was sampled, never run)
+    text = results["follow_up"]["text"]["conversations"][0]
+    assert text["second_hit_tokens"] == text["first_prompt_tokens"] + 3
 
 
 def test_vision_bench_quick_on_another_family(tmp_path):
