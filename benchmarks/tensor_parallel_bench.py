@@ -10,11 +10,17 @@ collectives); tensor parallelism is for a model larger than one device. The shar
 go through shared memory (worker/kernels/shm_collectives.py); a third engine, 2 shards over gloo
 alone (`INFERENCE_SERVICE_SHM_COLLECTIVES=off` on shard 0), shows what that saves (`--no-gloo`: skip it).
 
+The fallback runner (transformers' attention, a cache per request: the path of GPT-J, BLOOM, Falcon,
+MPT and the encoder-decoders) is measured the same way on a random GPT-J of the same size (12
+layers 768 wide, 12 heads, the same vocabulary; `--quick`: a tiny one), 2 shards vs 1, its own rows
+(`--no-fallback`: skip it).
+
 Runs alternate between the engines, so machine noise falls on both. Greedy outputs must be equal
 (the script checks). Reported: decode ms/token (first token to last, over tokens - 1) and prefill
 ms, as medians over the runs, and their ratio (2 shards / 1 shard: under 1 is faster).
 
-Usage: python benchmarks/tensor_parallel_bench.py [--quick] [--runs N] [--batch N] [--no-gloo] [--out DIR]
+Usage: python benchmarks/tensor_parallel_bench.py [--quick] [--runs N] [--batch N] [--no-gloo] [--no-fallback]
+                                                  [--no-paged] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
 from inference_service.worker.kernels import shm_collectives  # noqa: E402
 
 BENCH_DIR = common.RAW_DIR / "tp-llama"
+FALLBACK_DIR = common.RAW_DIR / "tp-gptj"
+QUICK_FALLBACK_DIR = common.RAW_DIR / "tp-gptj-tiny"
 FULL = {"runs": 3, "prompt_tokens": 64, "new_tokens": 32, "batch": 4}
 QUICK = {"runs": 1, "prompt_tokens": 16, "new_tokens": 8, "batch": 2}
 
@@ -65,6 +73,33 @@ def ensure_bench_model(folder: Path = BENCH_DIR) -> Path:
     )
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     LlamaForCausalLM(config).save_pretrained(scratch)
+    tokenizer.save_pretrained(scratch)
+    try:
+        scratch.rename(folder)
+    except OSError:  # another run built it meanwhile
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder
+
+
+def ensure_fallback_model(quick: bool) -> Path:
+    """A random GPT-J (the fallback runner's: its attention bypasses transformers' interface) of the
+    Llama's size, or a tiny one for `--quick`, with the tiny model's tokenizer."""
+    folder = QUICK_FALLBACK_DIR if quick else FALLBACK_DIR
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoTokenizer, GPTJConfig, GPTJForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model.ensure_tiny_model())
+    torch.manual_seed(0)
+    size = (
+        {"vocab_size": len(tokenizer), "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8}
+        if quick
+        else {"vocab_size": 49152, "n_embd": 768, "n_layer": 12, "n_head": 12, "rotary_dim": 64}
+    )
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = GPTJConfig(**size, **special, n_positions=2048, tie_word_embeddings=False)
+    scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    GPTJForCausalLM(config).save_pretrained(scratch)
     tokenizer.save_pretrained(scratch)
     try:
         scratch.rename(folder)
@@ -167,7 +202,7 @@ def summarize(results: dict) -> dict:
     return summary
 
 
-def report(summary: dict, args: argparse.Namespace, name: str) -> str:
+def report(summary: dict, args: argparse.Namespace, name: str, runner: str = "paged runner") -> str:
     gloo = "2 shards gloo" in summary["single"]
     rows = []
     for workload, label in (("single", "1 stream"), ("batch", f"{args.batch} streams")):
@@ -205,7 +240,7 @@ def report(summary: dict, args: argparse.Namespace, name: str) -> str:
     table = common.markdown_table([*header, "same tokens"], rows)
     single = summary["single"]["decode_ms_per_step_ratio"]
     return (
-        f"#### Tensor parallel: --num-shard 2 vs 1, {name} (float32, cpu)\n\n"
+        f"#### Tensor parallel: --num-shard 2 vs 1, {name}, {runner} (float32, cpu)\n\n"
         f"Greedy, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens; medians of {args.runs} run(s), "
         f"engines alternating. Ratio = 2 shards / 1 shard (under 1× is faster). 2 shards: collectives through "
         f"shared memory; gloo only: over loopback sockets.\n\n{table}\n\n"
@@ -225,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--threads-per-shard", type=int, default=1)
     parser.add_argument("--no-gloo", action="store_true", help="skip the 2-shard engine over gloo alone")
+    parser.add_argument("--no-fallback", action="store_true", help="skip the fallback runner's engines (GPT-J)")
+    parser.add_argument("--no-paged", action="store_true", help="skip the paged runner's engines (Llama)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -236,28 +273,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = common.output_dir(args.out, args.quick)
-    if args.model_id:
-        model_dir, name = Path(args.model_id), args.model_id
-    elif args.quick:
-        model_dir, name = tiny_model.ensure_tiny_model(), "tiny random Llama"
-    else:
-        model_dir, name = ensure_bench_model(), "random Llama 12×768, 12/4 heads, 49k vocabulary"
     threads = args.threads_per_shard
-    engines = {"1 shard": (build(model_dir, 1, 2 * threads), 2 * threads)}
-    engines["2 shards"] = (build(model_dir, 2, threads), threads)
-    try:
-        if not args.no_gloo:
-            engines["2 shards gloo"] = (build(model_dir, 2, threads, shared_memory=False), threads)
-        summary = summarize(measure(engines, args))
-    finally:
-        for engine_name in ("2 shards", "2 shards gloo"):
-            if engine_name in engines:
-                engines[engine_name][0].close()
-    markdown = report(summary, args, name)
+    results: dict = {"args": vars(args)}
+    markdown = ""
+    if not args.no_paged:
+        if args.model_id:
+            model_dir, name = Path(args.model_id), args.model_id
+        elif args.quick:
+            model_dir, name = tiny_model.ensure_tiny_model(), "tiny random Llama"
+        else:
+            model_dir, name = ensure_bench_model(), "random Llama 12×768, 12/4 heads, 49k vocabulary"
+        results["summary"] = compare(model_dir, threads, args, gloo=not args.no_gloo)
+        markdown = report(results["summary"], args, name)
+    if not args.no_fallback:
+        fallback_name = "tiny random GPT-J" if args.quick else "random GPT-J 12×768, 12 heads, 49k vocabulary"
+        results["fallback"] = compare(ensure_fallback_model(args.quick), threads, args, gloo=False)
+        markdown += "\n" + report(results["fallback"], args, fallback_name, "fallback runner")
     (out / "tensor_parallel.md").write_text(markdown)
-    common.write_json(out / "tensor_parallel.json", {"args": vars(args), "summary": summary})
+    common.write_json(out / "tensor_parallel.json", results)
     print(markdown)
-    return 0 if all(s["identical"] for s in summary.values()) else 1
+    summaries = [results.get("summary", {}), results.get("fallback", {})]
+    return 0 if all(s["identical"] for entry in summaries for s in entry.values()) else 1
+
+
+def compare(model_dir: Path, threads: int, args: argparse.Namespace, gloo: bool) -> dict:
+    """One model's engines (1 shard, 2 shards, and 2 over gloo alone), measured in turn and closed."""
+    engines = {"1 shard": (build(model_dir, 1, 2 * threads), 2 * threads)}
+    try:
+        engines["2 shards"] = (build(model_dir, 2, threads), threads)
+        if gloo:
+            engines["2 shards gloo"] = (build(model_dir, 2, threads, shared_memory=False), threads)
+        return summarize(measure(engines, args))
+    finally:
+        for engine, _threads in engines.values():
+            engine.close()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,17 @@ second turn holding the same image, the first reply and a new question. Reported
 first token of each turn, from submitting the processed request to the engine (the goal: ≥ 3×
 faster), and from the raw chat request (the front end's template, image decoding and processor
 included, as a client sees it); and the second turn's prefix-cache hit tokens and images encoded
-(the image's blocks are reused and the vision encoder does not run for them).
+(the image's blocks are reused and the vision encoder does not run for them). Two kinds of reply:
+- **text** (the goal's row): a reply that, put back in the conversation, tokenizes to the ids the
+  model generated, as a trained model's reply does. A random model's reply is not text, so both
+  turns bias (`logit_bias`) the model to one word token, " the", and the reply goes back without its
+  leading space (as LLaVA's own sentencepiece tokenizer decodes it, and as its template expects
+  after "ASSISTANT: "). The second turn then reuses the whole first turn, reply included, and
+  computes only the new question.
+- **random**: the random model's own reply, bytes that are not UTF-8 and come back as U+FFFD, which
+  tokenize to other ids: the second turn reuses the first turn's prompt (up to the reply's first
+  token) and computes the reply again.
+`--follow-up-only` runs the follow-up turns alone (no throughput workloads).
 
 `--family gemma3|paligemma|idefics3|smolvlm|mllama` runs the same on that family's tiny random model
 (64 wide, 2 or 3 layers, 32x32 images: 4, 16 and 20 image tokens; tests/tiny_vision_gemma.py,
@@ -45,7 +55,7 @@ tests/tiny_vision_idefics.py, tests/tiny_vision_mllama.py): image tokens that at
 the language model reads through cross-attention, on the fallback path (transformers' attention,
 no prefix caching: its follow-up turn recomputes the image).
 
-Usage: python benchmarks/vision_bench.py [--quick] [--rounds N] [--family NAME] [--out DIR]
+Usage: python benchmarks/vision_bench.py [--quick] [--rounds N] [--family NAME] [--follow-up-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -111,6 +121,7 @@ QUICK = {
     "image": 32,
 }
 WORKLOADS = ("chat", "burst", "prefill-heavy")
+REPLY_KINDS = ("text", "random")
 SEED = 28
 
 
@@ -143,8 +154,10 @@ def image_uri(index: int, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat(messages: list[dict], max_tokens: int) -> pb.ChatCompletionRequest:
+def chat(messages: list[dict], max_tokens: int, logit_bias: dict | None = None) -> pb.ChatCompletionRequest:
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if logit_bias:
+        body["logit_bias"] = logit_bias
     return json_format.ParseDict(body, pb.ChatCompletionRequest())
 
 
@@ -258,7 +271,8 @@ def transformers_batch(model, requests, pad_id: int, new_tokens: int) -> float:
 
 
 async def first_token_seconds(engine: AsyncEngine, front_end: FrontEnd, request: pb.ChatCompletionRequest):
-    """(TTFT from the processed request, TTFT from the raw chat request, the answer's text)."""
+    """(TTFT from the processed request, TTFT from the raw chat request, the answer's text, the
+    prompt's length in tokens)."""
     raw_started = time.perf_counter()
     _, [engine_request] = await front_end.chat(request, stream=False)
     started = time.perf_counter()
@@ -268,16 +282,31 @@ async def first_token_seconds(engine: AsyncEngine, front_end: FrontEnd, request:
         if ttft is None and output.tokens:
             ttft, raw_ttft = time.perf_counter() - started, time.perf_counter() - raw_started
         text += [token.text for token in output.tokens]
-    return ttft, raw_ttft, "".join(text)
+    return ttft, raw_ttft, "".join(text), len(engine_request.prompt_token_ids)
 
 
-async def follow_up(engine: AsyncEngine, front_end: FrontEnd, llm_engine, params: dict, index: int) -> dict:
-    """One conversation's two turns (a fresh image): both turns' TTFTs, and what the second reused."""
+async def follow_up(
+    engine: AsyncEngine, front_end: FrontEnd, llm_engine, params: dict, index: int, reply_kind: str = "text"
+) -> dict:
+    """One conversation's two turns (a fresh image): both turns' TTFTs, and what the second reused.
+    `reply_kind`: "text" (a reply that tokenizes back to its ids) or "random" (the model's own)."""
+    bias = None
+    if reply_kind == "text":
+        word = llm_engine.tokenizer.encode(" the", add_special_tokens=False)
+        if len(word) != 1:
+            raise ValueError("the text reply needs a tokenizer with one token for ' the'")
+        bias = {str(word[0]): 100}
     first_turn = [user_turn(index, params["image"], "describe this picture in detail")]
-    first, first_raw, reply = await first_token_seconds(engine, front_end, chat(first_turn, params["reply_tokens"]))
+    first, first_raw, reply, num_prompt = await first_token_seconds(
+        engine, front_end, chat(first_turn, params["reply_tokens"], bias)
+    )
+    if reply_kind == "text":
+        reply = reply.lstrip()
     second_turn = [*first_turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "and its colour?"}]
     hits, encoded = llm_engine.stats().num_prefix_hit_tokens, encoded_images(llm_engine)
-    second, second_raw, _ = await first_token_seconds(engine, front_end, chat(second_turn, params["reply_tokens"]))
+    second, second_raw, _, _ = await first_token_seconds(
+        engine, front_end, chat(second_turn, params["reply_tokens"], bias)
+    )
     return {
         "first_ttft_s": first,
         "second_ttft_s": second,
@@ -285,6 +314,7 @@ async def follow_up(engine: AsyncEngine, front_end: FrontEnd, llm_engine, params
         "second_raw_ttft_s": second_raw,
         "second_hit_tokens": llm_engine.stats().num_prefix_hit_tokens - hits,
         "second_encoded_images": encoded_images(llm_engine) - encoded,
+        "first_prompt_tokens": num_prompt,
     }
 
 
@@ -299,8 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of every run (default 3; --quick 1)")
     parser.add_argument("--family", choices=["llava", *FAMILIES], default="llava")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--follow-up-only", action="store_true", help="only the follow-up turns")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.follow_up_only:
+        args.workloads = []
     params = QUICK if args.quick else FULL
     if args.family != "llava":  # the family's tiny model and its 32x32 images
         params = {**params, "hidden": 64, "layers": 2, "image": 32}
@@ -309,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     sides = ("engine", "transformers")
     seconds = {(w, s): [] for w in args.workloads for s in sides}
     latency = {(w, s): [] for w in args.workloads for s in sides}
-    conversations: list[dict] = []
+    conversations: dict[str, list[dict]] = {kind: [] for kind in REPLY_KINDS}
     with tempfile.TemporaryDirectory() as scratch:
         if args.family == "llava":
             folder = save_llava(
@@ -351,8 +384,12 @@ def main(argv: list[str] | None = None) -> None:
                                 took, waits = static_server_run(reference, requests, arrivals, pad_id)
                             seconds[name, side].append(took)
                             latency[name, side].append(statistics.mean(waits))
+                kinds = REPLY_KINDS if args.family == "llava" else ("random",)  # text: LLaVA's tokenizer
                 for number in range(params["conversations"]):
-                    conversations.append(await follow_up(async_engine, front_end, engine, params, 90_000 + number))
+                    for offset, kind in enumerate(kinds):  # interleaved: a slow spell hits both
+                        conversations[kind].append(
+                            await follow_up(async_engine, front_end, engine, params, 90_000 + 2 * number + offset, kind)
+                        )
             finally:
                 await async_engine.shutdown(timeout_s=1)
 
@@ -401,29 +438,35 @@ def report(args, params: dict, rounds: int, seconds: dict, latency: dict, conver
         rows,
     )
     low, high = params["answer_tokens"]
-    lines = [
-        f"Model: a random {args.family}.",
-        "",
-        table,
-        "",
-        f"chat: answers of {low}..{high} new tokens (seeded, one length per request), Poisson arrivals "
-        f"(mean gap {params['arrival_gap_s']} s), transformers in static batches of what waits; burst: the "
-        f"same answers arriving at once; prefill-heavy: at once, {params['prefill_heavy_tokens']} new tokens "
-        f"each. Medians of {rounds} round(s); one image per request.",
-    ]
-    if conversations:
-        med = {key: statistics.median(c[key] for c in conversations) for key in conversations[0]}
+    lines = [f"Model: a random {args.family}."]
+    if rows:
         lines += [
             "",
-            f"Follow-up turn with the same image (median of {len(conversations)} conversations): TTFT "
+            table,
+            "",
+            f"chat: answers of {low}..{high} new tokens (seeded, one length per request), Poisson arrivals "
+            f"(mean gap {params['arrival_gap_s']} s), transformers in static batches of what waits; burst: the "
+            f"same answers arriving at once; prefill-heavy: at once, {params['prefill_heavy_tokens']} new tokens "
+            f"each. Medians of {rounds} round(s); one image per request.",
+        ]
+    results["follow_up"] = {}
+    for kind, runs in conversations.items():
+        if not runs:
+            continue
+        med = {key: statistics.median(c[key] for c in runs) for key in runs[0]}
+        ratios = sorted(c["first_ttft_s"] / c["second_ttft_s"] for c in runs)
+        lines += [
+            "",
+            f"Follow-up turn with the same image, {kind} reply (median of {len(runs)} conversations): TTFT "
             f"{med['first_ttft_s'] * 1000:.0f} ms → {med['second_ttft_s'] * 1000:.0f} ms "
-            f"(**{common.ratio(med['first_ttft_s'], med['second_ttft_s'])}** faster; from the raw chat request, "
+            f"(**{common.ratio(med['first_ttft_s'], med['second_ttft_s'])}** faster; per conversation "
+            f"{ratios[0]:.2f}–{ratios[-1]:.2f}×; from the raw chat request, "
             f"front end included: {med['first_raw_ttft_s'] * 1000:.0f} ms → {med['second_raw_ttft_s'] * 1000:.0f} ms, "
             f"{common.ratio(med['first_raw_ttft_s'], med['second_raw_ttft_s'])}); the second turn reused "
             f"{med['second_hit_tokens']:.0f} prompt tokens from the prefix cache and encoded "
             f"{med['second_encoded_images']:.0f} image(s).",
         ]
-        results["follow_up"] = {"conversations": conversations, "medians": med}
+        results["follow_up"][kind] = {"conversations": runs, "medians": med}
     lines += ["", common.machine_line(common.machine()), ""]
     return "\n".join(lines), results
 

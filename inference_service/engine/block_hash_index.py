@@ -6,18 +6,31 @@ block size). Equal hashes then mean equal K/V: the same tokens at the same posit
 prefix, through the same weights. sha256 rather than Python's `hash`: a collision would silently
 serve another prompt's K/V, so it must be out of reach, even for a caller who picks the tokens.
 
+Partial reuse: a follow-up turn's prompt usually runs on from an earlier request's tokens and then
+differs mid-block (its reply re-tokenized, a new question after the partial last block). So the
+index also knows each cached block's parent hash and token keys, and keeps a finished request's
+partial last block (a "tail": no hash, since it is not full) while nobody holds it. A request may
+then adopt an evictable child of its last hit whose first tokens equal its own, if no full cached
+block follows it (a tail, or the last full block of its chain): the block leaves the index, and the
+request keeps the matching slots' K/V and writes the rest of the block itself. (A tail after an
+adopted block is cut off until the same tokens fill that block again.)
+
 Pure Python over block ids, like `KVCacheManager`, which owns the reference counts and consults
 this index for hits and eviction.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _SALT_VERSION = b"prefix-cache/v1"
+_MAX_CANDIDATES = 64
 
 
 def cache_salt(*parts: object) -> bytes:
@@ -33,6 +46,14 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
+@dataclass(frozen=True)
+class BlockOrigin:
+    """Where a cached block sits in its chain and what it holds: the partial-reuse lookup's key."""
+
+    parent: bytes  # the previous block's hash (the salt for a chain's first block)
+    keys: tuple[int, ...]  # the block's computed tokens' hash keys (all of them for a full block)
+
+
 class BlockHashIndex:
     """hash ⇄ block for full blocks whose K/V are all computed; the ones no request holds (the
     evictable ones) in least-recently-released order.
@@ -45,16 +66,22 @@ class BlockHashIndex:
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = released longest ago
+        self._origin: dict[int, BlockOrigin] = {}  # indexed blocks that know theirs, and every tail
+        # (parent hash, first key) → blocks of that origin, oldest first
+        self._children: dict[tuple[bytes, int], dict[int, None]] = {}
+        # parent hash → how many full blocks follow it (tails do not count: cut off, one costs < a block)
+        self._num_full_children: collections.Counter[bytes] = collections.Counter()
+        self._tails: set[int] = set()  # partial blocks of released requests (evictable, unhashed)
 
     def __len__(self) -> int:
-        return len(self._hash_of)
+        return len(self._hash_of) + len(self._tails)
 
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._hash_of
+        return block_id in self._hash_of or block_id in self._tails
 
     def hash_of(self, block_id: int) -> bytes | None:
         return self._hash_of.get(block_id)
@@ -72,16 +99,60 @@ class BlockHashIndex:
             blocks.append(block_id)
         return blocks
 
-    def add(self, block_id: int, block_hash: bytes) -> bool:
-        """Index a held block whose tokens are all computed. False (and nothing changes) when
-        another block already holds this content: the duplicate simply stays unindexed."""
+    def add(self, block_id: int, block_hash: bytes, origin: BlockOrigin | None = None) -> bool:
+        """Index a held block whose tokens are all computed (with its origin: a partial-reuse
+        candidate too). False (and nothing changes) when another block already holds this content:
+        the duplicate simply stays unindexed."""
         if block_hash in self._block_of:
             return False
-        if block_id in self._hash_of:
+        if block_id in self._hash_of or block_id in self._tails:
             raise ValueError(f"block {block_id} is already indexed under another hash")
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        if origin is not None and origin.keys:
+            self._add_origin(block_id, origin)
         return True
+
+    def add_tail(self, block_id: int, origin: BlockOrigin) -> None:
+        """Keep a released request's partial last block (nobody holds it): evictable at once."""
+        if not origin.keys:
+            raise ValueError("a tail holds at least one computed token")
+        if block_id in self:
+            raise ValueError(f"block {block_id} is already indexed")
+        self._tails.add(block_id)
+        self._add_origin(block_id, origin)
+        self.park(block_id)
+
+    def partial_match(self, parent: bytes, keys: Sequence[int]) -> tuple[int, int] | None:
+        """The evictable child of `parent` whose first tokens equal the most of `keys`: (block,
+        number of equal leading tokens), or None when none shares even the first token. Only a
+        chain's last full block or a tail qualifies: a request that adopts a block overwrites its
+        later slots, so a block that other full cached blocks follow (a shared system prompt's last
+        block, say) stays for the requests that match it whole. Looks at
+        the most recently cached `_MAX_CANDIDATES` of them at most (a lookup stays cheap)."""
+        best: tuple[int, int] | None = None
+        if not keys:
+            return None
+        for block_id in itertools.islice(reversed(self._children.get((parent, keys[0]), {})), _MAX_CANDIDATES):
+            if block_id not in self._evictable:
+                continue  # held: a holder may still read every slot of it
+            if self._num_full_children[self._hash_of.get(block_id, b"")]:
+                continue  # a cached chain goes on through it: adopting it would cut that chain off
+            stored = self._origin[block_id].keys
+            common = 0
+            for mine, theirs in zip(keys, stored, strict=False):
+                if mine != theirs:
+                    break
+                common += 1
+            if common and (best is None or common > best[1]):
+                best = (block_id, common)
+        return best
+
+    def adopt(self, block_id: int) -> None:
+        """An evictable block leaves the index for a request that keeps part of its K/V and
+        writes the rest: it is that request's own block from now on."""
+        del self._evictable[block_id]
+        self._forget(block_id)
 
     def park(self, block_id: int) -> None:
         """The last request holding an indexed block let go: it becomes the most recently used."""
@@ -95,9 +166,31 @@ class BlockHashIndex:
     def evict(self) -> int:
         """Forget the least recently released block and return it, free for new K/V."""
         block_id, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block_id)]
+        self._forget(block_id)
         return block_id
 
     def evictable_order(self) -> list[int]:
         """Evictable blocks, next to be evicted first (for tests and debugging)."""
         return list(self._evictable)
+
+    def _add_origin(self, block_id: int, origin: BlockOrigin) -> None:
+        self._origin[block_id] = origin
+        self._children.setdefault((origin.parent, origin.keys[0]), {})[block_id] = None
+        if block_id in self._hash_of:
+            self._num_full_children[origin.parent] += 1
+
+    def _forget(self, block_id: int) -> None:
+        origin = self._origin.pop(block_id, None)
+        if origin is not None:
+            siblings = self._children[origin.parent, origin.keys[0]]
+            del siblings[block_id]
+            if not siblings:
+                del self._children[origin.parent, origin.keys[0]]
+            if block_id in self._hash_of:
+                self._num_full_children[origin.parent] -= 1
+                if not self._num_full_children[origin.parent]:
+                    del self._num_full_children[origin.parent]
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
+        self._tails.discard(block_id)

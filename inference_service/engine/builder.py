@@ -70,11 +70,11 @@ def build_from(
     config: EngineConfig,
     loaded: LoadedModel,
     phase: progress.Phase,
-    shard_runner: Callable[[ModelRunner], Runner] | None = None,
+    shard_runner: Callable[[Runner], Runner] | None = None,
     group: ShardGroup | None = None,
 ) -> LLMEngine:
     """The engine over a loaded model; with `group` (tensor parallel: the model is this shard's
-    slice) the paged runner is wrapped by `shard_runner`."""
+    slice) the runner is wrapped by `shard_runner`."""
     if shard_runner is not None and config.model.lora_enabled:
         raise ModelLoadError("LoRA adapters are not served with --num-shard > 1 yet: serve them on one shard")
     native_linears = install_native_linears(loaded)
@@ -91,7 +91,8 @@ def build_from(
         num_blocks = plan_num_blocks(
             config.cache, config_layer_shapes(loaded.model.config), dtype, loaded.device, reserved
         )
-        runner = TransformersRunner(loaded.model, loaded.device)
+        fallback = TransformersRunner(loaded.model, loaded.device)
+        runner = fallback if shard_runner is None else shard_runner(fallback)
         if config.cache.kv_cache_dtype != "auto":
             logger.warning(
                 "--kv-cache-dtype %s does not apply here: the fallback keeps transformers' caches",

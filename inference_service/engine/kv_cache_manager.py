@@ -9,16 +9,18 @@ Every block is in exactly one of three states:
   the hash index are ever held by more than one; a request writes only into blocks it got fresh;
 - free: held by none, holding nothing worth keeping;
 - evictable (prefix caching only): held by none, but indexed: its K/V can still be reused by a
-  hit, until the pool needs a block and it is evicted, least recently released first.
+  hit, until the pool needs a block and it is evicted, least recently released first. A released
+  request's partial last block can be kept so too (`keep_tail`), and an evictable block can be
+  adopted by a request that reuses its first slots and writes the rest (`allocate_slots`).
 Free and evictable blocks both count as free (`num_free_blocks`): either can be handed out.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from inference_service.engine.block_hash_index import BlockHashIndex
+from inference_service.engine.block_hash_index import BlockHashIndex, BlockOrigin
 
 
 class KVCacheManager:
@@ -33,6 +35,7 @@ class KVCacheManager:
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._num_indexed: dict[str, int] = {}  # leading blocks of a request's table that are indexed
+        self._tails: dict[str, tuple[int, BlockOrigin]] = {}  # request → (table position, origin) kept at free
         self.index: BlockHashIndex | None = BlockHashIndex() if enable_prefix_caching else None
 
     @property
@@ -58,35 +61,55 @@ class KVCacheManager:
         """Blocks of the longest indexed run of `block_hashes` (nothing without prefix caching)."""
         return self.index.longest_prefix(block_hashes) if self.index is not None else []
 
-    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> list[int] | None:
+    def partial_match(self, parent: bytes, keys: Sequence[int]) -> tuple[int, int] | None:
+        """An evictable block after `parent` whose first tokens are `keys`' first: (block, how many)."""
+        return self.index.partial_match(parent, keys) if self.index is not None else None
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = (), adopted: int | None = None
+    ) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens.
 
         `cached_blocks` (from `cached_prefix`, for a request that holds nothing yet) start the
-        table and are shared, not copied; the rest are fresh blocks the request alone writes.
-        Returns the whole table, or None (and changes nothing) when the pool is short.
+        table and are shared, not copied; `adopted` (from `partial_match`) follows them, taken out
+        of the index: the request's own from now on; the rest are fresh blocks the request alone
+        writes. Returns the whole table, or None (and changes nothing) when the pool is short.
         """
         table = self._tables.get(request_id, [])
-        if cached_blocks and table:
+        head = [*cached_blocks, adopted] if adopted is not None else list(cached_blocks)
+        if head and table:
             raise ValueError(f"request {request_id!r} already holds blocks: a prefix hit must start its table")
-        num_missing = self.num_blocks_for(num_tokens) - len(table) - len(cached_blocks)
-        if num_missing < 0 and cached_blocks:
+        if adopted is not None and (self.index is None or not self.index.is_evictable(adopted)):
+            raise ValueError(f"block {adopted} is not an evictable cached block: it cannot be adopted")
+        num_missing = self.num_blocks_for(num_tokens) - len(table) - len(head)
+        if num_missing < 0 and head:
             raise ValueError("the cached prefix is longer than the tokens to hold")
         # Evictable hits are about to be held: they are no longer there to be handed out fresh.
-        num_reclaimed = sum(1 for block in cached_blocks if self._ref_counts[block] == 0)
+        num_reclaimed = sum(1 for block in head if self._ref_counts[block] == 0)
         if num_missing > self.num_free_blocks - num_reclaimed:
             return None
-        if num_missing <= 0 and not cached_blocks:
+        if num_missing <= 0 and not head:
             return list(table)
         for block in cached_blocks:
             self._hold(block)
-        table = table + list(cached_blocks) + [self._take_fresh() for _ in range(max(num_missing, 0))]
+        if adopted is not None and self.index is not None:
+            self.index.adopt(adopted)
+            self._ref_counts[adopted] = 1
+        table = table + head + [self._take_fresh() for _ in range(max(num_missing, 0))]
         self._tables[request_id] = table
         if cached_blocks:
             self._num_indexed[request_id] = len(cached_blocks)
         return list(table)
 
-    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_blocks: int) -> None:
-        """Index the request's first `num_blocks` blocks, full and computed, under `block_hashes`.
+    def cache_blocks(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_blocks: int,
+        origin_of: Callable[[int], BlockOrigin] | None = None,
+    ) -> None:
+        """Index the request's first `num_blocks` blocks, full and computed, under `block_hashes`
+        (and `origin_of(position)`, for partial reuse).
 
         Only now can other requests share them: a block still being written is never indexed.
         """
@@ -97,8 +120,14 @@ class KVCacheManager:
             return
         table = self._tables[request_id]
         for position in range(start, num_blocks):
-            self.index.add(table[position], block_hashes[position])
+            self.index.add(table[position], block_hashes[position], origin_of(position) if origin_of else None)
         self._num_indexed[request_id] = num_blocks
+
+    def keep_tail(self, request_id: str, position: int, origin: BlockOrigin) -> None:
+        """When the request frees its blocks, keep the one at `position` (partly computed: what
+        `origin.keys` names) for partial reuse instead of freeing it."""
+        if self.index is not None and position < len(self._tables.get(request_id, ())) and origin.keys:
+            self._tails[request_id] = (position, origin)
 
     def free(self, request_id: str) -> None:
         """Let go of all of the request's blocks (a no-op if it holds none).
@@ -106,14 +135,18 @@ class KVCacheManager:
         Released last block first, so that a chain's tail is evicted before its head: a lost head
         makes the rest of the chain unreachable anyway.
         """
-        table = self._tables.pop(request_id, None)
+        table = self._tables.pop(request_id, None) or []
         self._num_indexed.pop(request_id, None)
-        for block in reversed(table or ()):
+        tail = self._tails.pop(request_id, None)
+        for position in range(len(table) - 1, -1, -1):
+            block = table[position]
             self._ref_counts[block] -= 1
             if self._ref_counts[block] > 0:
                 continue
             if self.index is not None and block in self.index:
                 self.index.park(block)
+            elif self.index is not None and tail is not None and position == tail[0]:
+                self.index.add_tail(block, tail[1])
             else:
                 self._free.append(block)
 

@@ -266,7 +266,9 @@ class Scheduler:
             num_new = fit_chunk(request, hit.num_tokens, num_new)
             if num_new == 0:
                 break  # FIFO: the pool is spent, nobody skips ahead of it
-            block_ids = self.kv.allocate_slots(request.request_id, hit.num_tokens + num_new, hit.block_ids)
+            block_ids = self.kv.allocate_slots(
+                request.request_id, hit.num_tokens + num_new, hit.block_ids, hit.adopted_block
+            )
             if block_ids is None:
                 break  # FIFO: no skipping ahead of a request the pool can't hold
             del self.waiting[index]

@@ -3,8 +3,10 @@
 This process is shard 0: it starts shards 1..N-1 as processes (forked from a fork server, which
 imports torch and the engine once: a clean process, safe beside gRPC's threads, started in
 a fraction of an interpreter's start), meets them at `--master-addr:--master-port`, and every shard then
-loads the model, keeps its slice (worker/runner/shard_model.py) and builds the same paged runner.
-Shard 0 serves: it schedules, samples and drives the others through ShardedRunner's step message.
+loads the model, keeps its slice (worker/runner/shard_model.py; for a model the fallback runner
+serves, worker/runner/shard_fallback.py) and builds the same runner: the paged one, or the fallback's
+over transformers' caches. Shard 0 serves: it schedules, samples and drives the others through
+ShardedRunner's step message.
 
 A follower that dies takes the engine to its failed state (AsyncEngine: every request ends with
 ServerFailed, the server goes NOT_SERVING and exits, as TGI's launcher does when a shard crashes):
@@ -33,10 +35,11 @@ from inference_service.errors import ModelLoadError
 from inference_service.models import loader
 from inference_service.outputs import Runner
 from inference_service.worker.linears.parallel import ShardingRefused
-from inference_service.worker.runner.model_runner import ModelRunner
-from inference_service.worker.runner.shard_model import shard_model
+from inference_service.worker.runner.shard_fallback import shard_fallback_model
+from inference_service.worker.runner.shard_model import FAMILIES, shard_model
 from inference_service.worker.runner.sharded import ShardedRunner, follow
 from inference_service.worker.shard_group import ShardAddress, ShardGroup, ShardLost
+from inference_service.worker.transformers_runner.runner import TransformersRunner
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         loaded = load_shard(shard_config, group)
         with progress.phase("preparing the engine", "prepared the engine", total=3) as phase:
 
-            def sharded_runner(runner: ModelRunner) -> Runner:
+            def sharded_runner(runner: Runner) -> Runner:
                 sharded = ShardedRunner(runner, group, followers.join)
                 followers.watch(sharded)
                 return sharded
@@ -105,8 +108,7 @@ def load_shard(config: EngineConfig, group: ShardGroup) -> model_load.LoadedMode
     failure: Exception | None = None
     try:
         loaded = model_load.load(config)
-        _check_shardable(loaded, group.world_size)
-        shard_model(loaded.model, group)
+        _shard(loaded, group)
     except ShardingRefused as error:
         failure = ModelLoadError(f"--num-shard {group.world_size}: {error}")
     except Exception as error:  # noqa: BLE001 — said by every shard, raised after they agree
@@ -120,12 +122,14 @@ def load_shard(config: EngineConfig, group: ShardGroup) -> model_load.LoadedMode
     return loaded
 
 
-def _check_shardable(loaded: model_load.LoadedModel, world_size: int) -> None:
-    if loaded.fallback_reason is not None:
-        raise ShardingRefused(
-            "this model runs through transformers' attention (the fallback runner), which is not sharded "
-            f"({loaded.fallback_reason}); serve it with one shard"
-        )
+def _shard(loaded: model_load.LoadedModel, group: ShardGroup) -> None:
+    """Keep this shard's slice: the paged families' plan, or the fallback families' (a paged family
+    that failed the probe is cut by the paged plan: the same transformers modules)."""
+    model_type = loaded.model.config.get_text_config().model_type
+    if loaded.fallback_reason is None or model_type in FAMILIES:
+        shard_model(loaded.model, group)
+    else:
+        shard_fallback_model(loaded.model, group)
 
 
 def _connect(config: EngineConfig, rank: int, world_size: int) -> ShardGroup:
@@ -212,7 +216,11 @@ def follower_main(config: EngineConfig, rank: int, world_size: int, server_pid: 
         group = _connect(config, rank, world_size)
         loaded = load_shard(config, group)
         builder.install_native_linears(loaded)
-        runner, _num_blocks = builder.paged_runner(config, loaded, group)
+        runner: Runner
+        if loaded.fallback_reason is None:
+            runner, _num_blocks = builder.paged_runner(config, loaded, group)
+        else:
+            runner = TransformersRunner(loaded.model, loaded.device)
         follow(runner, group)
     except ShardLost as error:  # shard 0 is gone (it stopped or crashed): nothing to follow
         logger.warning("%s", error)

@@ -137,8 +137,8 @@ ENGINE_FLAGS = (
     Flag(
         "--prefix-caching",
         "cache.prefix_caching",
-        "Reuse the KV cache of a prompt's longest cached prefix (full blocks, freed ones kept until the "
-        "pool needs them); --prefix-caching false turns it off.",
+        "Reuse the KV cache of a prompt's longest cached prefix (to the token: full blocks, then part of a "
+        "chain's last block; freed ones kept until the pool needs them); --prefix-caching false turns it off.",
         parse_bool,
     ),
 )

@@ -175,10 +175,12 @@ def test_bystander_latency_quick(tmp_path, tiny_model_dir):
 def test_tensor_parallel_bench_quick(tmp_path, tiny_model_dir):
     run_script("tensor_parallel_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
     assert "Tensor parallel: --num-shard 2 vs 1" in (tmp_path / "tensor_parallel.md").read_text()
-    summary = json.loads((tmp_path / "tensor_parallel.json").read_text())["summary"]
-    for workload in ("single", "batch"):
-        assert summary[workload]["identical"]
-        assert summary[workload]["decode_ms_per_step_ratio"] > 0
+    assert "fallback runner" in (tmp_path / "tensor_parallel.md").read_text()
+    results = json.loads((tmp_path / "tensor_parallel.json").read_text())
+    for summary in (results["summary"], results["fallback"]):
+        for workload in ("single", "batch"):
+            assert summary[workload]["identical"]
+            assert summary[workload]["decode_ms_per_step_ratio"] > 0
 
 
 def test_step_overhead_counts_a_decode_step(tmp_path, tiny_model_dir):
@@ -232,7 +234,12 @@ def test_vision_bench_quick(tmp_path):
     results = json.loads((tmp_path / "vision.json").read_text())
     assert results["params"]["requests"] == 4
     assert list(results["workloads"]) == ["chat", "burst", "prefill-heavy"]
-    assert results["follow_up"]["medians"]["second_encoded_images"] == 0  # the cached image is not encoded again
+    for kind in ("text", "random"):  # the cached image is not encoded again
+        assert results["follow_up"][kind]["medians"]["second_encoded_images"] == 0
+    # a reply that tokenizes back to its ids: the whole first turn is reused (a 4-token reply: all
+    # of the prompt and 3 reply tokens; the 4th was sampled, never run)
+    text = results["follow_up"]["text"]["conversations"][0]
+    assert text["second_hit_tokens"] == text["first_prompt_tokens"] + 3
 
 
 def test_vision_bench_quick_on_another_family(tmp_path):

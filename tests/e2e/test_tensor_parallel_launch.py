@@ -1,5 +1,6 @@
 """`launch --num-shard 2`: serves through Envoy, and when a shard is killed exits 1 (as TGI's
-launcher does when a shard crashes), its other shard gone with it, never hanging."""
+launcher does when a shard crashes), its other shard gone with it, never hanging; on the paged
+runner (a tiny Llama) and on the fallback runner (a tiny GPT-J, transformers' attention)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import socket
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.launched import Launched, alive
+from tests.unit.tiny_models import tiny_model
 
 START_TIMEOUT_S = 300  # the shards start and load too: minutes on a busy 2-core machine
 EXIT_TIMEOUT_S = 120
@@ -44,8 +48,19 @@ def follower_pids(launcher_pid: int) -> list[int]:
     return pids
 
 
-def test_a_killed_shard_stops_the_launcher_with_exit_code_1(tiny_model_dir):
-    launched = Launched(tiny_model_dir, "--num-shard", "2", "--master-port", str(free_port()), "--num-threads", "1")
+@pytest.fixture(params=["paged", "fallback"])
+def served_model_dir(request, tmp_path_factory, byte_tokenizer):
+    if request.param == "paged":
+        return request.getfixturevalue("tiny_model_dir")
+    folder = tmp_path_factory.mktemp("gptj")
+    ids = {name: getattr(byte_tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    tiny_model("gptj", vocab_size=len(byte_tokenizer), **ids).save_pretrained(folder)
+    byte_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_killed_shard_stops_the_launcher_with_exit_code_1(served_model_dir):
+    launched = Launched(served_model_dir, "--num-shard", "2", "--master-port", str(free_port()), "--num-threads", "1")
     try:
         ready = launched.wait_for(r"ready: TGI REST API on (\S+),", timeout_s=START_TIMEOUT_S)
         request = urllib.request.Request(

@@ -1,7 +1,9 @@
 """Tensor parallelism (`--num-shard 2`, gloo on CPU, one thread per shard): the same greedy tokens
 as one shard, logprobs within 1e-4, for the paged families (Llama with GQA, Llama with one KV
 head repeated on both shards, Qwen2 with q/k/v biases, Gemma2 with its scaled, tied embeddings,
-OPT with its own layer names); models it can't cut are refused with the reason."""
+OPT with its own layer names), and for the fallback runner's families (transformers' attention, a
+cache per request: GPT-J, BLOOM and MPT with ALiBi, Falcon's three q/k/v layouts, T5's and BART's
+encoder-decoders, a quantized one); models it can't cut are refused with the reason."""
 
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ from inference_service.engine.builder import build_engine
 from inference_service.errors import ModelLoadError
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
+from inference_service.worker.linears.quant import QuantLinear
+from tests.tiny_seq2seq import save_model, seq2seq_config
+from tests.tiny_vision_mllama import save_mllama
 from tests.unit.tiny_models import tiny_model
 from textgen.v1 import generate_pb2 as pb
 from tools.checkpoint_writers import write_checkpoint
@@ -157,9 +162,61 @@ def test_a_model_it_cannot_cut_is_refused(tmp_path_factory, byte_tokenizer):
         shards.build_engine(engine_config(folder, num_shard=2))
 
 
-def test_the_fallback_runner_is_refused(tmp_path_factory, byte_tokenizer):
-    folder = model_folder(tmp_path_factory, byte_tokenizer, "falcon")
-    with pytest.raises(ModelLoadError, match="fallback runner.*not sharded.*serve it with one shard"):
+# The fallback runner's families: (model type, config overrides, quantize); encoder-decoders by family name.
+FALLBACK_FAMILIES = {
+    "gptj": ("gptj", {}, None),
+    "bloom": ("bloom", {}, None),
+    "falcon-multi-query": ("falcon", {}, None),
+    "falcon-per-head-qkv": ("falcon", {"multi_query": False}, None),
+    "falcon-new-layout-alibi": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": True}, None),
+    "falcon-one-kv-group": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1}, None),
+    "mpt": ("mpt", {}, None),
+    "gptj-eetq": ("gptj", {}, "eetq"),
+}
+SEQ2SEQ_FAMILIES = ("t5", "umt5", "bart", "marian")
+
+
+def fallback_folder(family, tmp_path_factory, byte_tokenizer):
+    if family in SEQ2SEQ_FAMILIES:
+        config = seq2seq_config(family, byte_tokenizer)
+        return save_model(config, byte_tokenizer, tmp_path_factory.mktemp(family)), None
+    model_type, overrides, quantize = FALLBACK_FAMILIES[family]
+    ids = {name: getattr(byte_tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return model_folder(tmp_path_factory, byte_tokenizer, model_type, **ids, **overrides), quantize
+
+
+@pytest.mark.parametrize("family", [*FALLBACK_FAMILIES, *SEQ2SEQ_FAMILIES])
+def test_two_shards_on_the_fallback_runner_generate_what_one_does(family, tmp_path_factory, byte_tokenizer):
+    """Each shard runs transformers' attention over its heads with its own per-request caches;
+    batched decode rows, released caches and encoder passes stay in step on both shards."""
+    folder, quantize = fallback_folder(family, tmp_path_factory, byte_tokenizer)
+    alone_engine = build_engine(engine_config(folder, quantize=quantize))
+    assert alone_engine.info.attention_impl == "transformers"
+    alone = generate(alone_engine)
+    engine = shards.build_engine(engine_config(folder, num_shard=2, quantize=quantize))
+    try:
+        assert "tensor parallel over 2 shards" in engine.runner.describe()
+        assert engine.info.attention_impl == "transformers"
+        assert (engine.info.quantize is not None) == (quantize is not None)
+        if quantize:  # the shard's projections are quantized slices
+            assert any(isinstance(m, QuantLinear) for m in engine.runner.runner.model.modules())
+        assert_same_generations(generate(engine), alone)
+        assert_same_generations(generate(engine), alone)  # again, over the caches the first run released
+        assert engine.runner.runner.num_caches == 0
+    finally:
+        engine.close()
+
+
+def test_a_fallback_model_it_cannot_cut_is_refused(tmp_path_factory, byte_tokenizer):
+    folder = model_folder(tmp_path_factory, byte_tokenizer, "bloom", n_head=3, hidden_size=48)
+    with pytest.raises(ModelLoadError, match="--num-shard 2: BloomAttention: 3 attention heads can't be split"):
+        shards.build_engine(engine_config(folder, num_shard=2))
+
+
+def test_a_fallback_architecture_without_a_plan_is_refused_by_name(tmp_path_factory):
+    """Mllama (cross-attention to images on the fallback runner) has no plan: a typed error naming it."""
+    folder = save_mllama(tmp_path_factory.mktemp("mllama"))
+    with pytest.raises(ModelLoadError, match="--num-shard 2: tensor parallelism does not cut 'mllama' models"):
         shards.build_engine(engine_config(folder, num_shard=2))
 
 
@@ -181,11 +238,19 @@ def health_of(server) -> tuple[int, ...]:
     return tuple(stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT).status for name in names)
 
 
-def test_a_killed_shard_ends_requests_with_typed_errors(start_grpc_server, tiny_model_dir, monkeypatch):
+@pytest.fixture(params=["paged", "fallback"])
+def served_model_dir(request, tmp_path_factory, byte_tokenizer):
+    """The tiny Llama (the paged runner) or a tiny GPT-J (the fallback runner)."""
+    if request.param == "paged":
+        return request.getfixturevalue("tiny_model_dir")
+    return fallback_folder("gptj", tmp_path_factory, byte_tokenizer)[0]
+
+
+def test_a_killed_shard_ends_requests_with_typed_errors(start_grpc_server, served_model_dir, monkeypatch):
     """Killed mid-stream: the stream ends UNAVAILABLE, health turns NOT_SERVING, the server says it
     failed (serve exits on it), and every later call is refused with the same typed error."""
     monkeypatch.setenv(STEP_DELAY_ENV, "20")  # the stream is still running when the shard dies
-    server = start_grpc_server(engine_config(tiny_model_dir, num_shard=2))
+    server = start_grpc_server(engine_config(served_model_dir, num_shard=2))
     assert server.stub.Generate(SHORT, timeout=TIMEOUT).generated_text
     [follower] = follower_processes()
     in_flight = server.stub.GenerateStream(LONG, timeout=TIMEOUT)
@@ -211,8 +276,8 @@ def test_a_killed_shard_ends_requests_with_typed_errors(start_grpc_server, tiny_
         assert "model can no longer run" in refused.value.details()
 
 
-def test_a_shard_killed_while_idle_is_seen_without_a_request(start_grpc_server, tiny_model_dir):
-    server = start_grpc_server(engine_config(tiny_model_dir, num_shard=2))
+def test_a_shard_killed_while_idle_is_seen_without_a_request(start_grpc_server, served_model_dir):
+    server = start_grpc_server(engine_config(served_model_dir, num_shard=2))
     [follower] = follower_processes()
     os.kill(follower.pid, signal.SIGKILL)
     server.call(asyncio.wait_for(server.server.failed.wait(), TIMEOUT))

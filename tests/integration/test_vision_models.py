@@ -317,3 +317,37 @@ def test_unsupported_vision_architectures_are_refused_by_name(tmp_path, model_ty
     AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match=f"vision-language architecture '{model_type}' is not supported: "):
         build_engine(EngineConfig(model=ModelConfig(model_id=str(tmp_path), device="cpu")))
+
+
+def test_a_follow_up_reuses_the_whole_first_turn_its_reply_and_partial_block_included(llava_engine, reference):
+    """A reply that tokenizes back to the ids generated (here: the model biased to one word, put back
+    without its leading space, as LLaVA's template writes it): the second turn reuses every token the
+    first computed, through its partial last block, computes only the new question, and still
+    answers as transformers does; every block is free once both are done."""
+    [word] = llava_engine.tokenizer.encode(" the", add_special_tokens=False)
+    first_request = chat_request([(93, 40, 160), "what is in this image"])
+    first_request.logit_bias[str(word)] = 100
+
+    async def turns(engine, front_end):
+        first = await chat_tokens(engine, front_end, first_request)
+        reply = llava_engine.tokenizer.decode(first[1]).lstrip()
+        hits_before, adopted_before = engine.stats().num_prefix_hit_tokens, llava_engine.prefix_cache.num_adopted_blocks
+        encoded_before = llava_engine.vision.num_encoded_images
+        follow = chat_request([(93, 40, 160), "what is in this image"], reply, ["and what colour is it"])
+        second = await chat_tokens(engine, front_end, follow)
+        return (
+            first,
+            second,
+            engine.stats().num_prefix_hit_tokens - hits_before,
+            llava_engine.prefix_cache.num_adopted_blocks - adopted_before,
+            llava_engine.vision.num_encoded_images - encoded_before,
+        )
+
+    first, second, hits, adopted, encoded = run(llava_engine, turns)
+    first_ids = first[0].prompt_token_ids + first[1]
+    assert second[0].prompt_token_ids[: len(first_ids)] == first_ids  # the reply tokenized back to its ids
+    assert hits == len(first_ids) - 1  # all the first turn computed: its last sampled token never ran
+    assert len(first_ids) % 4 != 1 and adopted == 1  # ...the last 1..3 of them from its partial block
+    assert encoded == 0
+    assert second[1] == reference(second[0])
+    assert llava_engine.kv.num_free_blocks == llava_engine.kv.num_blocks and llava_engine.kv.holders() == []

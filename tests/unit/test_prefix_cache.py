@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_service.engine.block_hash_index import BlockHashIndex, cache_salt, hash_block
+from inference_service.engine.block_hash_index import BlockHashIndex, BlockOrigin, cache_salt, hash_block
 from inference_service.engine.kv_cache_manager import KVCacheManager
-from inference_service.engine.prefix_cache import PrefixCache
+from inference_service.engine.prefix_cache import PrefixCache, PrefixHit
 from inference_service.engine.request import Request, RequestStatus
 from inference_service.engine.scheduler import Scheduler
-from inference_service.sampling_params import SamplingParams, StoppingParams
+from inference_service.sampling_params import ImageInput, SamplingParams, StoppingParams
 
 SALT = cache_salt("test-model")
 
@@ -328,7 +328,7 @@ def test_outputs_and_work_with_and_without_prefix_caching():
     )
     assert scheduler.num_preemptions == scheduler_off.num_preemptions == 0
     assert {r: q.output_token_ids for r, q in on.items()} == {r: q.output_token_ids for r, q in off.items()}
-    assert scheduler.prefix.num_hit_tokens > 0
+    assert scheduler.prefix.num_hit_tokens > 0 and scheduler.prefix.num_adopted_blocks > 0
     assert model_on.num_computed_tokens + scheduler.prefix.num_hit_tokens == model_off.num_computed_tokens
     assert on["r12"].timings.num_cached_tokens == 0
 
@@ -393,3 +393,136 @@ def test_an_adapter_request_without_adapter_salts_is_refused():
     prefix = PrefixCache(KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True), SALT)
     with pytest.raises(ValueError, match="names a LoRA adapter"):
         prefix.lookup(_adapter_request("a", list(range(9)), "fr"))
+
+
+# -- partial blocks: a follow-up runs on into part of a cached block -----------------------------
+def test_a_released_partial_block_is_kept_and_adopted_by_a_request_sharing_its_first_tokens():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    a = _fill(kv, "a", [1, 2, 3, 4, 5, 6])  # 1 full block + 2 computed tokens of the next
+    origin = BlockOrigin(_chain([1, 2, 3, 4], 4)[0], (5, 6))
+    kv.keep_tail("a", 1, origin)
+    kv.free("a")
+    assert kv.index.evictable_order() == [a[1], a[0]]  # the tail first: evicted before its head
+    assert kv.num_cached_blocks == 2 and kv.num_free_blocks == 6
+    assert kv.partial_match(origin.parent, (5, 6, 9)) == (a[1], 2)
+    assert kv.partial_match(origin.parent, (5, 7)) == (a[1], 1)
+    assert kv.partial_match(origin.parent, (6,)) is None  # not even the first token
+    assert kv.partial_match(SALT, (5, 6)) is None  # another place in another chain
+    table = kv.allocate_slots("b", 8, [a[0]], adopted=a[1])
+    assert table == [a[0], a[1]] and kv.ref_count(a[1]) == 1
+    assert a[1] not in kv.index and kv.index.evictable_order() == []  # the request's own block now
+    kv.cache_blocks("b", _chain([1, 2, 3, 4, 5, 6, 9, 9], 4), 2)  # indexed anew once full
+    assert kv.cached_prefix(_chain([1, 2, 3, 4, 5, 6, 9, 9], 4)) == [a[0], a[1]]
+    kv.free("b")
+    assert kv.num_free_blocks == 6
+
+
+def test_only_an_evictable_block_can_be_adopted_and_the_longest_match_wins():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    hashes = _chain([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    tokens = (1, 2, 3, 4, 5, 6, 7, 8)
+
+    def origin(position: int) -> BlockOrigin:
+        return BlockOrigin(hashes[position - 1] if position else SALT, tokens[4 * position : 4 * position + 4])
+
+    table = kv.allocate_slots("a", 8)
+    kv.cache_blocks("a", hashes, 2, origin)
+    assert kv.partial_match(hashes[0], (5, 6, 0)) is None  # held: its holder reads every slot
+    kv.free("a")
+    assert kv.partial_match(hashes[0], (5, 6, 0)) == (table[1], 2)
+    kv.allocate_slots("t", 4)
+    kv.keep_tail("t", 0, BlockOrigin(hashes[0], (5, 6, 7)))
+    tail = kv.block_table("t")[0]
+    kv.free("t")
+    assert kv.partial_match(hashes[0], (5, 6, 7, 0)) == (tail, 3)
+    with pytest.raises(ValueError, match="cannot be adopted"):
+        kv.allocate_slots("b", 8, [table[0]], adopted=table[0] + 100)
+    fresh = kv.allocate_slots("c", 4 * 6)  # 6 blocks: 5 free, then the least recent evictable one
+    assert table[1] in fresh and kv.partial_match(hashes[0], (5, 6, 0)) == (tail, 2)  # evicted: forgotten
+    kv.free("c")
+    assert kv.num_free_blocks == 8
+
+
+def _follow_up_run(block_size: int, first: list[int], follow, max_new: int = 5):
+    """A first request run to its end, then a second whose prompt is `follow` (or `follow(first)`)."""
+    kv = KVCacheManager(64, block_size, enable_prefix_caching=True)
+    scheduler = Scheduler(kv, max_batch_prefill_tokens=64, max_batch_size=None, prefix_cache=PrefixCache(kv, SALT))
+    requests = {"first": _request("first", first, max_new)}
+    model = ShadowModel(scheduler, requests)
+    scheduler.add(requests["first"])
+    while scheduler.num_unfinished:
+        model.step()
+        for request in list(scheduler.running):
+            if request.num_output_tokens >= request.stopping.max_new_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    done = requests["first"]
+    requests["second"] = _request("second", follow(done) if callable(follow) else follow, 2)
+    scheduler.add(requests["second"])
+    computed_before = model.num_computed_tokens
+    while scheduler.num_unfinished:  # the shadow checks every reused slot holds the right prefix
+        model.step()
+        for request in list(scheduler.running):
+            if request.num_output_tokens >= request.stopping.max_new_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    assert kv.num_free_blocks == kv.num_blocks and kv.holders() == []
+    return done, requests["second"], model.num_computed_tokens - computed_before, scheduler
+
+
+def test_a_follow_up_reuses_the_first_turn_with_its_generated_tokens_and_partial_last_block():
+    prompt = list(range(10, 21))  # 11 tokens, blocks of 4: the reply's tokens run through 4 blocks
+    done, second, computed, scheduler = _follow_up_run(4, prompt, lambda done: done.all_token_ids() + [7, 7, 7])
+    # every token the first turn computed (all but its last sampled one) is reused
+    assert second.timings.num_cached_tokens == done.num_tokens - 1 == 15
+    assert computed == second.num_prompt_tokens - 15 + 1  # the rest of the prompt, then one decode step
+    assert scheduler.prefix.num_adopted_blocks == 1
+
+
+def test_a_follow_up_that_differs_inside_a_block_reuses_up_to_the_difference():
+    prompt = list(range(10, 22))  # 3 full blocks, the last one ending its chain (1 token sampled, never run)
+    _, second, _, scheduler = _follow_up_run(4, prompt, prompt[:9] + [99, 98, 97], max_new=1)
+    assert second.timings.num_cached_tokens == 9 and scheduler.prefix.num_adopted_blocks == 1
+
+
+def test_the_same_prompt_again_reuses_all_but_its_last_token_at_any_length():
+    for length in (11, 12, 13):  # the first request's tail holds its one computed output token
+        prompt = list(range(10, 10 + length))
+        _, second, computed, _ = _follow_up_run(4, prompt, prompt, max_new=2)
+        assert second.timings.num_cached_tokens == length - 1 and computed == 2
+
+
+def test_a_partial_hit_never_ends_inside_a_both_way_span():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    prefix = PrefixCache(kv, SALT)
+    table = kv.allocate_slots("a", 8)
+    kv.keep_tail("a", 1, BlockOrigin(_chain([1, 2, 3, 4], 4)[0], (5, 6, 7)))
+    kv.cache_blocks("a", _chain([1, 2, 3, 4], 4), 1, lambda _: BlockOrigin(SALT, (1, 2, 3, 4)))
+    kv.free("a")
+    request = _request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert prefix.lookup(request) == PrefixHit([table[0]], 7, adopted_block=table[1])
+    request.images = (ImageInput(positions=(5, 6, 7), pixel_values=None, content_hash=b"x" * 32, span=(5, 8)),)
+    assert prefix.lookup(request) == PrefixHit([table[0]], 5, adopted_block=table[1])
+    request.images = (ImageInput(positions=(4, 5, 6, 7), pixel_values=None, content_hash=b"x" * 32, span=(4, 8)),)
+    assert prefix.lookup(request) == PrefixHit([table[0]], 4)
+
+
+def test_a_block_that_a_cached_chain_goes_on_through_is_never_adopted():
+    """A shared system prompt's last block, followed by one conversation's cached blocks: another
+    conversation differing inside it computes it afresh rather than cut the first one's chain."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    hashes = _chain(tokens, 4)
+
+    def origin(position: int) -> BlockOrigin:
+        return BlockOrigin(hashes[position - 1] if position else SALT, tuple(tokens[4 * position : 4 * position + 4]))
+
+    table = kv.allocate_slots("a", 12)
+    kv.cache_blocks("a", hashes, 3, origin)
+    kv.free("a")
+    assert kv.partial_match(hashes[0], (5, 6, 0)) is None  # block 1 is followed by block 2
+    assert kv.partial_match(hashes[1], (9, 0)) == (table[2], 1)  # block 2 ends the chain
+    kv.allocate_slots("t", 4)
+    kv.keep_tail("t", 0, BlockOrigin(hashes[2], (13,)))
+    kv.free("t")
+    assert kv.partial_match(hashes[1], (9, 0)) == (table[2], 1)  # a tail after it does not count
+    kv.allocate_slots("b", 4 * 5)  # 5 blocks: 4 free, then block 2 (released first) is evicted
+    assert kv.partial_match(hashes[0], (5, 6, 0)) == (table[1], 2)  # nothing follows block 1 now

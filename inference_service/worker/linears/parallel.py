@@ -75,6 +75,13 @@ class RowParallelLinear(torch.nn.Module):
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(inner, bias, linear.in_features, group)
 
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """This shard's columns, for code that reads a projection's dtype (T5's MLP); None when
+        the inner module keeps no plain weight."""
+        weight = getattr(self.inner, "weight", None)
+        return weight if isinstance(weight, torch.Tensor) else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.group.all_reduce(self.inner(x).contiguous())
         return out if self.bias is None else out + self.bias
@@ -89,7 +96,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         start: int,
         num_embeddings: int,
         group: ShardGroup,
-        scale: torch.Tensor | None = None,
+        scale: torch.Tensor | float | None = None,
     ):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [per_shard, D], zero-padded
@@ -97,26 +104,32 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings = num_embeddings  # the whole vocabulary's
         self.embedding_dim = weight.shape[1]
         self.group = group
-        self.scale = scale  # Gemma's embeddings are scaled by √D (transformers' ScaledWordEmbedding)
+        # Gemma's and BART's embeddings are scaled by √D (transformers' ScaledWordEmbedding): a tensor or a float
+        self.scale = scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # [..., D]
         rows = self.group.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
-        return rows if self.scale is None else rows * self.scale.to(rows.dtype)
+        if self.scale is None:
+            return rows
+        return rows * (self.scale.to(rows.dtype) if isinstance(self.scale, torch.Tensor) else self.scale)
 
 
 class VocabParallelHead(torch.nn.Module):
     """Logits of this shard's vocabulary slice (`inner`, an nn.Linear the native kernels may
-    replace), gathered on shard 0 into the whole vocabulary; other shards return their slice."""
+    replace), gathered on shard 0 into the whole vocabulary; other shards return their slice, or with
+    `full_width` zeros of the whole vocabulary's width (a broadcast view: no memory), where the model
+    adds a full-width tensor to the logits (BART's final_logits_bias)."""
 
-    def __init__(self, inner: torch.nn.Module, out_features: int, group: ShardGroup):
+    def __init__(self, inner: torch.nn.Module, out_features: int, group: ShardGroup, full_width: bool = False):
         super().__init__()
         self.inner = inner
         self.out_features = out_features  # the whole vocabulary's (the sampler's width)
         self.in_features = cast(int, inner.in_features)
         self.group = group
+        self.full_width = full_width
 
     @property
     def weight(self) -> torch.Tensor:
@@ -127,7 +140,7 @@ class VocabParallelHead(torch.nn.Module):
         local = self.inner(hidden)  # [..., per_shard]
         parts = self.group.gather_to_first(local)
         if not parts:
-            return local
+            return local.new_zeros(()).expand(*local.shape[:-1], self.out_features) if self.full_width else local
         return torch.cat(parts, dim=-1)[..., : self.out_features]
 
 

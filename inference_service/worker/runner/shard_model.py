@@ -62,21 +62,21 @@ def shard_model(model: Any, group: ShardGroup) -> None:
     """Keep this shard's slice of every layer of `model` (a transformers causal LM) and wire the
     collectives; raises ShardingRefused (nothing changed) for a model it can't cut."""
     names, heads, kv_heads, head_dim = _check(model, group.world_size)
-    q_heads, kv_heads_kept = _heads_of(group.rank, group.world_size, heads, kv_heads)
-    q_rows, kv_rows = _rows(q_heads, head_dim), _rows(kv_heads_kept, head_dim)
+    q_heads, kv_heads_kept = heads_of(group.rank, group.world_size, heads, kv_heads)
+    q_rows, kv_rows = head_rows(q_heads, head_dim), head_rows(kv_heads_kept, head_dim)
     for layer in _layers(model, names):
         attn = layer.self_attn
         for name, rows in ((names.q, q_rows), (names.k, kv_rows), (names.v, kv_rows)):
             setattr(attn, name, column_slice(getattr(attn, name), rows))
         setattr(attn, names.o, RowParallelLinear.from_linear(getattr(attn, names.o), q_rows, group))
-        _set_head_counts(attn, len(q_heads), len(kv_heads_kept))
+        set_head_counts(attn, len(q_heads), len(kv_heads_kept))
         mlp = getattr(layer, names.mlp) if names.mlp else layer
         width = getattr(mlp, names.column[0]).out_features
-        mlp_rows = _share(width, group.rank, group.world_size)
+        mlp_rows = share(width, group.rank, group.world_size)
         for name in names.column:
             setattr(mlp, name, column_slice(getattr(mlp, name), mlp_rows))
         setattr(mlp, names.row, RowParallelLinear.from_linear(getattr(mlp, names.row), mlp_rows, group))
-    _shard_vocabulary(model, group)
+    shard_vocabulary(model, group)
 
 
 def _check(model: Any, num_shards: int) -> tuple[_Names, int, int, int]:
@@ -120,7 +120,7 @@ def _layers(model: Any, names: _Names) -> list[Any]:
     return list(module)
 
 
-def _heads_of(rank: int, num_shards: int, heads: int, kv_heads: int) -> tuple[list[int], list[int]]:
+def heads_of(rank: int, num_shards: int, heads: int, kv_heads: int) -> tuple[list[int], list[int]]:
     """This shard's query heads and the KV heads they read."""
     per_shard = heads // num_shards
     q_heads = list(range(rank * per_shard, (rank + 1) * per_shard))
@@ -131,16 +131,16 @@ def _heads_of(rank: int, num_shards: int, heads: int, kv_heads: int) -> tuple[li
     return q_heads, [q_heads[0] // group_size]
 
 
-def _rows(heads: list[int], head_dim: int) -> torch.Tensor:
+def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
 
 
-def _share(width: int, rank: int, num_shards: int) -> torch.Tensor:
+def share(width: int, rank: int, num_shards: int) -> torch.Tensor:
     per_shard = width // num_shards
     return torch.arange(rank * per_shard, (rank + 1) * per_shard)
 
 
-def _set_head_counts(attn: Any, num_heads: int, num_kv_heads: int) -> None:
+def set_head_counts(attn: Any, num_heads: int, num_kv_heads: int) -> None:
     """Head counts some attention modules keep (OPT reshapes by `num_heads`; eager attention repeats KV
     by `num_key_value_groups`)."""
     for name, value in (
@@ -155,7 +155,10 @@ def _set_head_counts(attn: Any, num_heads: int, num_kv_heads: int) -> None:
         attn.embed_dim = num_heads * attn.head_dim
 
 
-def _shard_vocabulary(model: Any, group: ShardGroup) -> None:
+def shard_vocabulary(model: Any, group: ShardGroup, full_width: bool = False) -> None:
+    """The embedding and the head cut by vocabulary. `full_width`: followers' heads return logits
+    of the whole vocabulary's width (not their values), for models that add a full-width bias after
+    the head (BART's final_logits_bias)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = getattr(head, "weight", None) is embed.weight
     rows, start = vocab_rows(embed.weight, group)
@@ -163,10 +166,13 @@ def _shard_vocabulary(model: Any, group: ShardGroup) -> None:
     parallel_embed = VocabParallelEmbedding(rows, start, embed.num_embeddings, group, scale)
     model.set_input_embeddings(parallel_embed)
     inner: torch.nn.Module
+    last = head.out_features - 1
+    token_rows = torch.arange(start, start + rows.shape[0]).clamp(max=last)
     if tied:
-        inner = torch.nn.Linear(head.in_features, rows.shape[0], bias=False, device=rows.device)
+        inner = torch.nn.Linear(head.in_features, rows.shape[0], bias=head.bias is not None, device=rows.device)
         inner.weight = parallel_embed.weight  # still one tensor: the panel layout leaves it alone
+        if head.bias is not None:
+            inner.bias = torch.nn.Parameter(head.bias.detach()[token_rows].contiguous(), requires_grad=False)
     else:  # the last shard's padding rows repeat the last token's: their logits are cut off
-        last = head.out_features - 1
-        inner = column_slice(head, torch.arange(start, start + rows.shape[0]).clamp(max=last))
-    model.set_output_embeddings(VocabParallelHead(inner, head.out_features, group))
+        inner = column_slice(head, token_rows)
+    model.set_output_embeddings(VocabParallelHead(inner, head.out_features, group, full_width))
