@@ -3,7 +3,8 @@
 Three ratios, each measured side by side (runs alternate, best of `--runs`):
 - 16 concurrent streams spread over 4 adapters (rank 16, all seven projections) vs the same 16
   streams on a server without adapters: decode throughput (tok/s), goal ≥ 0.85× the base's;
-- one stream decoding with an adapter vs the base alone: ms per token, goal ≤ 1.1×;
+- one stream decoding with an adapter vs the base alone: ms per token, goal ≤ 1.1× (and, to tell the
+  adapter's cost from the LoRA server's, one stream without an adapter on the LoRA server: ≈ 1×);
 - the 16 mixed streams vs `peft` + transformers generating the same work as one static batch
   (peft's mixed-adapter batches, `adapter_names`): tok/s, goal ≥ 3×.
 Every request generates exactly `--new-tokens` tokens greedily (EOS ignored). The adapters are made
@@ -127,12 +128,13 @@ def main() -> None:
     names = list(adapter_dirs)
     mixed = [names[i % len(names)] for i in range(settings["streams"])]
     new = settings["new_tokens"]
-    rates: dict[str, list[float]] = {"mixed": [], "base": [], "one_adapter": [], "one_base": []}
+    rates: dict[str, list[float]] = {"mixed": [], "base": [], "one_adapter": [], "one_base": [], "one_no_adapter": []}
     for _ in range(settings["runs"]):
         rates["mixed"].append(_decode_rate(with_lora, workload.prompts, mixed, new))
         rates["base"].append(_decode_rate(base, workload.prompts, [None] * len(mixed), new))
         rates["one_adapter"].append(_decode_rate(with_lora, workload.prompts[:1], [names[0]], new))
         rates["one_base"].append(_decode_rate(base, workload.prompts[:1], [None], new))
+        rates["one_no_adapter"].append(_decode_rate(with_lora, workload.prompts[:1], [None], new))
     peft_rate = _peft_rate(path, adapter_dirs, workload.prompts, mixed, new)
     best = {key: max(values) for key, values in rates.items()}
     rows = [
@@ -149,6 +151,13 @@ def main() -> None:
             common.fmt(1000 / best["one_base"], 2),
             common.ratio(best["one_base"], best["one_adapter"]),
             "≤ 1.1×",
+        ),
+        (
+            "one stream without an adapter on the LoRA server vs the base (ms/token)",
+            common.fmt(1000 / best["one_no_adapter"], 2),
+            common.fmt(1000 / best["one_base"], 2),
+            common.ratio(best["one_base"], best["one_no_adapter"]),
+            "≈ 1×",
         ),
         (
             f"{settings['streams']} mixed streams vs peft + transformers, one static batch (tok/s)",

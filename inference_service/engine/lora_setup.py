@@ -34,7 +34,7 @@ def enable_lora(config: EngineConfig, loaded: LoadedModel, runner: Runner) -> Ad
     if len(specs) > max_loras:
         raise ModelLoadError(f"--lora-adapters names {len(specs)} adapters, more than --max-loras {max_loras}")
     table = LoraTable()
-    install_lora(loaded.model, runner.decode_step.layers if runner.decode_step is not None else None)
+    install_lora(loaded.model, runner.decode_step)
     runner.lora = table
     registry = AdapterRegistry(
         table,

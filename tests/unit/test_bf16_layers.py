@@ -1,7 +1,8 @@
 """A bf16 decode step's layers in one native call (runner/bf16_layers.py) compute bitwise what the
 op-by-op plan computes: the same logits and the same K/V rows in the cache, on shuffled block tables
 with ragged context lengths, Qwen2's biases, Qwen3's Q/K norms and sliding windows per layer. Steps
-the fused call can't run (LoRA's wrapped projections, another KV dtype) still run op by op."""
+the fused call can't run (a replaced projection, an adapter row, another KV dtype) still run op by op;
+with LoRA enabled, steps without adapter rows keep the fused call."""
 
 from __future__ import annotations
 
@@ -130,3 +131,35 @@ def test_another_kv_dtype_runs_op_by_op():
     fused.kernel = counting  # type: ignore[assignment]
     logits = _forward(step, _cache(step, torch.float16), [5, 9])
     assert counting.calls == 0 and bool(torch.isfinite(logits).all())
+
+
+def test_lora_steps_without_an_adapter_keep_the_fused_call():
+    """With LoRA enabled (the decode plan given its sites), a step with no adapter row still runs the
+    one-call layers; a step with an adapter row runs op by op and adds the adapter's update."""
+    from inference_service.worker.lora.batch import LoraGroup, LoraStep, lora_context
+    from inference_service.worker.lora.decode import DecodeLora
+    from inference_service.worker.lora.weights import TARGETS, AdapterWeights, LoraPair
+
+    step = _step("llama")
+    fused = step.fused
+    assert fused is not None
+    counting = CountingRuns(fused.kernel)
+    fused.kernel = counting  # type: ignore[assignment]
+    before = _forward(step, _cache(step), [5, 9])
+    first = step.layers[0]
+    hidden, attention = first.o_proj.out_features, first.num_heads * first.head_dim
+    kv, inner = first.num_kv_heads * first.head_dim, first.gate_up.out_features // 2
+    widths = {"q_proj": attention, "k_proj": kv, "v_proj": kv, "o_proj": hidden, "gate_proj": inner, "up_proj": inner}
+    shapes = {(layer.index, t): (hidden, widths[t]) for layer in step.layers for t in TARGETS if t != "down_proj"}
+    shapes |= {(layer.index, "down_proj"): (inner, hidden) for layer in step.layers}
+    step.lora = DecodeLora([layer.index for layer in step.layers], shapes)
+    without = _forward(step, _cache(step), [5, 9])
+    assert counting.calls == 2, "a step without adapter rows left the fused call"
+    assert torch.equal(before, without)
+    generator = torch.Generator().manual_seed(11)
+    pair = LoraPair(torch.randn(hidden, 4, generator=generator), torch.randn(4, attention, generator=generator))
+    adapter = AdapterWeights("a", 4, {(0, "q_proj"): pair})
+    with lora_context(LoraStep([LoraGroup(adapter, torch.tensor([1]), 1)])):
+        with_adapter = _forward(step, _cache(step), [5, 9])
+    assert counting.calls == 2, "the fused call ran a step with an adapter row"
+    assert torch.equal(with_adapter[0], without[0]) and not torch.equal(with_adapter[1], without[1])

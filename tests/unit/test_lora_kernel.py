@@ -9,8 +9,8 @@ import torch
 from inference_service.worker.kernels.lora_bindings import load_lora_kernel
 from inference_service.worker.lora import native
 from inference_service.worker.lora.batch import LoraGroup, LoraStep, lora_context
-from inference_service.worker.lora.linear import LoraFused, LoraLinear
-from inference_service.worker.lora.weights import AdapterWeights, LoraPair
+from inference_service.worker.lora.linear import LoraLinear
+from inference_service.worker.lora.weights import TARGETS, AdapterWeights, LoraPair
 
 pytestmark = pytest.mark.skipif(load_lora_kernel() is None, reason="no C++ compiler for the native kernel")
 
@@ -48,6 +48,10 @@ def _step(groups, num_rows):
     )
 
 
+def _native_parts(parts):
+    return native.parts_of([(site, c.start, c.stop - c.start) for site, c in parts])
+
+
 def _fused_parts(layer: int):
     parts, start = [], 0
     for target, width in WIDTHS.items():
@@ -72,10 +76,9 @@ def test_sgmv_mixed_adapters_equal_float64(num_rows):
     y = torch.randn(num_rows, sum(WIDTHS.values()))
     parts = _fused_parts(1)
     expected = _reference(x, y, groups, parts)
-    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
     step = _step(groups, num_rows)
     got = y.clone()
-    assert native.add_native(x, got, step, fused.native_parts)
+    assert native.add_native(x, got, step, _native_parts(parts))
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
     base_rows = sorted(set(range(num_rows)) - {r for _, rows in groups for r in rows})
     assert torch.equal(got[base_rows], y[base_rows])  # rows of the base are untouched
@@ -88,8 +91,7 @@ def test_bgmv_one_row_equals_float64():
     expected = _reference(x, y, [(adapter, [0])], parts)
     step = _step([(adapter, [0])], 1)
     got = y.clone()
-    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
-    assert native.add_native(x, got, step, fused.native_parts)
+    assert native.add_native(x, got, step, _native_parts(parts))
     assert step.native.single is not None  # the fused single-row path ran
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
@@ -127,9 +129,8 @@ def test_sgmv_split_over_threads_equals_float64():
     rows = list(range(0, 400, 2)) + list(range(1, 400, 4))
     parts = _fused_parts(3)
     expected = _reference(x, y, [(adapter, rows)], parts)
-    fused = LoraFused(torch.nn.Identity(), [(site, c.stop - c.start) for site, c in parts])
     got = y.clone()
-    assert native.add_native(x, got, _step([(adapter, rows)], 400), fused.native_parts)
+    assert native.add_native(x, got, _step([(adapter, rows)], 400), _native_parts(parts))
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
@@ -149,3 +150,32 @@ def test_expand_tiles_and_column_tails_equal_float64(num_rows):
         x, got, _step([(adapter, list(range(num_rows)))], num_rows), native.parts_of([((0, "o_proj"), 0, width)])
     )
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5])  # one row (BGMV), several rows over two adapters (SGMV)
+def test_decode_plan_adder_equals_torch_path(monkeypatch, num_rows):
+    """The decode plan's adder (ctypes arguments bound once per step) adds what add_lora's torch path
+    adds, at a fused q|k|v projection; rows of the base are untouched."""
+    from inference_service.worker.lora.decode import QKV, DecodeLora
+
+    shapes = {(layer, t): (IN, WIDTHS.get(t, IN)) for layer in (0, 1) for t in TARGETS}
+    plan = DecodeLora([0, 1], shapes)
+    sites = [(1, t) for t in WIDTHS]
+    one, two = _adapter("a", 16, 9, sites), _adapter("b", 5, 10, sites[:2])
+    groups = [(one, [0])] if num_rows == 1 else [(one, [0, 3]), (two, [1, 4])]
+    x, y = torch.randn(num_rows, IN), torch.randn(num_rows, sum(WIDTHS.values()))
+    got = y.clone()
+    fast = plan.adder(_step(groups, num_rows), x)
+    assert fast.native
+    fast.add(x, got, 1, QKV)
+    monkeypatch.setattr(native, "MAX_NATIVE_ROWS", 0)  # the torch path
+    expected = y.clone()
+    step = _step(groups, num_rows)
+    with lora_context(step):
+        reference = plan.adder(step, x)
+        assert not reference.native
+        reference.add(x, expected, 1, QKV)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, y)
+    if num_rows > 1:
+        assert torch.equal(got[2], y[2])  # row 2 runs on the base

@@ -61,6 +61,9 @@ class LoraKernel:
     def __init__(self, library: ctypes.CDLL):
         self._sgmv = bindings._bind(library, "lora_sgmv_f32", [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64])
         self._bgmv = bindings._bind(library, "lora_bgmv_f32", [_P, _I64, _P, _P, _I64, _P, _I64])
+        # The ctypes functions themselves, for a caller that binds a step's arguments once and checks
+        # the status itself (lora/decode.py: four calls per layer of every decode step).
+        self.sgmv_raw, self.bgmv_raw = self._sgmv, self._bgmv
 
     @staticmethod
     def supports(x: torch.Tensor, y: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Puts LoRA linears around a model's projections (and the decode plan's fused ones).
+"""Puts LoRA linears around a model's projections, and gives the decode plan its LoRA sites.
 
 Only when adapters are enabled: a server without them runs the base linears untouched. Every
 targetable projection is wrapped, so an adapter loaded later may target any of them.
@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from inference_service.worker.linears.replace import replace_module
-from inference_service.worker.lora.linear import LoraFused, LoraLinear
-from inference_service.worker.lora.weights import ATTENTION_TARGETS, MLP_TARGETS, TARGETS, Site
+from inference_service.worker.lora.decode import DecodeLora
+from inference_service.worker.lora.linear import LoraLinear
+from inference_service.worker.lora.weights import ATTENTION_TARGETS, TARGETS, Site
 
 
 def projection_shapes(model: Any) -> dict[Site, tuple[int, int]]:
@@ -37,24 +38,21 @@ def _projection(layer: Any, target: str) -> Any:
     return getattr(owner, target, None)
 
 
-def install_lora(model: Any, decode_layers: list[Any] | None = None) -> int:
-    """Wrap the model's projections (and the decode plan's layers, when given) in LoRA linears;
-    returns how many projections were wrapped."""
+def install_lora(model: Any, decode_step: Any = None) -> int:
+    """Wrap the model's projections in LoRA linears (prefill and mixed steps) and give the decode plan
+    (runner/decode_step.py, when given) its LoRA sites, which it adds itself (lora/decode.py);
+    returns how many projections may take an adapter."""
     shapes = projection_shapes(model)
     for index, layer in enumerate(model.model.layers):
         for target in TARGETS:
             owner = "self_attn" if target in ATTENTION_TARGETS else "mlp"
             base = _projection(layer, target)
             replace_module(layer, f"{owner}.{target}", LoraLinear(base, (index, target)))
-    for layer in decode_layers or ():
-        index = layer.index
-        layer.qkv = LoraFused(layer.qkv, [((index, t), shapes[(index, t)][1]) for t in ("q_proj", "k_proj", "v_proj")])
-        layer.gate_up = LoraFused(layer.gate_up, [((index, t), shapes[(index, t)][1]) for t in MLP_TARGETS[:2]])
-        layer.o_proj = LoraLinear(layer.o_proj, (index, "o_proj"))
-        layer.down = LoraLinear(layer.down, (index, "down_proj"))
+    if decode_step is not None:
+        decode_step.lora = DecodeLora([layer.index for layer in decode_step.layers], shapes)
     return len(shapes)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The base projection under a LoRA linear (the module itself otherwise)."""
-    return module.base if isinstance(module, LoraLinear | LoraFused) else module
+    return module.base if isinstance(module, LoraLinear) else module

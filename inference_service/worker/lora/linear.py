@@ -1,11 +1,12 @@
 """Linears that add the LoRA update of each row's adapter to the base projection's output.
 
-`LoraLinear` wraps one base projection (any kind: nn.Linear, native, panelled, quantized) and
-`LoraFused` a fused one of the decode plan (q|k|v or gate|up), adding each part's update to its
-slice of the output columns. Per group of rows sharing an adapter: shrink (x · A, [n, r]) then
-expand (· B, [n, out]) and add into those rows: one native call per projection for every group
-where the kernel applies (lora/native.py), else the torch path below (the reference). With no
-adapter in the step they cost one contextvar read.
+`LoraLinear` wraps one base projection (any kind: nn.Linear, native, panelled, quantized) for the
+steps transformers' layers run (prefill, mixed); the decode plan adds the same updates itself, a
+fused projection's parts (q|k|v, gate|up) each in its slice of the output columns (lora/decode.py).
+Per group of rows sharing an adapter: shrink (x · A, [n, r]) then expand (· B, [n, out]) and add
+into those rows: one native call per projection for every group where the kernel applies
+(lora/native.py), else the torch path below (the reference). With no adapter in the step they cost
+one contextvar read.
 
 In the torch path the products are small (a few rows times rank 8-64): on CPU they run on one thread. Measured on this
 shared 2-core CPU (busy): [2, 64]·[64, 8]·[8, 192] took 44 ms with torch's 2 threads waiting on each
@@ -90,24 +91,6 @@ class LoraLinear(torch.nn.Module):
         self.out_features: int = shape.out_features
         self.parts = [(site, slice(0, self.out_features))]
         self.native_parts = parts_of([(site, 0, self.out_features)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(x, self.base(x), self.parts, self.native_parts)
-
-
-class LoraFused(torch.nn.Module):
-    """A fused projection (the decode plan's q|k|v or gate|up) plus each part's LoRA update in its
-    own columns."""
-
-    def __init__(self, base: torch.nn.Module, parts: list[tuple[Site, int]]):
-        super().__init__()
-        self.base = base
-        self.parts: list[tuple[Site, slice]] = []
-        start = 0
-        for site, width in parts:
-            self.parts.append((site, slice(start, start + width)))
-            start += width
-        self.native_parts = parts_of([(site, c.start, c.stop - c.start) for site, c in self.parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_lora(x, self.base(x), self.parts, self.native_parts)

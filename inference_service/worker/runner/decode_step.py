@@ -36,6 +36,8 @@ from inference_service.worker.linears.bf16 import BF16NativeLinear
 from inference_service.worker.linears.native import NativeLinear
 from inference_service.worker.linears.panelled import PanelledLinear
 from inference_service.worker.linears.quant import QuantLinear
+from inference_service.worker.lora.batch import current_step
+from inference_service.worker.lora.decode import DOWN, GATE_UP, O_PROJ, QKV, DecodeLora, StepAdder
 from inference_service.worker.runner.bf16_layers import fused_bf16_layers_for
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,9 @@ class DecodeStep:
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
         # bf16 on CPU: every layer in one native call where the step allows (runner/bf16_layers.py)
         self.fused = fused_bf16_layers_for(self.layers) if isinstance(glue, BF16DecodeGlue) else None
+        # LoRA adapters enabled (lora/install.py): a step with adapter rows adds their updates after
+        # each projection; a step without runs exactly as without adapters
+        self.lora: DecodeLora | None = None
 
     def __str__(self) -> str:
         """How decode steps run, for the startup log."""
@@ -72,7 +77,11 @@ class DecodeStep:
         """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""
         hidden = self.embed(input_ids[0])  # [S, D]
         cos, sin = self.rotary(hidden, position_ids)  # [1, S, Dh]
-        if self.fused is not None and self.fused.takes(meta, hidden):
+        step = current_step() if self.lora is not None else None
+        if step is not None:
+            assert self.lora is not None
+            hidden = self._layers(meta, hidden, cos[0], sin[0], self.lora.adder(step, hidden))
+        elif self.fused is not None and self.fused.takes(meta, hidden):
             hidden = self.fused.run(meta, hidden, cos[0], sin[0])
         else:
             hidden = self._layers(meta, hidden, cos[0], sin[0])
@@ -80,14 +89,25 @@ class DecodeStep:
             hidden = hidden[keep_rows]
         return self.lm_head(self.final_norm(hidden)).float()
 
-    def _layers(self, meta: StepMetadata, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The layers op by op: hidden [S, D] → the residual stream after the last one."""
+    def _layers(
+        self,
+        meta: StepMetadata,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: StepAdder | None = None,
+    ) -> torch.Tensor:
+        """The layers op by op: hidden [S, D] → the residual stream after the last one (with `lora`,
+        each projection's output gets the step's LoRA updates)."""
         ops = self.ops
         delta = None  # the last sublayer's output, not yet added to `hidden`
-        for layer in self.layers:
+        for number, layer in enumerate(self.layers):
             rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
             hidden, normed = ops.add_norm(hidden, delta, layer.input_norm)
-            qkv = layer.qkv(normed).view(rows, heads + 2 * kv_heads, layer.head_dim)
+            qkv = layer.qkv(normed)
+            if lora is not None:
+                lora.add(normed, qkv, number, QKV)
+            qkv = qkv.view(rows, heads + 2 * kv_heads, layer.head_dim)
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
             q = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
@@ -96,8 +116,18 @@ class DecodeStep:
             attended = attend_decode(
                 meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
             )  # [S, H, Dv]
-            hidden, normed = ops.add_norm(hidden, layer.o_proj(attended.reshape(rows, -1)), layer.post_norm)
-            delta = layer.down(ops.silu_mul(layer.gate_up(normed)))
+            attended = attended.reshape(rows, -1)
+            out = layer.o_proj(attended)
+            if lora is not None:
+                lora.add(attended, out, number, O_PROJ)
+            hidden, normed = ops.add_norm(hidden, out, layer.post_norm)
+            gate_up = layer.gate_up(normed)
+            if lora is not None:
+                lora.add(normed, gate_up, number, GATE_UP)
+            act = ops.silu_mul(gate_up)
+            delta = layer.down(act)
+            if lora is not None:
+                lora.add(act, delta, number, DOWN)
         return hidden + delta if delta is not None else hidden
 
 
