@@ -67,6 +67,7 @@ def test_the_core_process_generates_what_the_engine_in_process_does(engines):
     assert dataclasses.replace(remote.info, loaded_at=0) == dataclasses.replace(local.info, loaded_at=0)
     assert remote.tokenizer.encode("café naïve") == local.tokenizer.encode("café naïve")
     steps: list[StepStats] = []
+    steps_before = asyncio.run(idle(remote)).num_steps
     remote.observe_steps(steps.append)
     try:
         mine, theirs = asyncio.run(_all(local)), asyncio.run(_all(remote))
@@ -80,9 +81,11 @@ def test_the_core_process_generates_what_the_engine_in_process_does(engines):
         assert [t.id for t in apart.prefill_tokens] == [t.id for t in ours.prefill_tokens]
         assert (apart.finish_reason, apart.seed) == (ours.finish_reason, ours.seed)
     assert set(theirs[3].generated_text) <= {"a", "b"} and 3 <= len(theirs[3].generated_text) <= 6
-    assert steps and sum(s.num_decode_tokens + s.num_prefill_tokens for s in steps) > 0  # metrics see the steps
     stats = asyncio.run(idle(remote))
-    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_steps > 0
+    assert len(steps) == stats.num_steps - steps_before > 0  # metrics see every step the core ran
+    generated = sum(len(result.tokens) for result in theirs)
+    assert sum(s.num_decode_tokens for s in steps) + len(theirs) == generated  # each first token ends a prefill
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_an_aborted_stream_frees_its_blocks_in_the_core(engines):
