@@ -24,7 +24,14 @@ class LaunchError(RuntimeError):
 class LaunchedServer:
     """Starts on construction; `rest_url` and `grpc_target` once ready; `stop()` sends SIGTERM."""
 
-    def __init__(self, model_id: str, server_args: list[str], log_path: Path, start_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        model_id: str,
+        server_args: list[str],
+        log_path: Path,
+        start_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+    ):
         command = [
             str(Path(sys.executable).with_name("inference-service")),
             "launch",
@@ -53,6 +60,7 @@ class LaunchedServer:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env={**os.environ, **(env or {})},  # extra variables: an A/B of the server's environment
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()

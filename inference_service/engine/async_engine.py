@@ -208,7 +208,10 @@ class AsyncEngine:
         try:
             base_id = request_id or uuid.uuid4().hex
             streams = [self._stream(r, f"{base_id}-{i}") for i, r in enumerate(requests)]
-            async with contextlib.aclosing(_merged(streams)) as outputs:
+            # One request (every plain stream): its outputs as they are, without a task and a queue
+            # more per token.
+            merged = _merged(streams) if len(streams) > 1 else _tagged(streams[0])
+            async with contextlib.aclosing(merged) as outputs:
                 async for item in outputs:
                     yield item
         finally:
@@ -374,6 +377,13 @@ def _run_for(command: RunOnEngine, engine: LLMEngine) -> None:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for stream_queue, output in items:
         stream_queue.put_nowait(output)
+
+
+async def _tagged(stream: AsyncIterator[RequestOutput]) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """The outputs of one stream, tagged with index 0 (closing this closes the stream: an abort)."""
+    async with contextlib.aclosing(stream) as outputs:  # type: ignore[type-var]  # an async generator
+        async for output in outputs:
+            yield 0, output
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[tuple[int, RequestOutput]]:

@@ -7,7 +7,9 @@ flight with `ServerFailed` (gRPC UNAVAILABLE: the gateway's error event) and the
 failed state: NOT_SERVING, and `serve` exits non-zero so whoever runs it restarts it.
 
 The core is forked from the API process before that starts any thread (`CoreClient.fork`), so it
-starts in milliseconds and loads the model while the API process opens its port.
+starts in milliseconds and loads the model while the API process opens its port. A process that
+already runs threads is not forked (`default_start_method`): an OpenMP pool left by torch work done before
+(converting a GGUF file on first use) exists in the child as a barrier no thread will ever reach.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from inference_service.config import EngineConfig
 from inference_service.engine import core_process
@@ -37,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds the core gets to close its engine after Stop before it is killed.
 CORE_EXIT_S = 10.0
+# Seconds a forked child gets for one parallel torch op (milliseconds, unless it hangs).
+_FORK_PROBE_S = 5.0
 
 
 def refusal(config: EngineConfig) -> str | None:
@@ -84,14 +91,15 @@ class CoreClient(AsyncEngine):
         self._receiver = threading.Thread(target=self._receive, name="core-receiver", daemon=True)
 
     @classmethod
-    def fork(cls, config: EngineConfig, start_method: str = "fork") -> CoreStart:
+    def fork(cls, config: EngineConfig, start_method: str | None = None) -> CoreStart:
         """Fork the core process now; it loads the model while this process goes on (`CoreStart.wait`).
 
         Called before this process starts a thread (gRPC's, the model loader's): a fork of a process
         that has imported torch and the engine and runs nothing else is as clean as a fork server's,
-        and costs milliseconds instead of a second interpreter's imports.
+        and costs milliseconds instead of a second interpreter's imports. None: `default_start_method()`.
         """
-        context: Any = multiprocessing.get_context(start_method)  # tests, already running threads: "forkserver"
+        start_method = start_method or default_start_method()
+        context: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             context.set_forkserver_preload([core_process.__name__])
         conn, core_end = context.Pipe()
@@ -243,6 +251,33 @@ def _end(process: multiprocessing.process.BaseProcess) -> None:
 def _refuse(future: asyncio.Future) -> None:
     if not future.done():
         future.set_exception(RuntimeError("the engine runs in the engine-core process"))
+
+
+def default_start_method() -> str:
+    """ "fork" when a forked child can run OpenMP, else "forkserver".
+
+    A fork copies one thread. libgomp's pool (made by the first parallel torch op in this process,
+    e.g. converting a GGUF file before serving) is not copied, but libgomp in the child still counts
+    on it: the child's first parallel op waits at a barrier for good. So a throwaway child tries one
+    parallel op first; a fork server (a fresh process: it costs the imports) when it does not end.
+    """
+    probe = os.fork()
+    if probe == 0:  # the child: one parallel op, then out at once (no interpreter teardown)
+        try:
+            torch.set_num_threads(max(2, torch.get_num_threads()))
+            torch.ones(1 << 18).sum()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + _FORK_PROBE_S
+    while time.monotonic() < deadline:
+        pid, _ = os.waitpid(probe, os.WNOHANG)
+        if pid:
+            return "fork"
+        time.sleep(0.005)
+    os.kill(probe, signal.SIGKILL)
+    os.waitpid(probe, 0)
+    logger.info("OpenMP has run in this process (a forked child would hang): the engine core starts from a fork server")
+    return "forkserver"
 
 
 def loader_for(config: EngineConfig) -> Callable[[EngineConfig], AsyncEngine]:

@@ -90,10 +90,13 @@ class CoreLoop:
         self.commands: queue.Queue[wire.ToCore | None] = queue.Queue()  # None: the pipe ended
         self.failure: str | None = None
         self._send_lock = threading.Lock()  # the loop and the receiver both send
-        self.steps: list[StepStats] = []
+        self.steps: list[StepStats] = []  # since the last Outputs (a new list after each send)
         self.stats = engine.stats()  # the last step's, for the receiver (which must not read a stepping engine)
-        engine.step_observer = self.steps.append
+        engine.step_observer = self._observe
         self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV) or 0) / 1000
+
+    def _observe(self, step: StepStats) -> None:
+        self.steps.append(step)  # the list of now: `run` hands each one over whole
 
     def send(self, message: wire.FromCore) -> None:
         with self._send_lock:

@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -65,6 +67,7 @@ def test_the_core_process_generates_what_the_engine_in_process_does(engines):
     assert dataclasses.replace(remote.info, loaded_at=0) == dataclasses.replace(local.info, loaded_at=0)
     assert remote.tokenizer.encode("café naïve") == local.tokenizer.encode("café naïve")
     steps: list[StepStats] = []
+    steps_before = asyncio.run(idle(remote)).num_steps
     remote.observe_steps(steps.append)
     try:
         mine, theirs = asyncio.run(_all(local)), asyncio.run(_all(remote))
@@ -78,9 +81,11 @@ def test_the_core_process_generates_what_the_engine_in_process_does(engines):
         assert [t.id for t in apart.prefill_tokens] == [t.id for t in ours.prefill_tokens]
         assert (apart.finish_reason, apart.seed) == (ours.finish_reason, ours.seed)
     assert set(theirs[3].generated_text) <= {"a", "b"} and 3 <= len(theirs[3].generated_text) <= 6
-    assert steps and sum(s.num_decode_tokens + s.num_prefill_tokens for s in steps) > 0  # metrics see the steps
     stats = asyncio.run(idle(remote))
-    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_steps > 0
+    assert len(steps) == stats.num_steps - steps_before > 0  # metrics see every step the core ran
+    generated = sum(len(result.tokens) for result in theirs)
+    assert sum(s.num_decode_tokens for s in steps) + len(theirs) == generated  # each first token ends a prefill
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_an_aborted_stream_frees_its_blocks_in_the_core(engines):
@@ -160,3 +165,30 @@ def test_lora_and_shards_keep_the_engine_in_the_api_process(tiny_model_dir):
     assert "LoRA" in (refusal(with_lora) or "")
     sharded = EngineConfig(model=ModelConfig(model_id=str(tiny_model_dir), num_shard=2))
     assert "--num-shard" in (refusal(sharded) or "")
+
+
+# A process that ran a parallel torch op has libgomp's pool: a plain fork of it would hang at the
+# core's first parallel op (the model load), so the core must start from a fork server.
+_START = """
+import sys, torch
+if sys.argv[2] == "after-openmp":
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).sum()
+from inference_service.config import CacheConfig, EngineConfig, ModelConfig
+from inference_service.engine.core_client import CoreClient, default_start_method
+print(default_start_method(), flush=True)
+config = EngineConfig(
+    model=ModelConfig(model_id=sys.argv[1], num_threads=2), cache=CacheConfig(block_size=4, max_batch_total_tokens=256)
+)
+CoreClient.fork(config).wait(config)
+print("ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("before", "method"), [("nothing", "fork"), ("after-openmp", "forkserver")])
+def test_the_core_starts_whether_or_not_openmp_ran_before(tiny_model_dir, before, method):
+    result = subprocess.run(
+        [sys.executable, "-c", _START, str(tiny_model_dir), before], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [method, "ready"]
