@@ -1,4 +1,5 @@
-"""Decode-only steps of Llama-style models, without transformers' per-layer machinery.
+"""Steps of Llama-style models without transformers' per-layer machinery: every decode-only step,
+and on CPU the prompt steps too.
 
 Once the weights are 4- or 8-bit, a decode step is bound by per-layer overhead, not by reading
 weights: transformers' decoder layer (module calls, hooks, kwargs, views, the attention
@@ -13,7 +14,12 @@ steps through this plan instead. It is the same math in fewer calls:
   RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each, and in bf16 too
   (kernels.bf16_glue, rounding where transformers' bf16 ops round); elsewhere they are the torch ops
   transformers runs, in its order, and the logits are bitwise those of the transformers path.
-Prefill and mixed steps still run through transformers' model code with our attention.
+On CPU, steps holding prompt chunks (prefill, and prefill beside decodes) run through the same
+plan: the chunks attend through the paged functions transformers' path calls (attention/paged.py's
+attend_mixed), and a vision-language model's merged image embeddings stand in for the ids'. What it
+saves is transformers' per-layer overhead again: its rotary and RMSNorm ops over every row, which
+cost a prompt step as much as its attention (and the small chunks that ride beside streams, most of
+theirs). Steps with multimodal rotary positions or tokens attending both ways keep transformers' path.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.worker.attention.kv_cache import PagedKVCache
-from inference_service.worker.attention.paged import StepMetadata, attend_decode
+from inference_service.worker.attention.paged import StepMetadata, attend_decode, attend_mixed
 from inference_service.worker.kernels import panels
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.bindings import DecodeGlue
@@ -66,13 +72,31 @@ class DecodeStep:
             return "fused projections, all layers in one native bf16 call"
         return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
 
+    def takes(self, meta: StepMetadata, position_ids: torch.Tensor) -> bool:
+        """Whether this plan runs the step: every decode-only step, and on CPU a step with prompt
+        chunks too (causal ones, one position per token), their attention through the paged
+        functions transformers' path calls."""
+        if meta.decode_only:
+            return True
+        return (
+            meta.slot_mapping.device.type == "cpu"
+            and position_ids.dim() == 2
+            and not any(chunk.both_way_spans for chunk in meta.prefills)
+        )
+
     def forward(
-        self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int]
+        self,
+        meta: StepMetadata,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep_rows: list[int],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""
-        hidden = self.embed(input_ids[0])  # [S, D]
+        """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]; `inputs_embeds` [1, S, D]
+        (a vision-language model's images merged in) replaces the ids' embeddings."""
+        hidden = self.embed(input_ids[0]) if inputs_embeds is None else inputs_embeds[0]  # [S, D]
         cos, sin = self.rotary(hidden, position_ids)  # [1, S, Dh]
-        if self.fused is not None and self.fused.takes(meta, hidden):
+        if self.fused is not None and meta.decode_only and self.fused.takes(meta, hidden):
             hidden = self.fused.run(meta, hidden, cos[0], sin[0])
         else:
             hidden = self._layers(meta, hidden, cos[0], sin[0])
@@ -91,11 +115,17 @@ class DecodeStep:
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
             q = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
-            key_cache, value_cache = meta.kv_cache.layer(layer.index)
-            scales = meta.kv_cache.scales(layer.index)
-            attended = attend_decode(
-                meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
-            )  # [S, H, Dv]
+            if meta.decode_only:
+                key_cache, value_cache = meta.kv_cache.layer(layer.index)
+                scales = meta.kv_cache.scales(layer.index)
+                attended = attend_decode(
+                    meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
+                )  # [S, H, Dv]
+            else:  # prompt chunks: over their own new K/V (rotated in place in qkv) or the cache's
+                k, v = (qkv[:, at : at + kv_heads].transpose(0, 1).unsqueeze(0) for at in (heads, heads + kv_heads))
+                attended = attend_mixed(
+                    meta, q.transpose(0, 1).unsqueeze(0), k, v, layer.index, layer.scaling, layer.window, None
+                )  # [S, H, Dv]
             hidden, normed = ops.add_norm(hidden, layer.o_proj(attended.reshape(rows, -1)), layer.post_norm)
             delta = layer.down(ops.silu_mul(layer.gate_up(normed)))
         return hidden + delta if delta is not None else hidden
