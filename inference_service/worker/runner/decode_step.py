@@ -114,15 +114,15 @@ class DecodeStep:
             qkv = layer.qkv(normed).view(rows, heads + 2 * kv_heads, layer.head_dim)
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
-            q = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
+            q, k, v = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
             if meta.decode_only:
                 key_cache, value_cache = meta.kv_cache.layer(layer.index)
                 scales = meta.kv_cache.scales(layer.index)
                 attended = attend_decode(
                     meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
                 )  # [S, H, Dv]
-            else:  # prompt chunks: over their own new K/V (rotated in place in qkv) or the cache's
-                k, v = (qkv[:, at : at + kv_heads].transpose(0, 1).unsqueeze(0) for at in (heads, heads + kv_heads))
+            else:  # prompt chunks: a chunk that starts its sequence over its new K/V as computed
+                k, v = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, KVH, S, D]
                 attended = attend_mixed(
                     meta, q.transpose(0, 1).unsqueeze(0), k, v, layer.index, layer.scaling, layer.window, None
                 )  # [S, H, Dv]
@@ -185,7 +185,9 @@ class _TorchOps:
         layer: _Layer,
         kv_cache: PagedKVCache,
         slots: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [S, H + 2 KVH, Dh] → q, k (normed if the layer norms them, rotated) and v; k and v
+        written into the cache."""
         heads, kv_heads = layer.num_heads, layer.num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         if layer.q_norm is not None:
@@ -196,7 +198,7 @@ class _TorchOps:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         kv_cache.write(layer.index, slots, k, v)
-        return q
+        return q, k, v
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -224,7 +226,7 @@ class _NativeOps:
         layer: _Layer,
         kv_cache: PagedKVCache,
         slots: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_norm, k_norm = layer.q_norm, layer.k_norm
         # A cache in the glue's dtype takes the rows in the same pass; another dtype converts them after it.
         direct = kv_cache.kv_dtype == self.glue.cache_dtype
@@ -242,10 +244,11 @@ class _NativeOps:
             layer.num_heads,
             layer.num_kv_heads,
         )
+        heads, kv_heads = layer.num_heads, layer.num_kv_heads
+        k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]  # normed and rotated in place
         if not direct:
-            heads, kv_heads = layer.num_heads, layer.num_kv_heads
-            kv_cache.write(layer.index, slots, qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :])
-        return qkv[:, : layer.num_heads]
+            kv_cache.write(layer.index, slots, k, v)
+        return qkv[:, :heads], k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.glue.silu_mul(gate_up)
