@@ -208,7 +208,7 @@ def _run_paged(
     with _recording_steps(monkeypatch) as metas:
         for step_index, step in enumerate(SCHEDULE, start=1):
             out = runner.execute(_scheduled(step, tokens, tables))
-            if decode_step is None or not all(c.count == 1 for c in step):  # else no transformers pass
+            if decode_step is None:  # else every step runs through it: no transformers pass
                 assert metas[-1].num_calls == NUM_LAYERS, f"step {step_index}: attention calls != layers"
                 assert metas[-1].decode_only == all(c.count == 1 for c in step)
             sampled = [c for c in step if c.sample]
@@ -279,6 +279,9 @@ class CountingStep:
         assert step is not None, "no decode plan for a Llama-style model"
         self.step, self.calls = step, 0
 
+    def takes(self, *args) -> bool:
+        return self.step.takes(*args)
+
     def forward(self, *args):
         self.calls += 1
         return self.step.forward(*args)
@@ -286,9 +289,10 @@ class CountingStep:
 
 @pytest.mark.parametrize("ops", ["torch", "native"])
 @pytest.mark.parametrize("model_type", sorted(set(registry.TESTED_ARCHITECTURES) & decode_step.LLAMA_STYLE))
-def test_decode_steps_without_transformers_layers_equal_a_plain_forward(model_type, ops, monkeypatch):
-    """Decode-only steps through DecodeStep (fused projections; torch or native ops between them),
-    windows included: the logits equal a plain forward, and with torch ops they are bitwise those
+def test_steps_without_transformers_layers_equal_a_plain_forward(model_type, ops, monkeypatch):
+    """Every step through DecodeStep (fused projections; torch or native ops between them): fresh
+    prefills, a chunk over a cached prefix beside decodes, then decode-only steps, windows included.
+    The logits and prompt logprobs equal a plain forward, and with torch ops they are bitwise those
     of the transformers path over the same weights."""
     reference_model = tiny_model(_config(model_type))
     paged_model = same_weights_model(reference_model, attention.ATTENTION_NAME)
@@ -303,15 +307,14 @@ def test_decode_steps_without_transformers_layers_equal_a_plain_forward(model_ty
     tokens, tables = _sequences_and_tables()
 
     rows = _run_paged(paged_model, tokens, tables, monkeypatch, kernel, step)
-    assert step.calls == NUM_DECODE_ONLY_STEPS
+    assert step.calls == len(SCHEDULE)
     diffs = _max_diffs(rows, PlainForward(reference_model, tokens), key=lambda row: row.step)
     bad = {s: diff for s, diff in diffs.items() if not diff <= TOLERANCE}
-    assert not bad, f"{model_type}: decode-step logits differ from a plain forward at steps {bad}"
+    assert not bad, f"{model_type}: DecodeStep's logits differ from a plain forward at steps {bad}"
     expected = _run_paged(transformers_path, tokens, tables, monkeypatch, kernel)
-    decode_rows = [(row, want) for row, want in zip(rows, expected, strict=True) if row.step > 2]
-    assert len(decode_rows) == NUM_DECODE_ONLY_STEPS * len(SCHEDULE[-1])
+    assert {row.kind for row in rows} == {"prefill", "chunked prefill", "decode", "prompt logprobs"}
     if ops == "torch":
-        assert all(torch.equal(row.logits, want.logits) for row, want in decode_rows)
+        assert all(torch.equal(row.logits, want.logits) for row, want in zip(rows, expected, strict=True))
 
 
 # Logits of the tiny Llama against a plain fp32 forward, per KV cache dtype (largest seen: fp16 3.1e-3,
@@ -344,7 +347,7 @@ def test_kv_cache_dtypes_serve_the_plain_forward_within_their_tolerance(kv_dtype
     tokens, tables = _sequences_and_tables()
 
     rows = _run_paged(paged_model, tokens, tables, monkeypatch, kernel, step, kv_dtype, writer)
-    assert step.calls == NUM_DECODE_ONLY_STEPS
+    assert step.calls == len(SCHEDULE)
     if kernel is not None:
         assert kernel.calls >= NUM_LAYERS * NUM_DECODE_ONLY_STEPS, "the native kernel did not read the cache"
     diffs = _max_diffs(rows, PlainForward(reference_model, tokens), key=lambda row: row.step)

@@ -131,26 +131,45 @@ def paged_attention(
             _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
         )  # fmt: skip
         return out.unsqueeze(0), None
-    out = query.new_empty(meta.num_tokens, query.shape[1], value.shape[3])  # [T, H, Dv]
+    return attend_mixed(meta, query, key, value, layer, scaling, window, softcap).unsqueeze(0), None
+
+
+def attend_mixed(
+    meta: StepMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    layer: int,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [1, H, T, D] of a step holding prefill chunks (and perhaps decode rows), its new K/V rows
+    already in the cache → [T, H, Dv] (torch's attention on any device). key/value [1, KVH, T, D]:
+    the new rows as computed, which a chunk that starts its sequence attends over without reading
+    them back (None: read from the cache)."""
+    kv_cache = _needed(meta.kv_cache, "KV cache")
+    key_cache, value_cache = kv_cache.layer(layer)
+    out = query.new_empty(meta.num_tokens, query.shape[1], value_cache.shape[-1])  # [T, H, Dv]
     if meta.decode_token_index is not None:
         q_decode = query[0].index_select(1, meta.decode_token_index)  # [H, Sd, D]
         out[meta.decode_token_index] = attend_decode(
-            meta, q_decode, key_cache, value_cache, scaling, window, softcap, scales
+            meta, q_decode, key_cache, value_cache, scaling, window, softcap, kv_cache.scales(layer)
         )
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
         out[rows] = _attend_prefill(
             chunk,
             query[:, :, rows],
-            key[:, :, rows],
-            value[:, :, rows],
+            key[:, :, rows] if key is not None else None,
+            value[:, :, rows] if value is not None else None,
             kv_cache,
             layer,
             scaling,
             window,
             softcap,
         )
-    return out.unsqueeze(0), None
+    return out
 
 
 _T = TypeVar("_T")
@@ -325,8 +344,8 @@ def _decode_mask(context_lens: torch.Tensor, length: int, window: int | None) ->
 def _attend_prefill(
     chunk: PrefillChunk,
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     kv_cache: PagedKVCache,
     layer: int,
     scaling: float,
@@ -334,7 +353,7 @@ def _attend_prefill(
     softcap: float | None,
 ) -> torch.Tensor:
     """q [1, H, n, D] → [n, H, Dv]: a chunk of new tokens over the cached prefix and themselves."""
-    if chunk.num_computed == 0:
+    if chunk.num_computed == 0 and k_new is not None and v_new is not None:
         keys, values = k_new, v_new  # [1, KVH, n, D]: fresh prompt, no need to read the cache back
     else:
         keys, values = kv_cache.read(layer, chunk.context_slots)  # [ctx, KVH, D], the model's dtype

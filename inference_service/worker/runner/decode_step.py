@@ -1,4 +1,5 @@
-"""Decode-only steps of Llama-style models, without transformers' per-layer machinery.
+"""Steps of Llama-style models without transformers' per-layer machinery: every decode-only step,
+and on CPU the prompt steps too.
 
 Once the weights are 4- or 8-bit, a decode step is bound by per-layer overhead, not by reading
 weights: transformers' decoder layer (module calls, hooks, kwargs, views, the attention
@@ -13,7 +14,12 @@ steps through this plan instead. It is the same math in fewer calls:
   RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each, and in bf16 too
   (kernels.bf16_glue, rounding where transformers' bf16 ops round); elsewhere they are the torch ops
   transformers runs, in its order, and the logits are bitwise those of the transformers path.
-Prefill and mixed steps still run through transformers' model code with our attention.
+On CPU, steps holding prompt chunks (prefill, and prefill beside decodes) run through the same
+plan: the chunks attend through the paged functions transformers' path calls (attention/paged.py's
+attend_mixed), and a vision-language model's merged image embeddings stand in for the ids'. What it
+saves is transformers' per-layer overhead again: its rotary and RMSNorm ops over every row, which
+cost a prompt step as much as its attention (and the small chunks that ride beside streams, most of
+theirs). Steps with multimodal rotary positions or tokens attending both ways keep transformers' path.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 import torch.nn.functional as F
 
+from inference_service.worker import step_yield
 from inference_service.worker.attention.kv_cache import PagedKVCache
-from inference_service.worker.attention.paged import StepMetadata, attend_decode
+from inference_service.worker.attention.paged import StepMetadata, attend_decode, attend_mixed
 from inference_service.worker.kernels import panels
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.bindings import DecodeGlue
@@ -71,17 +78,35 @@ class DecodeStep:
             return "fused projections, all layers in one native bf16 call"
         return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
 
+    def takes(self, meta: StepMetadata, position_ids: torch.Tensor) -> bool:
+        """Whether this plan runs the step: every decode-only step, and on CPU a step with prompt
+        chunks too (causal ones, one position per token), their attention through the paged
+        functions transformers' path calls."""
+        if meta.decode_only:
+            return True
+        return (
+            meta.slot_mapping.device.type == "cpu"
+            and position_ids.dim() == 2
+            and not any(chunk.both_way_spans for chunk in meta.prefills)
+        )
+
     def forward(
-        self, meta: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int]
+        self,
+        meta: StepMetadata,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep_rows: list[int],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]."""
-        hidden = self.embed(input_ids[0])  # [S, D]
+        """input_ids, position_ids [1, S] → logits of `keep_rows` [K, V]; `inputs_embeds` [1, S, D]
+        (a vision-language model's images merged in) replaces the ids' embeddings."""
+        hidden = self.embed(input_ids[0]) if inputs_embeds is None else inputs_embeds[0]  # [S, D]
         cos, sin = self.rotary(hidden, position_ids)  # [1, S, Dh]
         step = current_step() if self.lora is not None else None
         if step is not None:
             assert self.lora is not None
             hidden = self._layers(meta, hidden, cos[0], sin[0], self.lora.adder(step, hidden))
-        elif self.fused is not None and self.fused.takes(meta, hidden):
+        elif self.fused is not None and meta.decode_only and self.fused.takes(meta, hidden):
             hidden = self.fused.run(meta, hidden, cos[0], sin[0])
         else:
             hidden = self._layers(meta, hidden, cos[0], sin[0])
@@ -102,6 +127,8 @@ class DecodeStep:
         ops = self.ops
         delta = None  # the last sublayer's output, not yet added to `hidden`
         for number, layer in enumerate(self.layers):
+            if not meta.decode_only:  # a lone prefill step may give way to an arrival here
+                step_yield.poll(number, len(self.layers))
             rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
             hidden, normed = ops.add_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(normed)
@@ -110,12 +137,18 @@ class DecodeStep:
             qkv = qkv.view(rows, heads + 2 * kv_heads, layer.head_dim)
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
-            q = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
-            key_cache, value_cache = meta.kv_cache.layer(layer.index)
-            scales = meta.kv_cache.scales(layer.index)
-            attended = attend_decode(
-                meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
-            )  # [S, H, Dv]
+            q, k, v = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
+            if meta.decode_only:
+                key_cache, value_cache = meta.kv_cache.layer(layer.index)
+                scales = meta.kv_cache.scales(layer.index)
+                attended = attend_decode(
+                    meta, q.transpose(0, 1), key_cache, value_cache, layer.scaling, layer.window, None, scales
+                )  # [S, H, Dv]
+            else:  # prompt chunks: a chunk that starts its sequence over its new K/V as computed
+                k, v = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, KVH, S, D]
+                attended = attend_mixed(
+                    meta, q.transpose(0, 1).unsqueeze(0), k, v, layer.index, layer.scaling, layer.window, None
+                )  # [S, H, Dv]
             attended = attended.reshape(rows, -1)
             out = layer.o_proj(attended)
             if lora is not None:
@@ -185,7 +218,9 @@ class _TorchOps:
         layer: _Layer,
         kv_cache: PagedKVCache,
         slots: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [S, H + 2 KVH, Dh] → q, k (normed if the layer norms them, rotated) and v; k and v
+        written into the cache."""
         heads, kv_heads = layer.num_heads, layer.num_kv_heads
         q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
         if layer.q_norm is not None:
@@ -196,7 +231,7 @@ class _TorchOps:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         kv_cache.write(layer.index, slots, k, v)
-        return q
+        return q, k, v
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -224,7 +259,7 @@ class _NativeOps:
         layer: _Layer,
         kv_cache: PagedKVCache,
         slots: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_norm, k_norm = layer.q_norm, layer.k_norm
         # A cache in the glue's dtype takes the rows in the same pass; another dtype converts them after it.
         direct = kv_cache.kv_dtype == self.glue.cache_dtype
@@ -242,10 +277,11 @@ class _NativeOps:
             layer.num_heads,
             layer.num_kv_heads,
         )
+        heads, kv_heads = layer.num_heads, layer.num_kv_heads
+        k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]  # normed and rotated in place
         if not direct:
-            heads, kv_heads = layer.num_heads, layer.num_kv_heads
-            kv_cache.write(layer.index, slots, qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :])
-        return qkv[:, : layer.num_heads]
+            kv_cache.write(layer.index, slots, k, v)
+        return qkv[:, :heads], k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.glue.silu_mul(gate_up)

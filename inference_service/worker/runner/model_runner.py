@@ -129,9 +129,9 @@ class ModelRunner:
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` without CUDA graphs: what StaticDecode captures (or runs eagerly off CUDA)."""
-        if meta.decode_only and self.decode_step is not None and inputs_embeds is None:
+        if self.decode_step is not None and self.decode_step.takes(meta, position_ids):
             with torch.inference_mode():
-                return self.decode_step.forward(meta, input_ids, position_ids, keep_rows)
+                return self.decode_step.forward(meta, input_ids, position_ids, keep_rows, inputs_embeds)
         keep = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(meta):
             if inputs_embeds is not None:
