@@ -13,7 +13,9 @@ Both are real servers on loopback, measured by streaming from a client, one afte
   default logical batch.
 - **Batch throughput**: `--batch-requests` requests (prompts of 128 tokens, 64 new) from 16
   concurrent clients; generated tokens ÷ wall time. Ours with the first of `--kv-dtypes`;
-  llama.cpp as `llama-server -np 16`.
+  llama.cpp as `llama-server -np 16`. Both servers are up together and take `--batch-rounds` turns
+  (alternating which goes first), so each round's ratio is side by side; the table gives the
+  medians' ratio and every round's.
 - **Long prompts** (`--sections long`): 8k and 16k-token prompts through our server with
   `--kv-cache-dtype int8` and the default `--kv-cache-memory` (the machine's budget): time to first
   token, decode ms/token, the KV pool the server sized and the server's peak resident memory.
@@ -30,6 +32,7 @@ Needs `python benchmarks/llama_cpp.py build` once (~10-20 min); the models are w
     python benchmarks/peer_bench.py --quick     # demo model, F32 + Q4_1, contexts 128/512/4k, batch: ~10 min quiet
     python benchmarks/peer_bench.py --quick --contexts 128 512 --batch-requests 16 --new-tokens 24  # a look
     python benchmarks/peer_bench.py             # demo + 1.5B, contexts 128 → 16k, batch, long: hours
+    python benchmarks/peer_bench.py --models demo llama-1.5b --sections batch --tag batch  # batch rows only
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -295,8 +299,8 @@ def ours_label(kv_dtype: str, activations: str = "fp32") -> str:
     return f"ours {kv_dtype} KV" + (f", {activations} activations" if activations != "fp32" else "")
 
 
-def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool, activations: str = "fp32") -> dict:
-    longest = max(args.contexts + [BATCH_PROMPT_TOKENS])
+def start_ours(paths, fmt, kv_dtype, args, out: Path, activations: str = "fp32", longest: int | None = None) -> Ours:
+    longest = longest or max(args.contexts + [BATCH_PROMPT_TOKENS])
     label = f"{ours_label(kv_dtype, activations)}, {fmt}"
     print(f"{label}: starting", file=sys.stderr, flush=True)
     log_path = out / f"{label}.log".replace(" ", "_").replace(",", "")
@@ -304,12 +308,18 @@ def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool, a
     saved = os.environ.get(ACTIVATIONS_ENV)
     os.environ[ACTIVATIONS_ENV] = activations
     try:
-        server = Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), log_path)
+        return Ours(ours_model(paths, fmt), ours_args(kv_dtype, fmt, longest), log_path)
     finally:
         if saved is None:
             os.environ.pop(ACTIVATIONS_ENV, None)
         else:
             os.environ[ACTIVATIONS_ENV] = saved
+
+
+def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, activations: str = "fp32") -> dict:
+    """Our server's decode sweep (one stream per context)."""
+    label = f"{ours_label(kv_dtype, activations)}, {fmt}"
+    server = start_ours(paths, fmt, kv_dtype, args, out, activations)
     try:
 
         async def go():
@@ -319,11 +329,7 @@ def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool, a
                 return await stream_ours(client, text, length, max_new)
 
             try:
-                result = {"decode": await decode_sweep(send, prompts, decode_contexts(args), label)}
-                if with_batch:
-                    result["batch"] = await batch_run(send, prompts, args.batch_requests)
-                    print(f"  {label}, batch: {result['batch']['tokens_per_s']:.1f} tok/s", file=sys.stderr)
-                return result
+                return {"decode": await decode_sweep(send, prompts, decode_contexts(args), label)}
             finally:
                 await client.close()
 
@@ -332,46 +338,116 @@ def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, with_batch: bool, a
         server.stop()
 
 
-def run_llama(paths, fmt, args, prompts, out: Path, with_batch: bool) -> dict:
+def llama_session(url: str):
+    """An aiohttp session for llama-server: a connection per request (after a long streamed response
+    llama-server drops the kept-alive connection, and the next request written into it failed)."""
     import aiohttp
 
-    longest = max(args.contexts)
-    gguf = paths[fmt]
-    result: dict = {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout)
 
-    async def go(url: str, what: str):
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-        # A connection per request: after a long streamed response llama-server drops the kept-alive
-        # connection, and the next request written into it fails ("Can not write request body",
-        # "Server disconnected"); the benchmark then stopped the server.
-        connector = aiohttp.TCPConnector(limit=0, force_close=True)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+def run_llama(paths, fmt, args, prompts, out: Path) -> dict:
+    """llama-server -np 1's decode sweep."""
+    longest = max(args.contexts)
+
+    async def go(url: str):
+        async with llama_session(url) as session:
 
             async def send(text, ids, length, max_new):
                 return await stream_llama(session, url, ids, max_new)
 
-            if what == "decode":
-                return await decode_sweep(send, prompts, decode_contexts(args), f"{LLAMA} {fmt}")
-            return await batch_run(send, prompts, args.batch_requests)
+            return await decode_sweep(send, prompts, decode_contexts(args), f"{LLAMA} {fmt}")
 
     print(f"{LLAMA} {fmt}: starting -np 1", file=sys.stderr, flush=True)
-    server = LlamaServer(gguf, 1, longest + NEW_TOKENS + 64, out / f"llama-server-{fmt}-np1.log")
+    server = LlamaServer(paths[fmt], 1, longest + NEW_TOKENS + 64, out / f"llama-server-{fmt}-np1.log")
     try:
-        result["decode"] = asyncio.run(go(server.url, "decode"))
+        return {"decode": asyncio.run(go(server.url))}
     finally:
         server.stop()
-    if with_batch:
+
+
+def run_batch(paths, fmt, kv_dtype, args, prompts, out: Path) -> dict[str, dict]:
+    """Batch throughput, our server and `llama-server -np 16` both up, in `--batch-rounds` rounds that
+    alternate which goes first: each round's ratio is measured side by side, minutes apart at most."""
+    ours = start_ours(paths, fmt, kv_dtype, args, out, longest=BATCH_PROMPT_TOKENS)
+    llama = None
+    try:
         print(f"{LLAMA} {fmt}: starting -np {BATCH_CONCURRENCY}", file=sys.stderr, flush=True)
         per_slot = BATCH_PROMPT_TOKENS + NEW_TOKENS + 64
-        server = LlamaServer(
-            gguf, BATCH_CONCURRENCY, BATCH_CONCURRENCY * per_slot, out / f"llama-server-{fmt}-np16.log"
+        llama = LlamaServer(
+            paths[fmt], BATCH_CONCURRENCY, BATCH_CONCURRENCY * per_slot, out / f"llama-server-{fmt}-np16.log"
         )
+        url = llama.url
+
+        async def go() -> dict[str, list[dict]]:
+            client = ours.client()
+            async with llama_session(url) as session:
+
+                async def send_ours(text, ids, length, max_new):
+                    return await stream_ours(client, text, length, max_new)
+
+                async def send_llama(text, ids, length, max_new):
+                    return await stream_llama(session, url, ids, max_new)
+
+                senders = {ours_label(kv_dtype): send_ours, LLAMA: send_llama}
+                for send in senders.values():  # warm-up: first requests, threads started
+                    await send(*prompts.make(32, 999), 32, 8)
+                rounds: dict[str, list[dict]] = {name: [] for name in senders}
+                pids = {ours_label(kv_dtype): ours.server.process.pid, LLAMA: llama.process.pid}
+                try:
+                    for number in range(args.batch_rounds):
+                        order = list(senders) if number % 2 == 0 else list(senders)[::-1]
+                        for name in order:
+                            idle = next(pid for other, pid in pids.items() if other != name)
+                            idle_before = cpu_seconds(idle)
+                            result = await batch_run(senders[name], prompts, args.batch_requests)
+                            # what the other server, idle, took from the machine meanwhile (it should be ~0)
+                            result["other_server_cpu_s"] = cpu_seconds(idle) - idle_before
+                            rounds[name].append(result)
+                            print(
+                                f"  {name}, {fmt}, batch round {number + 1}: {result['tokens_per_s']:.1f} tok/s",
+                                file=sys.stderr,
+                                flush=True,
+                            )
+                finally:
+                    await client.close()
+                return rounds
+
+        return {name: batch_summary(results) for name, results in asyncio.run(go()).items()}
+    finally:
+        if llama is not None:
+            llama.stop()
+        ours.stop()
+
+
+def batch_summary(rounds: list[dict]) -> dict:
+    """The rounds of one server: tokens/s of each, their median, and the first errors."""
+    rates = [r["tokens_per_s"] for r in rounds]
+    errors = [e for r in rounds for e in r["errors"]][:3]
+    return {
+        "tokens_per_s": statistics.median(rates),
+        "rounds_tokens_per_s": rates,
+        "other_server_cpu_s": [r["other_server_cpu_s"] for r in rounds],
+        "errors": errors,
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its descendants so far, in seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    queue = deque([pid])
+    while queue:
+        current = queue.popleft()
         try:
-            result["batch"] = asyncio.run(go(server.url, "batch"))
-            print(f"  {LLAMA} {fmt}, batch: {result['batch']['tokens_per_s']:.1f} tok/s", file=sys.stderr)
-        finally:
-            server.stop()
-    return result
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            for task in Path(f"/proc/{current}/task").iterdir():
+                queue.extend(int(child) for child in (task / "children").read_text().split())
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -463,23 +539,28 @@ def report(results: dict, args: argparse.Namespace, machine: dict, plot_names: l
         for fmt, entry in by_format.items():
             batch = entry.get("batch", {})
             if LLAMA in batch and len(batch) > 1:
-                ours_name = next(n for n in batch if n != LLAMA)
+                ours, llama = batch[next(n for n in batch if n != LLAMA)], batch[LLAMA]
+                ratios = [a / b for a, b in zip(ours["rounds_tokens_per_s"], llama["rounds_tokens_per_s"], strict=True)]
                 batch_rows.append(
                     [
                         model,
                         fmt.upper(),
-                        common.fmt(batch[ours_name]["tokens_per_s"]),
-                        common.fmt(batch[LLAMA]["tokens_per_s"]),
-                        common.ratio(batch[ours_name]["tokens_per_s"], batch[LLAMA]["tokens_per_s"]),
+                        common.fmt(ours["tokens_per_s"]),
+                        common.fmt(llama["tokens_per_s"]),
+                        f"**{common.ratio(ours['tokens_per_s'], llama['tokens_per_s'])}**",
+                        ", ".join(f"{r:.2f}×" for r in ratios),
+                        # each server's CPU time while idle during the other's rounds (it should be ~0)
+                        f"{max(llama['other_server_cpu_s']):.1f} / {max(ours['other_server_cpu_s']):.1f}",
                     ]
                 )
     if batch_rows:
         header = ["model", "weights", "ours tok/s", f"{LLAMA} -np {BATCH_CONCURRENCY} tok/s", "ours ÷ llama.cpp"]
+        header += ["each round's ratio", "idle CPU s, ours / llama.cpp (max per round)"]
         parts.append(
             f"#### Batch throughput: {args.batch_requests} requests, {BATCH_CONCURRENCY} concurrent, "
             f"{BATCH_PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens (goal ≥ 1.5×)\n\n"
-            + common.markdown_table(header, batch_rows)
-            + "\n"
+            f"Both servers up, {args.batch_rounds} round(s) alternating which goes first; tok/s are the "
+            "rounds' medians.\n\n" + common.markdown_table(header, batch_rows) + "\n"
         )
     long_rows = []
     for model, by_format in results.items():
@@ -555,6 +636,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: all (quick: decode batch)")
     parser.add_argument("--batch-requests", type=int, help="default: 64 (quick: 32)")
     parser.add_argument(
+        "--batch-rounds", type=int, default=3, help="batch runs per server, alternating with llama.cpp (default: 3)"
+    )
+    parser.add_argument("--tag", help="results as peers_<tag>.md/json (e.g. batch), beside the full run's")
+    parser.add_argument(
         "--quant-activations",
         nargs="+",
         choices=["fp32", "int8"],
@@ -569,6 +654,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.contexts = sorted(args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS))
     args.sections = args.sections or (["decode", "batch"] if args.quick else list(SECTIONS))
     args.batch_requests = args.batch_requests or (32 if args.quick else 64)
+    if args.batch_rounds < 1:
+        parser.error("--batch-rounds must be >= 1")
     return args
 
 
@@ -581,38 +668,31 @@ def main(argv: list[str] | None = None) -> int:
     out = common.output_dir(args.out, args.quick)
     raw = out / "raw" if not args.quick else out
     machine = common.machine()
+    name = f"peers_{args.tag}" if args.tag else "peers"
     results: dict = {}
     for model in args.models:
         paths = peer_models.ensure(model, ["hf", *args.formats], log=lambda m: print(m, file=sys.stderr))
         prompts = PromptMaker(paths["hf"])
         for fmt in args.formats:
             entry = results.setdefault(model, {}).setdefault(fmt, {})
-            with_batch = "batch" in args.sections
-            if "decode" in args.sections or with_batch:
-                for position, kv_dtype in enumerate(args.kv_dtypes):
-                    ours = run_ours(paths, fmt, kv_dtype, args, prompts, raw, with_batch and position == 0)
+            if "decode" in args.sections:
+                for kv_dtype in args.kv_dtypes:
+                    ours = run_ours(paths, fmt, kv_dtype, args, prompts, raw)
                     entry.setdefault("decode", {})[f"ours {kv_dtype} KV"] = ours["decode"]
-                    if "batch" in ours:
-                        entry.setdefault("batch", {})[f"ours {kv_dtype} KV"] = ours["batch"]
-                if fmt != "f32" and "decode" in args.sections:
+                if fmt != "f32":
                     for activations in (a for a in args.quant_activations if a != "fp32"):
-                        ours = run_ours(paths, fmt, args.kv_dtypes[0], args, prompts, raw, False, activations)
+                        ours = run_ours(paths, fmt, args.kv_dtypes[0], args, prompts, raw, activations)
                         entry["decode"][ours_label(args.kv_dtypes[0], activations)] = ours["decode"]
-                llama = run_llama(paths, fmt, args, prompts, raw, with_batch)
-                entry.setdefault("decode", {})[LLAMA] = llama["decode"]
-                if "batch" in llama:
-                    entry.setdefault("batch", {})[LLAMA] = llama["batch"]
+                entry["decode"][LLAMA] = run_llama(paths, fmt, args, prompts, raw)["decode"]
+            if "batch" in args.sections:
+                entry["batch"] = run_batch(paths, fmt, args.kv_dtypes[0], args, prompts, raw)
         if "long" in args.sections:
             results[model].setdefault("f32", {})["long"] = run_long(paths, args, prompts, raw)
-        common.write_json(out / "peers.json", {"args": vars(args), "machine": machine, "results": as_json(results)})
-    if "decode" not in args.sections:  # only the warm-up ran
-        for by_format in results.values():
-            for entry in by_format.values():
-                entry.pop("decode", None)
+        common.write_json(out / f"{name}.json", {"args": vars(args), "machine": machine, "results": as_json(results)})
     plot_names = plot(results, args, out)
     markdown = report(results, args, machine, plot_names)
-    (out / "peers.md").write_text(markdown)
-    common.write_json(out / "peers.json", {"args": vars(args), "machine": machine, "results": as_json(results)})
+    (out / f"{name}.md").write_text(markdown)
+    common.write_json(out / f"{name}.json", {"args": vars(args), "machine": machine, "results": as_json(results)})
     print("\n" + markdown)
     return 0
 

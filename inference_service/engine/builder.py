@@ -16,6 +16,7 @@ import torch
 from inference_service import progress
 from inference_service.config import EngineConfig, LimitsConfig, parse_cuda_graphs
 from inference_service.engine.engine_info import DEFAULT_PREFILL_TOKENS, default_max_total, make_info
+from inference_service.engine.host_heap import keep_freed_memory
 from inference_service.engine.kv_sizing import plan_num_blocks, profile_kv_blocks, sized_by_memory
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.lora_setup import enable_lora
@@ -169,6 +170,8 @@ def paged_runner(config: EngineConfig, loaded: LoadedModel, group: ShardGroup | 
     count of blocks (of its own heads), and all of them must call this together (the shape probe
     runs the model)."""
     dtype = next(loaded.model.parameters()).dtype
+    if loaded.device.type == "cpu":  # each step's activations reuse the last one's pages (host_heap.py)
+        keep_freed_memory()
     shapes = probe_layer_shapes(loaded.model, loaded.device)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     decode_kernel = decode_kernel_for(loaded.device, dtype)
