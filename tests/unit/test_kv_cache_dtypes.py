@@ -24,6 +24,7 @@ from inference_service.worker.attention.kv_cache import (
     resolve_kv_dtype,
     widen,
 )
+from inference_service.worker.attention.softcap import attend_softcapped
 from inference_service.worker.kernels import bindings as cpu_kernels
 
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
@@ -302,7 +303,7 @@ def test_softcapped_attention_in_tiles_equals_the_whole_score_matrix(heads, kv_h
         mask = attention._prefill_mask(n, length - n, 20, torch.device("cpu"))  # [n, L]
     else:
         mask = attention._decode_mask(torch.tensor([50, 9, 31]), length, 20)  # [B, 1, 1, L]
-    out = attention.attend_softcapped(q, keys, values, mask, 0.25, 5.0, tile=tile)
+    out = attend_softcapped(q, keys, values, mask, 0.25, 5.0, tile=tile)
     groups = heads // kv_heads
     k, v = (t.double().repeat_interleave(groups, dim=1) for t in (keys, values))
     scores = torch.tanh(q.double() @ k.transpose(-1, -2) * 0.25 / 5.0) * 5.0
