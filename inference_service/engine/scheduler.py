@@ -47,7 +47,6 @@ import itertools
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from inference_service.engine.block_hash_index import cache_salt
 from inference_service.engine.both_way_spans import fit_chunk
@@ -55,112 +54,8 @@ from inference_service.engine.kv_cache_manager import KVCacheManager
 from inference_service.engine.prefix_cache import PrefixCache
 from inference_service.engine.request import Request, RequestStatus
 from inference_service.engine.step_cost import StepCost
+from inference_service.engine.step_plan import PREFILL_SLICES, Chunk, StepPlan, pending
 from inference_service.outputs import ScheduledRequest, SchedulerOutput
-
-# A request still prefilling first gets at most this share of a step's budget (1/PREFILL_SLICES):
-# the rest stays for the others, and tops up the prefills afterwards if nobody else wants it.
-PREFILL_SLICES = 4
-
-
-@dataclass
-class _Chunk:
-    """One request's share of a step: its next `num_new` known tokens (its guesses ride along)."""
-
-    request: Request
-    num_new: int
-    block_ids: list[int]  # the request's table once this chunk's slots are allocated
-    work: float = 0.0
-    decode: bool = False
-
-    @property
-    def leaves_prompt(self) -> bool:
-        """A prefill chunk that stops short of its prompt's end: nobody gets a token from it now."""
-        return not self.decode and self.num_new < _pending(self.request)
-
-
-class _StepPlan:
-    """The chunks of one step, in step order (decodes, then prefills), its tokens and work left, and
-    the pool that bounds the chunks leaving part of their prompt for later (`open_pool`).
-
-    The decodes' and the prefills' work are kept as running sums: a step of B decodes reads them
-    B times, and summing the chunks each time cost O(B²) calls per step."""
-
-    def __init__(self, budget: int, cost: StepCost):
-        self.chunks: dict[str, _Chunk] = {}
-        self.prefills: dict[str, _Chunk] = {}  # the chunks that are not decodes
-        self.left = budget
-        self.budget = budget
-        self.cost = cost
-        self.pool = math.inf
-        self.pool_slice = math.inf
-        self.decode_work = 0.0
-        self.prefill_work = 0.0
-
-    def open_pool(self, pool: float) -> None:
-        """A stream waits on this step: chunks that leave part of their prompt share `pool` (a slice
-        each first, as the budget is shared)."""
-        self.pool, self.pool_slice = pool, max(1.0, pool / PREFILL_SLICES)
-
-    @property
-    def work_left(self) -> float:
-        """The prefills' work left (decodes count as tokens only, as ever: they never wait for work)."""
-        return self.budget - self.prefill_work
-
-    @property
-    def pool_left(self) -> float:
-        return self.pool - sum(chunk.work for chunk in self.prefills.values() if chunk.leaves_prompt)
-
-    def add_decode(self, request: Request, block_ids: list[int]) -> None:
-        num_tokens = 1 + len(request.draft_token_ids)
-        work = self.cost.work(request.num_computed_tokens, num_tokens)
-        self.chunks[request.request_id] = _Chunk(request, 1, block_ids, work, decode=True)
-        self.decode_work += work
-        self.left -= num_tokens
-
-    def add_prefill(self, request: Request, num_new: int, block_ids: list[int]) -> None:
-        chunk = _Chunk(request, num_new, block_ids, self.cost.work(request.num_computed_tokens, num_new))
-        self.chunks[request.request_id] = self.prefills[request.request_id] = chunk
-        self.prefill_work += chunk.work
-        self.left -= num_new
-
-    def grow(self, chunk: _Chunk, extra: int, block_ids: list[int]) -> None:
-        chunk.work += self.cost.work(chunk.request.num_computed_tokens + chunk.num_new, extra)
-        chunk.num_new += extra
-        chunk.block_ids = block_ids
-        self.left -= extra
-        self._sum_work()
-
-    def fit(self, start: int, pending: int, work: float, top_up: bool = False) -> int:
-        """Tokens for a prefill chunk from `start` (0: none this step): within `work`, the step's
-        work and tokens left and, for a chunk that leaves part of its prompt, the pool."""
-        if self.left <= 0 or self.work_left <= 0:
-            return 0
-        num = self.cost.fit(start, pending, min(work, self.work_left))
-        if num < pending:
-            pool_left = self.pool_left
-            if pool_left <= 0:
-                return 0
-            num = min(num, self.cost.fit(start, pending, pool_left if top_up else min(pool_left, self.pool_slice)))
-        return min(num, self.left)
-
-    def drop(self, request: Request) -> None:
-        """Take a preempted request out (before its guesses are forgotten)."""
-        chunk = self.chunks.pop(request.request_id, None)
-        if chunk is not None:
-            self.prefills.pop(request.request_id, None)
-            self.left += chunk.num_new + len(request.draft_token_ids)
-            self._sum_work()
-
-    def _sum_work(self) -> None:
-        """The running sums summed again in step order after a chunk changed (rare: a preemption or
-        a top-up), so they equal a fresh sum to the last bit."""
-        self.decode_work = sum(chunk.work for chunk in self.chunks.values() if chunk.decode)
-        self.prefill_work = sum(chunk.work for chunk in self.prefills.values())
-
-
-def _pending(request: Request) -> int:
-    """Known tokens the request has not computed yet: 1 for a decode, more while prefilling."""
-    return request.num_tokens - request.num_computed_tokens
 
 
 class Scheduler:
@@ -213,14 +108,14 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_batch_prefill_tokens
-        plan = _StepPlan(budget, self.cost)
+        plan = StepPlan(budget, self.cost)
         preempted: list[str] = []
 
         # 1. Decodes (and their guesses), oldest first.
         for request in list(self.running):
             if plan.left <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING or _pending(request) != 1:
+            if request.status is not RequestStatus.RUNNING or pending(request) != 1:
                 continue  # preempted a moment ago, or still prefilling: pass 2
             block_ids = self._allocate_with_drafts(request, 1, plan.left)
             if block_ids is None:
@@ -243,7 +138,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.request_id in plan.chunks:
                 continue
             request.draft_token_ids = []  # guesses ride on decodes only
-            num_new = plan.fit(request.num_computed_tokens, _pending(request), slice_work)
+            num_new = plan.fit(request.num_computed_tokens, pending(request), slice_work)
             num_new = fit_chunk(request, request.num_computed_tokens, num_new)
             if num_new == 0:
                 continue  # the pool is spent: it moves on in the next step
@@ -283,9 +178,9 @@ class Scheduler:
 
         # 3. What is left tops up the prefills closest to their end (never at the cost of a preemption;
         # a decode has nothing left to top up).
-        for chunk in sorted(plan.prefills.values(), key=lambda c: _pending(c.request) - c.num_new):
+        for chunk in sorted(plan.prefills.values(), key=lambda c: pending(c.request) - c.num_new):
             request = chunk.request
-            rest = _pending(request) - chunk.num_new
+            rest = pending(request) - chunk.num_new
             if rest <= 0:
                 continue
             extra = plan.fit(request.num_computed_tokens + chunk.num_new, rest, math.inf, top_up=True)
@@ -308,7 +203,7 @@ class Scheduler:
         """Whether the next request to admit is a prompt that gives its first token in this step."""
         return bool(self.waiting) and self._has_seat() and self.cost.work(0, self.waiting[0].num_tokens) <= slice_work
 
-    def _num_long_prompts(self, plan: _StepPlan, slice_work: float) -> int:
+    def _num_long_prompts(self, plan: StepPlan, slice_work: float) -> int:
         """Prompts the pool holds back in this step (their rest is more than a slice): running ones
         still prefilling, and the waiting ones that have a seat."""
 
@@ -316,9 +211,9 @@ class Scheduler:
             return 0  # every running request decodes in this step (the usual decode step: no scan)
 
         def is_long(request: Request) -> bool:
-            return self.cost.work(request.num_computed_tokens, _pending(request)) > slice_work
+            return self.cost.work(request.num_computed_tokens, pending(request)) > slice_work
 
-        running = sum(1 for r in self.running if r.request_id not in plan.chunks and _pending(r) > 1 and is_long(r))
+        running = sum(1 for r in self.running if r.request_id not in plan.chunks and pending(r) > 1 and is_long(r))
         seats = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - len(self.running)
         return running + sum(1 for r in itertools.islice(self.waiting, max(0, seats)) if is_long(r))
 
@@ -346,7 +241,7 @@ class Scheduler:
         return None
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, plan: _StepPlan, preempted: list[str]
+        self, request: Request, num_new: int, plan: StepPlan, preempted: list[str]
     ) -> list[int] | None:
         """Room for the request's next `num_new` tokens, preempting the newest running requests
         (dropping them from this step's plan) until it fits: its block table, or None if it had to
@@ -374,7 +269,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_one(self, chunk: _Chunk) -> ScheduledRequest:
+    def _schedule_one(self, chunk: Chunk) -> ScheduledRequest:
         request, num_new = chunk.request, chunk.num_new
         start = request.num_computed_tokens
         end = start + num_new

@@ -118,15 +118,36 @@ def test_kernel_equals_float64_math_and_the_torch_path(
     assert (native - torch_path).abs().max().item() < TOLERANCE
 
 
-def test_results_do_not_depend_on_the_number_of_threads(kernel):
-    batch = Batch(9, 3, 64, MANY)
-    threads = torch.get_num_threads()
+@contextlib.contextmanager
+def num_threads(count: int):
+    """torch's thread count, which the kernel's OpenMP region follows, set to `count` for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
-        torch.set_num_threads(1)
-        one = batch.run(kernel)
+        yield
     finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, batch.run(kernel))
+        torch.set_num_threads(before)
+
+
+# The kernel takes whole sequences (every KV head in one work item, cache rows read whole) when no
+# sequence is split along its context and there are at least 4 per thread, and parts of one KV head
+# otherwise; each head's arithmetic is the same in both, so thread counts that pick either agree.
+MANY_WITH_A_LONG_ONE = [*MANY, 300]  # 300 positions are split: one KV head per part for every sequence
+SIXTEEN_LONG = [256, 255, 250, 241, 240, 200, 193, 180, 177, 160, 150, 129, 128, 100, 99, 64]  # rows enough for threads
+
+
+@pytest.mark.parametrize(
+    "context_lens", [MANY, MANY_WITH_A_LONG_ONE, SIXTEEN_LONG], ids=["many", "one-long", "sixteen"]
+)
+@pytest.mark.parametrize("window", [None, 37])
+def test_results_do_not_depend_on_the_number_of_threads(kernel, context_lens, window):
+    batch = Batch(9, 3, 64, context_lens)
+    with num_threads(1):
+        one = batch.run(kernel, window)
+    assert (one.double() - batch.reference(window, None)).abs().max().item() < TOLERANCE
+    for count in (2, 3, 8):
+        with num_threads(count):
+            assert torch.equal(batch.run(kernel, window), one)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from inference_service.worker.attention.kv_cache import (
     resolve_kv_dtype,
     widen,
 )
+from inference_service.worker.attention.softcap import attend_softcapped
 from inference_service.worker.kernels import bindings as cpu_kernels
 
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
@@ -178,6 +179,28 @@ def test_contexts_up_to_16k(kernel, kv_dtype, window, softcap):
     assert max_error(out, exact) < DTYPE_TOLERANCE[kv_dtype]
 
 
+# At least 4 sequences per thread, none split along its context (at most 256 positions, or a window):
+# the kernel reads each sequence's rows whole for every KV head at once.
+SHORT_MANY = [1, 15, 16, 17, 256, 64, 33, 2, 300]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize(("window", "softcap"), [(37, None), (None, 30.0)])
+def test_whole_sequences_per_kv_dtype(kernel, kv_dtype, window, softcap):
+    lens = SHORT_MANY if window else SHORT_MANY[:-1]
+    batch = Batch(9, 3, 64, lens, kv_dtype, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # 4 sequences per thread or more: whole sequences
+        whole = batch.run(kernel, window, softcap)
+        torch.set_num_threads(8)  # fewer: one KV head per part
+        per_head = batch.run(kernel, window, softcap)
+    finally:
+        torch.set_num_threads(threads)
+    assert max_error(whole, batch.reference(window, softcap, *batch.stored())) < KERNEL_TOLERANCE
+    assert torch.equal(whole, per_head)
+
+
 def test_long_contexts_do_not_depend_on_the_number_of_threads(kernel):
     batch = Batch(9, 3, 64, [16384], torch.float16, seed=2)
     threads = torch.get_num_threads()
@@ -280,7 +303,7 @@ def test_softcapped_attention_in_tiles_equals_the_whole_score_matrix(heads, kv_h
         mask = attention._prefill_mask(n, length - n, 20, torch.device("cpu"))  # [n, L]
     else:
         mask = attention._decode_mask(torch.tensor([50, 9, 31]), length, 20)  # [B, 1, 1, L]
-    out = attention.attend_softcapped(q, keys, values, mask, 0.25, 5.0, tile=tile)
+    out = attend_softcapped(q, keys, values, mask, 0.25, 5.0, tile=tile)
     groups = heads // kv_heads
     k, v = (t.double().repeat_interleave(groups, dim=1) for t in (keys, values))
     scores = torch.tanh(q.double() @ k.transpose(-1, -2) * 0.25 / 5.0) * 5.0

@@ -11,6 +11,12 @@
 //   positions, computed in parallel and merged at the end (max, rescaled sums). The split does not
 //   depend on the number of threads, so neither do the results; a single long stream uses every
 //   thread, and a batch of ragged lengths balances;
+// - whole sequences when none is split and there are 4 or more per thread (a batch of short
+//   contexts): one part takes every KV head of a sequence, so a cache block is read as whole rows,
+//   and the next block's rows (or the next part's first block) are prefetched whole, spread over
+//   the rows of the block being computed: from a cold cache, faster than head by head over strided
+//   row slices (benchmarks/paged_decode_bench.py). Each head's arithmetic is the same either way,
+//   and so are the results;
 // - eight fp32 lanes (vec8.h: AVX2 or AVX-512VL with -march=native); keys and values widened from
 //   fp16/bf16/int8 eight at a time as they are read, int8 scales folded into the score and the
 //   weight of each row.
@@ -52,12 +58,13 @@ struct Problem {
     float scale, softcap;
 };
 
-// Positions [begin, end) of one sequence for one KV head; its partial result goes to slot `index`.
+// Positions [begin, end) of one sequence for the KV heads [kvh_begin, kvh_end); the partial result
+// of head kvh goes to slot `slot + kvh - kvh_begin`.
 struct Part {
-    int64_t seq, kvh, begin, end;
+    int64_t seq, kvh_begin, kvh_end, begin, end, slot;
 };
 
-// Partial softmax state of one part's G heads: running max, sum of weights, weighted values [G][Dv].
+// Partial softmax state of one head's G query heads: running max, sum of weights, values [G][Dv].
 struct State {
     float* max;
     float* sum;
@@ -75,133 +82,202 @@ inline void prefetch_row(const KV* row, int64_t count) {
     }
 }
 
-// q_scaled [G][D]: the part's query heads times the softmax scale. scores: scratch [G][block_size].
+// Bytes to prefetch while a block is computed, spread over its rows (row i of n fetches the i-th
+// n-th of each range), so the loads of the block are not held up behind a burst of misses.
+struct Ahead {
+    const char* k;
+    int64_t k_bytes;
+    const char* v;
+    int64_t v_bytes;
+};
+
+inline void prefetch_share(const char* base, int64_t bytes, int64_t i, int64_t n) {
+    const int64_t lo = bytes * i / n & ~int64_t{63}, hi = bytes * (i + 1) / n;
+    for (int64_t f = lo; f < hi; f += 64) __builtin_prefetch(base + f);
+}
+
+// The n rows of one block (slots slot0..), for one KV head: G heads' scores, the online
+// softmax update, the weighted values. With `slices`, the head's slice of the next block's key rows
+// (slot next0..) and of this block's value rows are prefetched row by row (a part of one head
+// reads nothing else); otherwise `ahead`, a share of the whole rows read next.
 template <typename KV, int G>
-void attend_part(const Problem& p, const Part& part, const float* q_scaled, State state, float* scores) {
+void attend_block(const Problem& p, int64_t kvh, int64_t slot0, int64_t n, bool slices, const int64_t* next0,
+                  const Ahead& ahead, const float* q_scaled, State state, float* scores) {
     constexpr bool kScaled = std::is_same<KV, int8_t>::value;
     const KV* k_cache = static_cast<const KV*>(p.k_cache);
     const KV* v_cache = static_cast<const KV*>(p.v_cache);
     const int64_t D = p.head_dim, Dv = p.head_dim_v, bs = p.block_size;
     const int64_t k_row = p.num_kv_heads * D, v_row = p.num_kv_heads * Dv;
+
+    // Scores of this block's rows: each key row read once for the G heads.
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t slot = slot0 + i;
+        const KV* k = k_cache + slot * k_row + kvh * D;
+        if (slices) {
+            if (next0) prefetch_row(k_cache + (*next0 + i) * k_row + kvh * D, D);  // blocks scatter
+            prefetch_row(v_cache + slot * v_row + kvh * Dv, Dv);
+        } else {
+            prefetch_share(ahead.k, ahead.k_bytes, i, n);
+            prefetch_share(ahead.v, ahead.v_bytes, i, n);
+        }
+        v8 sum[G] = {};
+        for (int64_t c = 0; c < D; c += 8) {
+            const v8 kc = widen8(k + c);
+            for (int g = 0; g < G; ++g) sum[g] += load8(q_scaled + g * D + c) * kc;
+        }
+        const float k_scale = kScaled ? p.k_scales[slot * p.num_kv_heads + kvh] : 1.f;
+        for (int g = 0; g < G; ++g) scores[g * bs + i] = hsum(sum[g]) * k_scale;
+    }
+
+    // Online softmax: new running max, earlier sums rescaled once per block, weights of this block.
+    for (int g = 0; g < G; ++g) {
+        float* s = scores + g * bs;
+        if (p.softcap > 0) {
+            for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / p.softcap) * p.softcap;
+        }
+        float block_max = s[0];
+        for (int64_t i = 1; i < n; ++i) block_max = std::max(block_max, s[i]);
+        const float new_max = std::max(state.max[g], block_max);
+        if (new_max > state.max[g] && state.sum[g] > 0.f) {
+            const float correction = std::exp(state.max[g] - new_max);
+            state.sum[g] *= correction;
+            for (int64_t d = 0; d < Dv; ++d) state.acc[g * Dv + d] *= correction;
+        }
+        state.max[g] = new_max;
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < n; ++i) {
+            s[i] = std::exp(s[i] - new_max);
+            total += s[i];
+        }
+        state.sum[g] += total;
+        if (kScaled) {
+            for (int64_t i = 0; i < n; ++i) s[i] *= p.v_scales[(slot0 + i) * p.num_kv_heads + kvh];
+        }
+    }
+
+    // Weighted values: eight lanes of every head's accumulator stay in registers over the block.
+    for (int64_t c = 0; c < Dv; c += 8) {
+        v8 acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = load8(state.acc + g * Dv + c);
+        const KV* v = v_cache + slot0 * v_row + kvh * Dv + c;
+        for (int64_t i = 0; i < n; ++i, v += v_row) {
+            const v8 vc = widen8(v);
+            for (int g = 0; g < G; ++g) acc[g] += scores[g * bs + i] * vc;
+        }
+        for (int g = 0; g < G; ++g) store8(state.acc + g * Dv + c, acc[g]);
+    }
+}
+
+// q_scaled [KVH][G][D]: the query heads times the softmax scale (the part's heads filled).
+// partial: per slot, max [G], sum [G], acc [G][Dv]. scores: scratch [G][block_size].
+template <typename KV, int G>
+void attend_part(const Problem& p, const Part& part, const Part* following, const float* q_scaled, float* partial,
+                 float* scores) {
+    const KV* k_cache = static_cast<const KV*>(p.k_cache);
+    const KV* v_cache = static_cast<const KV*>(p.v_cache);
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, bs = p.block_size, stride = G * (Dv + 2);
+    const int64_t k_row = p.num_kv_heads * D, v_row = p.num_kv_heads * Dv;
     const int64_t* table = p.block_table + part.seq * p.max_blocks;
-    for (int g = 0; g < G; ++g) state.max[g] = -INFINITY, state.sum[g] = 0.f;
-    std::fill(state.acc, state.acc + G * Dv, 0.f);
+    // A part of every KV head reads whole cache rows: the next block's rows are prefetched whole.
+    const bool whole = part.kvh_end - part.kvh_begin == p.num_kv_heads;
+    for (int64_t kvh = part.kvh_begin; kvh < part.kvh_end; ++kvh) {
+        float* slot = partial + (part.slot + kvh - part.kvh_begin) * stride;
+        for (int g = 0; g < G; ++g) slot[g] = -INFINITY, slot[G + g] = 0.f;
+        std::fill(slot + 2 * G, slot + stride, 0.f);
+    }
 
     for (int64_t b = part.begin / bs; b * bs < part.end; ++b) {
         const int64_t first = std::max(part.begin, b * bs), last = std::min(part.end, (b + 1) * bs);
         const int64_t n = last - first, slot0 = table[b] * bs + (first - b * bs);
         const bool has_next = (b + 1) * bs < part.end;
-        const int64_t next_slot0 = has_next ? table[b + 1] * bs + (first - b * bs) : 0;
-
-        // Scores of this block's rows: each key row read once for the G heads.
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t slot = slot0 + i;
-            const KV* k = k_cache + slot * k_row + part.kvh * D;
-            if (has_next) prefetch_row(k_cache + (next_slot0 + i) * k_row + part.kvh * D, D);  // blocks scatter
-            prefetch_row(v_cache + slot * v_row + part.kvh * Dv, Dv);
-            v8 sum[G] = {};
-            for (int64_t c = 0; c < D; c += 8) {
-                const v8 kc = widen8(k + c);
-                for (int g = 0; g < G; ++g) sum[g] += load8(q_scaled + g * D + c) * kc;
-            }
-            const float k_scale = kScaled ? p.k_scales[slot * p.num_kv_heads + part.kvh] : 1.f;
-            for (int g = 0; g < G; ++g) scores[g * bs + i] = hsum(sum[g]) * k_scale;
+        const int64_t next0 = has_next ? table[b + 1] * bs + (first - b * bs) : 0;
+        // Whole rows of the block read next (this part's next, or the following part's first), each
+        // head's pass over this block fetching its share.
+        int64_t next_slot = 0, next_n = 0;
+        if (has_next) {
+            next_slot = table[b + 1] * bs, next_n = std::min(part.end, (b + 2) * bs) - (b + 1) * bs;
+        } else if (following && following->end > following->begin) {
+            const int64_t fb = following->begin / bs;
+            next_slot = p.block_table[following->seq * p.max_blocks + fb] * bs + following->begin - fb * bs;
+            next_n = std::min(following->end, (fb + 1) * bs) - following->begin;
         }
-
-        // Online softmax: new running max, earlier sums rescaled once per block, weights of this block.
-        for (int g = 0; g < G; ++g) {
-            float* s = scores + g * bs;
-            if (p.softcap > 0) {
-                for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / p.softcap) * p.softcap;
-            }
-            float block_max = s[0];
-            for (int64_t i = 1; i < n; ++i) block_max = std::max(block_max, s[i]);
-            const float new_max = std::max(state.max[g], block_max);
-            if (new_max > state.max[g] && state.sum[g] > 0.f) {
-                const float correction = std::exp(state.max[g] - new_max);
-                state.sum[g] *= correction;
-                for (int64_t d = 0; d < Dv; ++d) state.acc[g * Dv + d] *= correction;
-            }
-            state.max[g] = new_max;
-            float total = 0.f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t i = 0; i < n; ++i) {
-                s[i] = std::exp(s[i] - new_max);
-                total += s[i];
-            }
-            state.sum[g] += total;
-            if (kScaled) {
-                for (int64_t i = 0; i < n; ++i) s[i] *= p.v_scales[(slot0 + i) * p.num_kv_heads + part.kvh];
-            }
-        }
-
-        // Weighted values: eight lanes of every head's accumulator stay in registers over the block.
-        for (int64_t c = 0; c < Dv; c += 8) {
-            v8 acc[G];
-            for (int g = 0; g < G; ++g) acc[g] = load8(state.acc + g * Dv + c);
-            const KV* v = v_cache + slot0 * v_row + part.kvh * Dv + c;
-            for (int64_t i = 0; i < n; ++i, v += v_row) {
-                const v8 vc = widen8(v);
-                for (int g = 0; g < G; ++g) acc[g] += scores[g * bs + i] * vc;
-            }
-            for (int g = 0; g < G; ++g) store8(state.acc + g * Dv + c, acc[g]);
+        const char* k_next = reinterpret_cast<const char*>(k_cache + next_slot * k_row);
+        const char* v_next = reinterpret_cast<const char*>(v_cache + next_slot * v_row);
+        const int64_t k_bytes = next_n * k_row * static_cast<int64_t>(sizeof(KV)) / p.num_kv_heads;
+        const int64_t v_bytes = next_n * v_row * static_cast<int64_t>(sizeof(KV)) / p.num_kv_heads;
+        for (int64_t kvh = part.kvh_begin; kvh < part.kvh_end; ++kvh) {
+            float* slot = partial + (part.slot + kvh - part.kvh_begin) * stride;
+            const Ahead ahead{k_next + kvh * k_bytes, whole ? k_bytes : 0, v_next + kvh * v_bytes, whole ? v_bytes : 0};
+            attend_block<KV, G>(p, kvh, slot0, n, !whole, has_next ? &next0 : nullptr, ahead, q_scaled + kvh * G * D,
+                                State{slot, slot + G, slot + 2 * G}, scores);
         }
     }
 }
 
-// Parts of every (sequence, KV head), in that order, each at most kSplitRows positions long.
-std::vector<Part> plan_parts(const Problem& p, std::vector<int64_t>& first_part) {
+// Either one part per sequence with every KV head, when no sequence is split and there are enough
+// sequences to keep every thread busy (each cache row is then read whole, in order); or parts of
+// every (sequence, KV head), each at most kSplitRows positions long, so a single long stream uses
+// every thread and a batch of ragged lengths balances. Each head computes the same in both, so the
+// results do not depend on which (nor on the number of threads). first_slot[seq * KVH + kvh]: the
+// first of that head's partial slots, one per part of it.
+std::vector<Part> plan_parts(const Problem& p, std::vector<int64_t>& first_slot) {
+    bool whole = p.num_seqs >= 4 * omp_get_max_threads();
+    for (int64_t s = 0; s < p.num_seqs && whole; ++s) {
+        whole = p.context_lens[s] - window_start(p, p.context_lens[s]) <= kSplitRows;
+    }
     std::vector<Part> parts;
+    int64_t slots = 0;
     for (int64_t s = 0; s < p.num_seqs; ++s) {
         const int64_t len = p.context_lens[s], start = window_start(p, len);
         const int64_t splits = std::max<int64_t>(1, (len - start + kSplitRows - 1) / kSplitRows);
+        if (whole) parts.push_back({s, 0, p.num_kv_heads, start, len, slots});
         for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
-            first_part.push_back(static_cast<int64_t>(parts.size()));
-            for (int64_t j = 0; j < splits; ++j) {
-                parts.push_back({s, kvh, start + (len - start) * j / splits, start + (len - start) * (j + 1) / splits});
+            first_slot.push_back(slots);
+            for (int64_t j = 0; j < splits && !whole; ++j) {
+                parts.push_back({s, kvh, kvh + 1, start + (len - start) * j / splits,
+                                 start + (len - start) * (j + 1) / splits, slots + j});
             }
+            slots += splits;
         }
     }
-    first_part.push_back(static_cast<int64_t>(parts.size()));
+    first_slot.push_back(slots);
     return parts;
 }
 
 template <typename KV, int G>
 void run(const Problem& p) {
-    std::vector<int64_t> first_part;
-    const std::vector<Part> parts = plan_parts(p, first_part);
+    std::vector<int64_t> first_slot;
+    const std::vector<Part> parts = plan_parts(p, first_slot);
     const int64_t D = p.head_dim, Dv = p.head_dim_v, stride = G * (Dv + 2);
-    std::vector<float> partial(parts.size() * stride);  // per part: max [G], sum [G], acc [G][Dv]
+    std::vector<float> partial(first_slot.back() * stride);  // per slot: max [G], sum [G], acc [G][Dv]
     int64_t rows = 0;
-    for (const Part& part : parts) rows += part.end - part.begin;
+    for (const Part& part : parts) rows += (part.end - part.begin) * (part.kvh_end - part.kvh_begin);
     const bool parallel = rows >= kMinParallelRows;  // waking threads costs more than a few rows take
 #pragma omp parallel if (parallel)
     {
-        std::vector<float> q_scaled(G * D), scores(G * p.block_size);
+        std::vector<float> q_scaled(p.num_kv_heads * G * D), scores(G * p.block_size);
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < parts.size(); ++i) {
             const Part& part = parts[i];
-            const float* q = p.q + (part.seq * p.num_heads + part.kvh * G) * D;
-            for (int64_t d = 0; d < G * D; ++d) q_scaled[d] = q[d] * p.scale;
-            float* slot = partial.data() + i * stride;
-            if (part.end > part.begin) {
-                attend_part<KV, G>(p, part, q_scaled.data(), State{slot, slot + G, slot + 2 * G}, scores.data());
-            } else {  // an empty context: no weight, no value
-                std::fill(slot, slot + stride, 0.f);
-                for (int g = 0; g < G; ++g) slot[g] = -INFINITY;
-            }
+            const float* q = p.q + part.seq * p.num_heads * D;
+            for (int64_t d = part.kvh_begin * G * D; d < part.kvh_end * G * D; ++d) q_scaled[d] = q[d] * p.scale;
+            // On one thread the next part is this thread's next: its first block is fetched ahead too.
+            const Part* following = !parallel && i + 1 < parts.size() ? &parts[i + 1] : nullptr;
+            attend_part<KV, G>(p, part, following, q_scaled.data(), partial.data(), scores.data());
         }
         // Merge the parts of each (sequence, KV head): rescale each to the largest max, then divide.
+        // An empty context leaves its slot with no weight: its output is zeros.
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < p.num_seqs * p.num_kv_heads; ++item) {
             const int64_t seq = item / p.num_kv_heads, kvh = item % p.num_kv_heads;
             float* out = p.out + (seq * p.num_heads + kvh * G) * Dv;
             for (int g = 0; g < G; ++g) {
                 float best = -INFINITY;
-                for (int64_t j = first_part[item]; j < first_part[item + 1]; ++j) best = std::max(best, partial[j * stride + g]);
+                for (int64_t j = first_slot[item]; j < first_slot[item + 1]; ++j) best = std::max(best, partial[j * stride + g]);
                 float total = 0.f;
                 std::fill(out + g * Dv, out + (g + 1) * Dv, 0.f);
-                for (int64_t j = first_part[item]; j < first_part[item + 1]; ++j) {
+                for (int64_t j = first_slot[item]; j < first_slot[item + 1]; ++j) {
                     const float* slot = partial.data() + j * stride;
                     if (slot[G + g] == 0.f) continue;
                     const float weight = std::exp(slot[g] - best);

@@ -13,7 +13,7 @@
 //
 // Chunks never straddle groups: gs % CH == 0, or one group covers all of K. 4-bit uses CH = 16
 // (8 bytes → two vectors, fewer conversions per weight) where gs allows, else CH = 8.
-// Threads split N (torch's OpenMP runtime, as in the other kernels).
+// Threads split N (torch's OpenMP runtime, as in the other kernels; row_blocks.h).
 //
 // Rows of packed codes are short (a 576-wide 4-bit row is 288 bytes, under 5 cache lines) and RN
 // of them are read side by side, which the hardware prefetcher does not follow well: codes came
@@ -36,15 +36,13 @@
 #include <vector>
 
 #include "dequant_row.h"
+#include "row_blocks.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include "vec8.h"
 
 namespace {
-
-constexpr int64_t kRowsPerTask = 32;               // W rows per scheduling unit (2 threads split 576 evenly)
-constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
 
 // CH codes of one row starting at chunk byte p, as CH/8 fp32 vectors in xp's order.
 template <int BITS, int CH>
@@ -146,26 +144,17 @@ void rows_of(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
 }
 
 template <int BITS, int CH>
-void run(const Args& a, int64_t m) {
-    const int64_t tasks = (a.n + kRowsPerTask - 1) / kRowsPerTask;
-#pragma omp parallel for schedule(static) if (a.n * a.k >= kMinParallelElements)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n0 = t * kRowsPerTask, n1 = std::min(a.n, n0 + kRowsPerTask);
-        for (int64_t m0 = 0; m0 < m; m0 += 8) {  // the task's codes stay in L2 between row blocks
-            switch (std::min<int64_t>(8, m - m0)) {
-                case 1: rows_of<BITS, CH, 1>(a, m0, n0, n1); break;
-                case 2: rows_of<BITS, CH, 2>(a, m0, n0, n1); break;
-                case 3: rows_of<BITS, CH, 3>(a, m0, n0, n1); break;
-                case 4: rows_of<BITS, CH, 4>(a, m0, n0, n1); break;
-                case 5: rows_of<BITS, CH, 5>(a, m0, n0, n1); break;
-                case 6: rows_of<BITS, CH, 6>(a, m0, n0, n1); break;
-                case 7: rows_of<BITS, CH, 7>(a, m0, n0, n1); break;
-                default: rows_of<BITS, CH, 8>(a, m0, n0, n1); break;
-            }
-        }
+struct FloatRows {
+    template <int M>
+    static void run(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+        rows_of<BITS, CH, M>(a, m0, n0, n1);
     }
-}
+};
 
+template <int BITS, int CH>
+void run(const Args& a, int64_t m) {
+    run_row_blocks<FloatRows<BITS, CH>>(a, m);
+}
 
 #if defined(__AVX512F__)
 // The 16-lane path (see the top): 4-bit codes, groups a multiple of 32 or one group over all of K.
@@ -251,25 +240,14 @@ void rows512_of(const Args512& a, int64_t m0, int64_t n0, int64_t n1) {
     rows512<M, RN>(a, m0, n0, n1);
 }
 
-void run512(const Args512& a, int64_t m) {
-    const int64_t tasks = (a.n + kRowsPerTask - 1) / kRowsPerTask;
-#pragma omp parallel for schedule(static) if (a.n * a.k >= kMinParallelElements)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n0 = t * kRowsPerTask, n1 = std::min(a.n, n0 + kRowsPerTask);
-        for (int64_t m0 = 0; m0 < m; m0 += 8) {
-            switch (std::min<int64_t>(8, m - m0)) {
-                case 1: rows512_of<1>(a, m0, n0, n1); break;
-                case 2: rows512_of<2>(a, m0, n0, n1); break;
-                case 3: rows512_of<3>(a, m0, n0, n1); break;
-                case 4: rows512_of<4>(a, m0, n0, n1); break;
-                case 5: rows512_of<5>(a, m0, n0, n1); break;
-                case 6: rows512_of<6>(a, m0, n0, n1); break;
-                case 7: rows512_of<7>(a, m0, n0, n1); break;
-                default: rows512_of<8>(a, m0, n0, n1); break;
-            }
-        }
+struct Rows512 {
+    template <int M>
+    static void run(const Args512& a, int64_t m0, int64_t n0, int64_t n1) {
+        rows512_of<M>(a, m0, n0, n1);
     }
-}
+};
+
+void run512(const Args512& a, int64_t m) { run_row_blocks<Rows512>(a, m); }
 #define QUANT_LINEAR_512 1
 #else
 #define QUANT_LINEAR_512 0

@@ -21,13 +21,15 @@
 // vector holding s·d for each lane's block. K must be a multiple of 32 (an odd count of blocks ends
 // with a B of zeros) and groups a multiple of 32 or one over all of K.
 //
-// Threads split N as in quant_linear.cpp, with its prefetch of the next block of rows' cache lines.
+// Threads split N as in quant_linear.cpp (row_blocks.h), with its prefetch of the next block of rows' cache lines.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "row_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -43,9 +45,6 @@ bool shape_ok(int64_t bits, int64_t group_size, int64_t k) {
 }
 
 #if QUANT_LINEAR_Q8
-constexpr int64_t kRowsPerTask = 32;               // W rows per scheduling unit, as in quant_linear.cpp
-constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
-
 struct Args {
     const int8_t* xq;    // [M, pairs * 64]: each pair of blocks as [A even, B even, A odd, B odd]
     const float* xd;     // [M, pairs * 16]: x's block scale for each int32 lane of the pair
@@ -142,25 +141,14 @@ void rows_of(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
     else rows<M, RN, false>(a, m0, n0, n1);
 }
 
-void run(const Args& a, int64_t m) {
-    const int64_t tasks = (a.n + kRowsPerTask - 1) / kRowsPerTask;
-#pragma omp parallel for schedule(static) if (a.n * a.k >= kMinParallelElements)
-    for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t n0 = t * kRowsPerTask, n1 = std::min(a.n, n0 + kRowsPerTask);
-        for (int64_t m0 = 0; m0 < m; m0 += 8) {  // the task's codes stay in L2 between row blocks
-            switch (std::min<int64_t>(8, m - m0)) {
-                case 1: rows_of<1>(a, m0, n0, n1); break;
-                case 2: rows_of<2>(a, m0, n0, n1); break;
-                case 3: rows_of<3>(a, m0, n0, n1); break;
-                case 4: rows_of<4>(a, m0, n0, n1); break;
-                case 5: rows_of<5>(a, m0, n0, n1); break;
-                case 6: rows_of<6>(a, m0, n0, n1); break;
-                case 7: rows_of<7>(a, m0, n0, n1); break;
-                default: rows_of<8>(a, m0, n0, n1); break;
-            }
-        }
+struct Rows {
+    template <int M>
+    static void run(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+        rows_of<M>(a, m0, n0, n1);
     }
-}
+};
+
+void run(const Args& a, int64_t m) { run_row_blocks<Rows>(a, m); }
 #endif
 
 }  // namespace
