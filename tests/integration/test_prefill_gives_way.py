@@ -55,7 +55,10 @@ def _engine(tiny_engine_config, timed: bool = False):
 
 
 def _layer(engine, index: int) -> torch.nn.Module:
-    return engine.runner.model.model.layers[index]
+    """A module the forward pass calls inside decoder layer `index`: the decode plan's fused q|k|v
+    projection where the plan runs prompt steps (Llama-style models on CPU), else transformers' layer."""
+    plan = engine.runner.decode_step
+    return plan.layers[index].qkv if plan is not None else engine.runner.model.model.layers[index]
 
 
 def test_an_arrival_during_a_lone_prefill_step_is_answered_before_that_prefill_ends(tiny_engine_config, reference):

@@ -127,8 +127,6 @@ class DecodeStep:
         ops = self.ops
         delta = None  # the last sublayer's output, not yet added to `hidden`
         for number, layer in enumerate(self.layers):
-            if not meta.decode_only:  # a lone prefill step may give way to an arrival here
-                step_yield.poll(number, len(self.layers))
             rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
             hidden, normed = ops.add_norm(hidden, delta, layer.input_norm)
             qkv = layer.qkv(normed)
@@ -137,6 +135,8 @@ class DecodeStep:
             qkv = qkv.view(rows, heads + 2 * kv_heads, layer.head_dim)
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
+            if not meta.decode_only:  # where transformers' path polls: a lone prefill may give way
+                step_yield.poll(number, len(self.layers))
             q, k, v = ops.rope_kv_write(qkv, cos, sin, layer, meta.kv_cache, meta.slot_mapping)
             if meta.decode_only:
                 key_cache, value_cache = meta.kv_cache.layer(layer.index)
