@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -71,14 +70,7 @@ def ensure_bench_model(folder: Path = BENCH_DIR) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
-    scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    LlamaForCausalLM(config).save_pretrained(scratch)
-    tokenizer.save_pretrained(scratch)
-    try:
-        scratch.rename(folder)
-    except OSError:  # another run built it meanwhile
-        shutil.rmtree(scratch, ignore_errors=True)
-    return folder
+    return tiny_model.save_once(folder, LlamaForCausalLM(config), tokenizer)
 
 
 def ensure_fallback_model(quick: bool) -> Path:
@@ -98,14 +90,7 @@ def ensure_fallback_model(quick: bool) -> Path:
     )
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     config = GPTJConfig(**size, **special, n_positions=2048, tie_word_embeddings=False)
-    scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    GPTJForCausalLM(config).save_pretrained(scratch)
-    tokenizer.save_pretrained(scratch)
-    try:
-        scratch.rename(folder)
-    except OSError:  # another run built it meanwhile
-        shutil.rmtree(scratch, ignore_errors=True)
-    return folder
+    return tiny_model.save_once(folder, GPTJForCausalLM(config), tokenizer)
 
 
 def free_port() -> int:

@@ -58,8 +58,14 @@ def ensure_tiny_model(folder: Path = TINY_DIR) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
+    return save_once(folder, LlamaForCausalLM(config), tokenizer)
+
+
+def save_once(folder: Path, model, tokenizer) -> Path:
+    """Writes the model and tokenizer to `folder` through a scratch folder renamed into place, so
+    runs building the same model at once never see half a folder."""
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    LlamaForCausalLM(config).save_pretrained(scratch)
+    model.save_pretrained(scratch)
     tokenizer.save_pretrained(scratch)
     try:
         scratch.rename(folder)
