@@ -144,7 +144,9 @@ class BlockHashIndex:
                 if mine != theirs:
                     break
                 common += 1
-            if common and (best is None or common > best[1]):
+            if not _worth_adopting(common, len(stored), len(keys)):
+                continue
+            if best is None or common > best[1]:
                 best = (block_id, common)
         return best
 
@@ -194,3 +196,11 @@ class BlockHashIndex:
         if block_hash is not None:
             del self._block_of[block_hash]
         self._tails.discard(block_id)
+
+
+def _worth_adopting(num_equal: int, num_stored: int, num_wanted: int) -> bool:
+    """Adopting takes the block from the index, so a request takes it only when it runs on through
+    all its tokens (a conversation going on where it stopped) or shares at least half of the
+    block's tokens on both sides: an unrelated prompt that merely starts alike (the same first word, a BOS)
+    leaves another conversation's tail for that conversation's next turn."""
+    return num_equal > 0 and (num_equal == num_stored or 2 * num_equal >= max(num_stored, num_wanted))

@@ -132,6 +132,8 @@ def test_engine_serves_through_the_kernel_as_through_the_torch_path(tiny_engine_
     config = dataclasses.replace(
         tiny_engine_config,
         scheduler=dataclasses.replace(tiny_engine_config.scheduler, max_batch_prefill_tokens=8),  # 3 chunks
+        # no prefix cache: the second run would reuse all but the prompt's last token
+        cache=dataclasses.replace(tiny_engine_config.cache, prefix_caching=False),
     )
     engine = build_engine(config)
     prompt = "the quick brown fox jumps over a lazy dog"
@@ -140,6 +142,7 @@ def test_engine_serves_through_the_kernel_as_through_the_torch_path(tiny_engine_
     original = triton_paged.paged_attention
     monkeypatch.setattr(paged, "_use_triton", lambda query, value: True)
     monkeypatch.setattr(engine.runner, "decode_kernel", None)  # as on CUDA: no CPU kernel is wired
+    monkeypatch.setattr(engine.runner, "decode_step", None)  # nor the CPU plan for prompt steps
     monkeypatch.setattr(triton_paged, "paged_attention", lambda *args: calls.append(args[3]) or original(*args))
     assert greedy_token_ids(engine, prompt, 6) == expected
     assert any(layout.max_q_len > 1 for layout in calls) and any(layout.max_q_len == 1 for layout in calls)
