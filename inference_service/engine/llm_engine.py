@@ -185,7 +185,8 @@ class LLMEngine:
         stats = self._step_stats(plan)
         try:
             outputs = self._run_step(plan, stats)
-        except StepYielded:  # nothing of it counts: the next plan has the arrival in it
+        except StepYielded:  # nothing of it counts: the next plan has the arrival in it, first
+            self.scheduler.arrival_first = True
             return []
         self.num_steps += 1
         if self.step_observer is not None:

@@ -81,6 +81,9 @@ class Scheduler:
         # The last plan's prefill work and when it was handed out: `update` times the step with them
         # for the cost model's clock.
         self._planned: tuple[float, bool, float] | None = None
+        # Set when a step gave way to an arrival (engine/step_yield.py): the next step that carries
+        # a stream gives the long prompts no share, so the arrival runs as it would alone.
+        self.arrival_first = False
 
     # -- admission and removal ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -128,7 +131,8 @@ class Scheduler:
         slice_work = budget / PREFILL_SLICES
         if plan.chunks or self._short_arrival(budget // PREFILL_SLICES):
             num_long = self._num_long_prompts(plan, slice_work)
-            plan.open_pool(self.cost.stream_pool(budget, plan.decode_work, num_long))
+            plan.open_pool(0.0 if self.arrival_first else self.cost.stream_pool(budget, plan.decode_work, num_long))
+        self.arrival_first = False
 
         # 2a. A slice each for the running prefills, oldest first (none when every running request
         # decodes: the common step)...
