@@ -16,7 +16,7 @@ from inference_service.worker.kernels import bindings as cpu_kernels
 from inference_service.worker.kernels.packed import quantize_rtn
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears.quant import QuantLinear
-from inference_service.worker.runner.decode_step import fuse_projections
+from inference_service.worker.runner.fused_projections import fuse_projections
 
 IN_FEATURES = 64
 OUT_FEATURES = (64, 32, 32)  # q, k, v of a GQA layer

@@ -22,7 +22,7 @@ from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
 from inference_service.worker.linears.panelled import PanelledLinear
 from inference_service.worker.linears.quant import QuantLinear
-from inference_service.worker.runner.decode_step import fuse_projections
+from inference_service.worker.runner.fused_projections import fuse_projections
 
 TOLERANCE = 1e-5  # relative to the output's magnitude
 ROWS = [1, 5, 12, 13, 23, 24, 35, 100]
