@@ -3,8 +3,9 @@
 A benchmark-only step, never part of `make test`. The source is llama.cpp as vendored in the
 `llama-cpp-python` source distribution on PyPI (PyPI is reachable here, GitHub may not be):
 `pip download --no-binary :all: --no-deps llama-cpp-python==VERSION`, then cmake (Release, CPU
-only, the build machine's own instruction set, static libraries so the two binaries stand alone).
-The binaries are cached under `<cache>/llama.cpp/<version>-<arch>/bin/`; a second `build` finds them
+only, the build machine's own instruction set less AMX where the CPU reports it (see `isa_options`),
+static libraries so the two binaries stand alone). The binaries are cached under
+`<cache>/llama.cpp/<version>-<arch>[-noamx]/bin/`; a second `build` finds them
 and does nothing. The build takes ~10-20 minutes on 2 busy cores.
 
     python benchmarks/llama_cpp.py build [--version 0.3.36] [--jobs 2]
@@ -35,7 +36,6 @@ BINARIES = ("llama-server", "llama-bench")
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
-    "-DGGML_NATIVE=ON",
     "-DGGML_CUDA=OFF",
     "-DGGML_METAL=OFF",
     "-DGGML_VULKAN=OFF",
@@ -51,13 +51,55 @@ CMAKE_OPTIONS = (
 )
 
 
+# ggml's x86 instruction-set options and the /proc/cpuinfo flag each needs. Used instead of
+# GGML_NATIVE on CPUs that report AMX: with -march=native ggml compiles its AMX matmul in, and its
+# tile instructions trap as illegal on such machines here (Q4_1 and Q8_0 models crash at the first
+# matmul; F32 runs), so those builds take every other extension the CPU has, and no AMX.
+X86_OPTIONS = {
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def isa_options(flags: set[str]) -> tuple[str, ...]:
+    """`-DGGML_NATIVE=ON`, or on a CPU that reports AMX the same extensions named one by one, AMX off."""
+    if not any(flag.startswith("amx") for flag in flags):
+        return ("-DGGML_NATIVE=ON",)
+    chosen = [f"-D{option}={'ON' if set(needs) <= flags else 'OFF'}" for option, needs in X86_OPTIONS.items()]
+    return ("-DGGML_NATIVE=OFF", *chosen, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+
+
+def build_tag(flags: set[str]) -> str:
+    """Part of the install folder's name: a build without AMX never passes for a native one."""
+    return "-noamx" if any(flag.startswith("amx") for flag in flags) else ""
+
+
 class NotBuilt(RuntimeError):
     """The llama.cpp binaries are not in the cache: run `python benchmarks/llama_cpp.py build`."""
 
 
 def install_dir(version: str = VERSION, cache_dir: str | Path | None = None) -> Path:
     """`<cache>/llama.cpp/<version>-<machine>`: a native build runs only where it was built."""
-    return Path(cache_dir or default_cache_dir()) / "llama.cpp" / f"{version}-{platform.machine()}"
+    name = f"{version}-{platform.machine()}{build_tag(cpu_flags())}"
+    return Path(cache_dir or default_cache_dir()) / "llama.cpp" / name
 
 
 def binary(name: str, version: str = VERSION, cache_dir: str | Path | None = None) -> Path:
@@ -115,7 +157,7 @@ def build(version: str = VERSION, jobs: int | None = None, cache_dir: str | Path
         source = fetch_source(version, scratch)
         build_dir = scratch / "build"
         generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-        _run([cmake, "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_OPTIONS])
+        _run([cmake, "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_OPTIONS, *isa_options(cpu_flags())])
         _run([cmake, "--build", str(build_dir), "--target", *BINARIES, "-j", str(jobs or os.cpu_count() or 2)])
         staged = scratch / "install" / "bin"
         staged.mkdir(parents=True)

@@ -135,6 +135,20 @@ def test_llama_cpp_script_arguments_and_cache_paths(tmp_path):
     assert llama_cpp.binary("llama-server", cache_dir=tmp_path) == binary
 
 
+def test_llama_cpp_builds_native_unless_the_cpu_reports_amx():
+    assert llama_cpp.isa_options({"avx2", "fma", "avx512f"}) == ("-DGGML_NATIVE=ON",)
+    assert llama_cpp.build_tag({"avx2"}) == ""
+    sapphire = {"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+    sapphire |= {"avx512_vnni", "amx_tile", "amx_int8"}
+    options = llama_cpp.isa_options(sapphire)
+    assert options[0] == "-DGGML_NATIVE=OFF"
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"} <= set(
+        options
+    )
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(options)
+    assert llama_cpp.build_tag(sapphire) == "-noamx"
+
+
 def test_peer_bench_arguments():
     from benchmarks import peer_bench
 
