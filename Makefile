@@ -29,7 +29,9 @@ ARGS ?=
 # `make test PYTEST_ARGS="-m 'not slow'"` passes options to pytest.
 PYTEST_ARGS ?=
 # What `make typecheck` checks (those of them that exist).
-TYPECHECKED := $(wildcard inference_service/engine inference_service/sample inference_service/worker inference_service/frontend)
+TYPECHECKED := $(wildcard inference_service/engine inference_service/sample inference_service/worker inference_service/frontend \
+	inference_service/outputs.py inference_service/sampling_params.py inference_service/config.py \
+	inference_service/errors.py inference_service/progress.py)
 
 .PHONY: run test setup browser fuzz protos generated protos-check demo-model lint typecheck clean
 

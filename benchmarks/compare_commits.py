@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     trees = ROOT / "benchmarks" / "results" / "raw" / "compare" / "trees"
     shas = {"before": export(args.before, trees), "after": export(args.after, trees)}
     labels = {w: f"{getattr(args, w)} ({shas[w][:7]})" for w in shas}
-    out = (
-        Path(args.out)
+    out = (  # absolute: each script runs in its commit's folder
+        Path(args.out).resolve()
         if args.out
         else ROOT / "benchmarks" / "results" / "raw" / "compare" / (f"{shas['before'][:7]}-{shas['after'][:7]}")
     )

@@ -1,7 +1,7 @@
 """The TextGeneration servicer: one gRPC service composed of its API surfaces.
 
-TGI's routes (`tgi.TgiRoutes`), OpenAI's (`openai.OpenAIRoutes`) and Anthropic's
-(`anthropic.AnthropicRoutes`) share one `Backend` (the engine
+TGI's routes (`tgi.TgiRoutes`), OpenAI's (`openai.OpenAIRoutes`), the Responses API's
+(`responses.ResponsesRoutes`) and Anthropic's (`anthropic.AnthropicRoutes`) share one `Backend` (the engine
 and its front end once loaded, and the request observer); the servicer hands each RPC to its
 surface and answers the service's own calls here (info, health, metrics, the OpenAPI document, docs,
 the model list).

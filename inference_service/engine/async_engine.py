@@ -1,7 +1,7 @@
 """The asyncio front of the engine: one engine thread, one async stream per request.
 
-Model code never runs on the event loop. Callers put typed commands (`AddRequest`, `AbortRequest`,
-`Wake`) on a thread-safe queue; the engine thread applies them between steps and hands each step's outputs back to the
+Model code never runs on the event loop. Callers put typed commands (`engine_commands`) on a
+thread-safe queue; the engine thread applies them between steps and hands each step's outputs back to the
 callers' event loops in one batch. Closing a stream early (client gone, deadline, `break`)
 aborts its request, which frees its KV blocks at the next step boundary.
 """
@@ -22,6 +22,7 @@ from typing import Any
 
 from inference_service.config import EngineConfig
 from inference_service.engine.builder import warm_up
+from inference_service.engine.engine_commands import AbortRequest, AddRequest, Command, RunOnEngine, Wake, run_on_engine
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.shards import build_engine
@@ -48,35 +49,6 @@ def _step_delay_s() -> float:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-
-
-@dataclasses.dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    request: EngineRequest
-
-
-@dataclasses.dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOnEngine:
-    """Call `fn` with the LLMEngine on the engine thread, between steps; its result (or error) to `future`."""
-
-    fn: Callable[[LLMEngine], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
-@dataclasses.dataclass(frozen=True)
-class Wake:
-    """Nothing to do: wakes an idle engine thread so it sees the shutdown."""
-
-
-Command = AddRequest | AbortRequest | RunOnEngine | Wake
 
 
 class AsyncEngine:
@@ -340,7 +312,7 @@ class AsyncEngine:
             output = self._engine.abort_request(command.request_id, command.reason)
             return [output] if output is not None else []
         if isinstance(command, RunOnEngine):
-            _run_for(command, self._engine)
+            run_on_engine(command, self._engine)
         return []  # Wake
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -354,24 +326,6 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: its callers are gone
                 loop.call_soon_threadsafe(_put_all, items)
-
-
-def _run_for(command: RunOnEngine, engine: LLMEngine) -> None:
-    try:
-        result, error = command.fn(engine), None
-    except Exception as caught:  # noqa: BLE001 — handed to the caller
-        result, error = None, caught
-
-    def resolve() -> None:
-        if command.future.done():
-            return
-        if error is not None:
-            command.future.set_exception(error)
-        else:
-            command.future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # that loop is closed: its caller is gone
-        command.loop.call_soon_threadsafe(resolve)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -31,8 +31,9 @@ import torch
 from inference_service.config import EngineConfig
 from inference_service.engine import core_process
 from inference_service.engine import core_wire as wire
-from inference_service.engine.async_engine import AbortRequest, AddRequest, AsyncEngine, RunOnEngine, Wake
+from inference_service.engine.async_engine import AsyncEngine
 from inference_service.engine.builder import make_grammar_compiler
+from inference_service.engine.engine_commands import AbortRequest, AddRequest, RunOnEngine, Wake
 from inference_service.engine.step_yield import Arrivals
 from inference_service.errors import ModelLoadError, ServerFailed
 from inference_service.outputs import EngineInfo, EngineStats, RequestOutput, StepStats

@@ -10,6 +10,10 @@
 | stop text in the output      | kept                                 | stripped           | stripped           |
 | return_full_text (absent)    | false; `/`: true for text-generation | –                  | –                  |
 
+Responses and Anthropic Messages requests are chat requests in other shapes (converted, then planned
+as chat), so chat's column is theirs; Anthropic's `max_tokens` is required. `tests/unit/
+test_parameter_walk.py` walks temperature and the output length from each API to the sampler.
+
 The typed client (`textgen_client`) sends `max_new_tokens=20` unless told otherwise, as TGI's own
 Python client does: that is the client's choice, not a server default.
 """

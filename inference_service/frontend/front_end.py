@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from inference_service.errors import ModelLoadError
 from inference_service.frontend import anthropic, images, openai, reasoning, tgi, tool_parsers
@@ -30,6 +30,16 @@ from inference_service.sample.grammar import GrammarCompiler
 from inference_service.sampling_params import EngineRequest
 from textgen.v1 import anthropic_pb2 as apb
 from textgen.v1 import generate_pb2 as pb
+
+
+class LoadedEngine(Protocol):
+    """What the front end reads of a loaded engine (`AsyncEngine`, and the engine-core client)."""
+
+    info: EngineInfo
+    tokenizer: Any
+    grammar_compiler: GrammarCompiler | None
+    processor: Any  # a vision-language model's processor, else None
+    adapters: Any  # the resident LoRA adapters' registry (its `names`), None when none are served
 
 
 class FrontEnd:
@@ -66,7 +76,7 @@ class FrontEnd:
     @classmethod
     def for_engine(
         cls,
-        engine: Any,
+        engine: LoadedEngine,
         chat_template_file: str | None = None,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
@@ -79,7 +89,7 @@ class FrontEnd:
                 template = load_template_file(chat_template_file)
             except (OSError, ValueError) as error:
                 raise ModelLoadError(f"--chat-template: {error}") from error
-        registry = getattr(engine, "adapters", None)
+        registry = engine.adapters
         return cls(
             engine.info,
             engine.tokenizer,
@@ -87,7 +97,7 @@ class FrontEnd:
             template,
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
-            processor=getattr(engine, "processor", None),
+            processor=engine.processor,
             adapters=AdapterNames(engine.info.model_id, registry.names if registry is not None else None),
         )
 

@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
-from inference_service.worker.attention.paged import StepMetadata
+from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels import bindings
 from inference_service.worker.kernels.bf16_glue import load_bf16_decode_glue
 from inference_service.worker.linears import bf16 as bf16_linear

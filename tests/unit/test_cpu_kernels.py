@@ -16,6 +16,7 @@ import torch
 
 from inference_service.worker.attention import paged as attention
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
+from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels import bindings as cpu_kernels
 from inference_service.worker.kernels import native_build
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
@@ -82,7 +83,7 @@ class Batch:
 
     def run(self, decode_kernel, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Through the attention module's decode path ([S, H, Dv]), with or without the kernel."""
-        meta = attention.StepMetadata(
+        meta = StepMetadata(
             kv_cache=self.cache,
             num_tokens=len(self.context_lens),
             slot_mapping=torch.zeros(0, dtype=torch.long),

@@ -25,6 +25,7 @@ from inference_service.worker.attention.kv_cache import (
     widen,
 )
 from inference_service.worker.attention.softcap import attend_softcapped
+from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels import bindings as cpu_kernels
 
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
@@ -121,7 +122,7 @@ class Batch:
 
     def run(self, decode_kernel, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Through the attention module's decode path ([S, H, Dv]), with or without the kernel."""
-        meta = attention.StepMetadata(
+        meta = StepMetadata(
             kv_cache=self.cache,
             num_tokens=len(self.context_lens),
             slot_mapping=torch.zeros(0, dtype=torch.long),

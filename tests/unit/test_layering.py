@@ -1,8 +1,9 @@
 """Arrows run one way: api → frontend → engine → models → worker / sample → the ground floor
-(outputs, sampling_params, config, errors); the commands (cli, gateway.launch) → flags. Inside
-worker/: the runners → attention, linears → kernels, and weights (load time) → linears; the two
-runners share only step_rows. Checked on the import statements of every module (imports only for
-type checkers excepted).
+(outputs, sampling_params, config, errors, progress); the commands (cli, gateway.launch) → flags.
+Below the front end nothing reads the API's messages (textgen, protobuf, grpc). Inside worker/ each
+part names what it may import (kernels at the bottom; the two runners on top, sharing only
+step_rows), and a new part must be placed before it passes. Checked on the import statements of
+every module, relative ones resolved (imports only for type checkers excepted).
 
 And no loops anywhere: the module import graph of the server, the gateway and the client, every
 import counted (type checkers' and functions' too), has no cycle."""
@@ -21,15 +22,31 @@ GROUND_FLOOR = (
     "inference_service.sampling_params",
     "inference_service.config",
     "inference_service.errors",
+    "inference_service.progress",
 )
 WORKER = "inference_service.worker"
 ABOVE_GROUND = tuple(
     f"inference_service.{name}"
     for name in ("frontend", "engine", "api", "worker", "sample", "models", "observability", "cli", "flags")
 ) + ("gateway",)
+# The API's messages and transport: the front end converts them, nothing below it sees them.
+API_TYPES = ("textgen", "google.protobuf", "grpc")
+# Inside worker/: each part → the other parts it may import (everything else in worker/ is forbidden).
+WORKER_PARTS = {
+    "kernels": (),
+    "step_yield": (),
+    "step_rows": (),
+    "shard_group": ("kernels",),
+    "linears": ("kernels", "shard_group"),
+    "attention": ("kernels", "step_yield"),
+    "lora": ("kernels", "linears"),
+    "weights": ("kernels", "linears"),  # load-time converters over the runtime linears
+    "runner": ("attention", "kernels", "linears", "lora", "shard_group", "step_rows", "step_yield"),
+    "transformers_runner": ("step_rows",),  # the fallback runner meets the paged one only there
+}
 # A package (or module) → what it must never import.
 FORBIDDEN = {
-    **dict.fromkeys(GROUND_FLOOR, ABOVE_GROUND),
+    **dict.fromkeys(GROUND_FLOOR, ABOVE_GROUND + API_TYPES),
     "inference_service.models": (
         "inference_service.frontend",
         "inference_service.engine",
@@ -37,7 +54,8 @@ FORBIDDEN = {
         "inference_service.cli",
         "inference_service.flags",
         "gateway",
-    ),
+    )
+    + API_TYPES,
     "inference_service.worker": (
         "inference_service.frontend",
         "inference_service.engine",
@@ -45,21 +63,13 @@ FORBIDDEN = {
         "inference_service.cli",
         "inference_service.flags",
         "inference_service.models",
+        "inference_service.sample",
         "gateway",
-    ),
-    # Inside worker/: kernels at the bottom, linears and attention over them, weights (load time) over
-    # linears, the two runners on top; the runners meet only in step_rows.
+    )
+    + API_TYPES,
     **{
-        f"{WORKER}.{part}": tuple(f"{WORKER}.{other}" for other in others)
-        for part, others in {
-            "kernels": ("step_rows", "attention", "linears", "weights", "runner", "transformers_runner"),
-            "linears": ("step_rows", "attention", "weights", "runner", "transformers_runner"),
-            "attention": ("step_rows", "linears", "weights", "runner", "transformers_runner"),
-            "weights": ("step_rows", "attention", "runner", "transformers_runner"),
-            "step_rows": ("kernels", "attention", "linears", "weights", "runner", "transformers_runner"),
-            "runner": ("weights", "transformers_runner"),
-            "transformers_runner": ("weights", "runner"),
-        }.items()
+        f"{WORKER}.{part}": tuple(f"{WORKER}.{other}" for other in WORKER_PARTS if other not in allowed + (part,))
+        for part, allowed in WORKER_PARTS.items()
     },
     "inference_service.sample": (
         "inference_service.frontend",
@@ -70,7 +80,8 @@ FORBIDDEN = {
         "inference_service.models",
         "inference_service.worker",
         "gateway",
-    ),
+    )
+    + API_TYPES,
     "inference_service.engine": (
         "inference_service.frontend",
         "inference_service.api",
@@ -78,7 +89,10 @@ FORBIDDEN = {
         "inference_service.flags",
         "inference_service.observability",
         "gateway",
-    ),
+    )
+    + API_TYPES,
+    # The servicers sit under the commands; flags build their config from it.
+    "inference_service.api": ("inference_service.cli", "inference_service.flags", "gateway"),
     # The front end reads the API's messages, never its servicers; it hands the engine its requests.
     "inference_service.frontend": (
         "inference_service.api",
@@ -90,7 +104,9 @@ FORBIDDEN = {
     "inference_service.observability": (
         "inference_service.frontend",
         "inference_service.engine",
+        "inference_service.api",
         "inference_service.cli",
+        "inference_service.flags",
         "gateway",
     ),
     "inference_service.flags": ("inference_service.cli", "gateway"),
@@ -107,8 +123,14 @@ def _module_name(path: Path) -> str:
 
 
 def _runtime_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import that runs, wherever it sits (a function's lazy import too)."""
-    tree = ast.parse(path.read_text())
+    name = _module_name(path)
+    return _imports_in(path.read_text(), name if path.name == "__init__.py" else name.rpartition(".")[0])
+
+
+def _imports_in(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, module) of every import that runs, wherever it sits (a function's lazy import too);
+    a relative import as the absolute name it resolves to from `package`."""
+    tree = ast.parse(source)
     skipped: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -119,9 +141,13 @@ def _runtime_imports(path: Path) -> list[tuple[int, str]]:
             continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                source = f"{base}.{source}" if source else base
+            found.append((node.lineno, source))
+            found += [(node.lineno, f"{source}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -129,18 +155,50 @@ def _modules() -> list[Path]:
     return sorted(p for folder in ("inference_service", "gateway") for p in (ROOT / folder).rglob("*.py"))
 
 
+def _upward(name: str, imports: list[tuple[int, str]]) -> list[str]:
+    """The imports of module `name` that its rules forbid, as "line N: module"."""
+    rules = [forbidden for owner, forbidden in FORBIDDEN.items() if name == owner or name.startswith(owner + ".")]
+    return [
+        f"line {line}: {module}"
+        for line, module in imports
+        for forbidden in rules
+        for prefix in forbidden
+        if (module + ".").startswith(prefix + ".")
+    ]
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_point_down(path):
     name = _module_name(path)
-    rules = [forbidden for owner, forbidden in FORBIDDEN.items() if name == owner or name.startswith(owner + ".")]
-    wrong = [
-        f"line {line}: {module}"
-        for line, module in _runtime_imports(path)
-        for forbidden in rules
-        for prefix in forbidden
-        if (module + ".").startswith(prefix if prefix.endswith(".") else prefix + ".")
-    ]
+    wrong = _upward(name, _runtime_imports(path))
     assert not wrong, f"{name} imports from above it: {wrong}"
+
+
+def test_every_worker_part_is_placed():
+    """A new module or package in worker/ names what it may import (WORKER_PARTS) before it passes."""
+    found = {p.stem for p in (ROOT / "inference_service" / "worker").iterdir() if p.suffix == ".py" or p.is_dir()}
+    assert found - {"__init__", "__pycache__"} == set(WORKER_PARTS)
+
+
+@pytest.mark.parametrize(
+    ("package", "source", "upward"),
+    [
+        ("inference_service.engine", "from inference_service.api import server", True),
+        ("inference_service.engine", "def f():\n    import inference_service.frontend.openai", True),
+        ("inference_service.engine", "from ..frontend import openai", True),  # relative, resolved
+        ("inference_service.engine", "from textgen.v1 import generate_pb2", True),
+        ("inference_service.worker.kernels", "from ..runner import model_runner", True),
+        ("inference_service.worker.linears", "from inference_service.worker.lora import linear", True),
+        ("inference_service", "from inference_service.engine import scheduler", True),  # the ground floor
+        ("inference_service.engine", "if TYPE_CHECKING:\n    from inference_service.api import server", False),
+        ("inference_service.engine", "from inference_service.worker.runner import model_runner", False),
+        ("inference_service.api", "from inference_service.engine import async_engine", False),
+    ],
+)
+def test_an_upward_import_is_found(package, source, upward):
+    """The check itself can fail: each planted upward import is reported, downward ones are not."""
+    name = f"{package}.outputs" if package == "inference_service" else f"{package}.planted"
+    assert bool(_upward(name, _imports_in(source, package))) is upward
 
 
 def test_the_ground_floor_exists_and_is_used():
@@ -237,6 +295,13 @@ def _loops(graph: dict[str, dict[str, int]]) -> list[str]:
         modules = ", ".join(sorted(component))
         loops.append(" → ".join(steps + [start]) + f"  (all {len(component)} of its modules: {modules})")
     return loops
+
+
+def test_a_loop_is_found():
+    """The loop finder reports a planted cycle (through a type checker's import too) and nothing else."""
+    graph = {"a": {"b": 3}, "b": {"c": 5}, "c": {"a": 7}, "d": {"a": 1}}
+    assert _loops(graph) == ["a:3 → b:5 → c:7 → a  (all 3 of its modules: a, b, c)"]
+    assert _loops({"a": {"b": 1}, "b": {}}) == []
 
 
 def test_no_import_loops():

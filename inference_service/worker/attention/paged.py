@@ -4,18 +4,14 @@ Registered with `transformers.AttentionInterface` under ATTENTION_NAME; a model 
 `attn_implementation=ATTENTION_NAME` hands us per-layer q/k/v (after RoPE) for a packed, ragged
 batch (batch dim 1, `position_ids` per token). We write k/v into the paged cache and attend
 each sequence over its own prefix. transformers builds no mask for a custom name: causality,
-sliding windows and softcap are all ours. Per-step metadata arrives through a contextvar,
-because some decoder layers drop `**kwargs` on the way down.
+sliding windows and softcap are all ours. Per-step metadata (`step_metadata`) arrives
+through a contextvar, because some decoder layers drop `**kwargs` on the way down.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -24,60 +20,18 @@ from transformers import AttentionInterface
 from inference_service.worker import step_yield
 from inference_service.worker.attention.kv_cache import PagedKVCache, widen
 from inference_service.worker.attention.softcap import attend_softcapped
-
-if TYPE_CHECKING:
-    from inference_service.worker.attention.triton_paged import PagedLayout
-    from inference_service.worker.kernels.bindings import PagedDecodeKernel
+from inference_service.worker.attention.step_metadata import (
+    PrefillChunk,
+    StepMetadata,
+    current_step,
+    gpu_layout,
+    needed,
+)
 
 ATTENTION_NAME = "engine_paged"
 
 # Arguments that change the math in ways this function does not implement.
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "alibi", "head_mask")
-
-
-@dataclass
-class PrefillChunk:
-    """A sequence running more than one token this step: packed rows [token_start, +num_new)."""
-
-    token_start: int
-    num_new: int
-    num_computed: int
-    context_slots: torch.Tensor  # [num_computed + num_new] cache slots of the whole context
-    # Position spans [start, end) whose tokens attend to each other both ways (image tokens of
-    # PaliGemma's prefix or of a Gemma 3 image); the scheduler never ends a chunk inside one.
-    both_way_spans: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass
-class StepMetadata:
-    """Everything the attention function needs for one forward pass, built once per step."""
-
-    kv_cache: PagedKVCache | None
-    num_tokens: int
-    slot_mapping: torch.Tensor  # [T] cache slot of each packed token
-    decode_token_index: torch.Tensor | None = None  # [Sd] packed rows of one-token sequences
-    decode_block_table: torch.Tensor | None = None  # [Sd, max_blocks]
-    decode_context_lens: torch.Tensor | None = None  # [Sd] tokens each attends over, new one included
-    decode_only: bool = False  # every row is a decode, in order: no scatter needed
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_kernel: PagedDecodeKernel | None = None  # reads the cache in place; None: gather + SDPA
-    # Filled while running: masks per window value, calls per layer (the load-time probe counts them).
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    num_calls: int = 0
-    recorded_shapes: dict[int, tuple[int, int, torch.dtype]] | None = None  # shape probe mode
-    gpu_layouts: dict[str, PagedLayout] = field(default_factory=dict)  # the Triton kernel's, built once a step
-
-
-_STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
-
-
-@contextlib.contextmanager
-def step_context(meta: StepMetadata) -> Iterator[StepMetadata]:
-    token = _STEP.set(meta)
-    try:
-        yield meta
-    finally:
-        _STEP.reset(token)
 
 
 def paged_attention(
@@ -93,7 +47,7 @@ def paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """q [1, H, T, D], k/v [1, KVH, T, D] → ([1, T, H, Dv], None)."""
-    meta = kwargs.get("paged_meta") or _STEP.get()
+    meta = kwargs.get("paged_meta") or current_step()
     if meta is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention called outside an engine step")
     _check_supported(module, kwargs)
@@ -105,7 +59,7 @@ def paged_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = sliding_window if sliding_window else None
-    kv_cache = _needed(meta.kv_cache, "KV cache")
+    kv_cache = needed(meta.kv_cache, "KV cache")
     step_yield.poll(layer, len(kv_cache.keys))  # a lone prefill step may give way to an arrival here
     kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]
     key_cache, value_cache = kv_cache.layer(layer)
@@ -119,8 +73,8 @@ def paged_attention(
         from inference_service.worker.attention import flash_attn_backend
 
         out = flash_attn_backend.attend_step(
-            query[0].transpose(0, 1), key_cache, value_cache, _gpu_layout(meta, "step"),
-            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+            query[0].transpose(0, 1), key_cache, value_cache, gpu_layout(meta, "step"),
+            needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
         )  # fmt: skip
         return out.unsqueeze(0), None
     if _use_triton(query, value) and not both_ways:
@@ -128,8 +82,8 @@ def paged_attention(
         from inference_service.worker.attention import triton_paged
 
         out = triton_paged.paged_attention(
-            query[0].transpose(0, 1), key_cache, value_cache, _gpu_layout(meta, "step"),
-            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+            query[0].transpose(0, 1), key_cache, value_cache, gpu_layout(meta, "step"),
+            needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
         )  # fmt: skip
         return out.unsqueeze(0), None
     return attend_mixed(meta, query, key, value, layer, scaling, window, softcap).unsqueeze(0), None
@@ -149,7 +103,7 @@ def attend_mixed(
     already in the cache → [T, H, Dv] (torch's attention on any device). key/value [1, KVH, T, D]:
     the new rows as computed, which a chunk that starts its sequence attends over without reading
     them back (None: read from the cache)."""
-    kv_cache = _needed(meta.kv_cache, "KV cache")
+    kv_cache = needed(meta.kv_cache, "KV cache")
     key_cache, value_cache = kv_cache.layer(layer)
     out = query.new_empty(meta.num_tokens, query.shape[1], value_cache.shape[-1])  # [T, H, Dv]
     if meta.decode_token_index is not None:
@@ -171,16 +125,6 @@ def attend_mixed(
             softcap,
         )
     return out
-
-
-_T = TypeVar("_T")
-
-
-def _needed(value: _T | None, what: str) -> _T:
-    """`value`, which this step's metadata must have set."""
-    if value is None:
-        raise RuntimeError(f"the step's metadata has no {what}")
-    return value
 
 
 _CHECKED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -223,9 +167,9 @@ def attend_decode(
             key_cache,
             value_cache,
             # Checked inline, not through `_needed`: this runs per layer of every decode step.
-            meta.decode_block_table if meta.decode_block_table is not None else _needed(None, "decode block table"),
-            meta.decode_context_lens if meta.decode_context_lens is not None else _needed(None, "context lengths"),
-            (meta.kv_cache if meta.kv_cache is not None else _needed(None, "KV cache")).block_size,
+            meta.decode_block_table if meta.decode_block_table is not None else needed(None, "decode block table"),
+            meta.decode_context_lens if meta.decode_context_lens is not None else needed(None, "context lengths"),
+            (meta.kv_cache if meta.kv_cache is not None else needed(None, "KV cache")).block_size,
             scaling,
             window,
             softcap,
@@ -236,20 +180,20 @@ def attend_decode(
 
         return flash_attn_backend.attend_decode(
             q_by_seq, key_cache, value_cache,
-            _needed(meta.decode_block_table, "decode block table"),
-            _needed(meta.decode_context_lens, "decode context lengths"),
-            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+            needed(meta.decode_block_table, "decode block table"),
+            needed(meta.decode_context_lens, "decode context lengths"),
+            needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
         )  # fmt: skip
     if _use_triton(q, value_cache):
         from inference_service.worker.attention import triton_paged
 
         return triton_paged.paged_attention(
-            q_by_seq, key_cache, value_cache, _gpu_layout(meta, "decode"),
-            _needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
+            q_by_seq, key_cache, value_cache, gpu_layout(meta, "decode"),
+            needed(meta.kv_cache, "KV cache").block_size, scaling, window, softcap,
         )  # fmt: skip
-    block_table = _needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
+    block_table = needed(meta.decode_block_table, "decode block table")  # [Sd, NB]
     num_seqs, num_blocks = block_table.shape
-    block_size = _needed(meta.kv_cache, "KV cache").block_size
+    block_size = needed(meta.kv_cache, "KV cache").block_size
     keys = _gather_blocks(key_cache, block_table, block_size)  # [Sd, KVH, NB*bs, D]
     values = _gather_blocks(value_cache, block_table, block_size)
     if scales is not None or keys.dtype != q.dtype:  # the cache's dtype, widened to the model's
@@ -259,7 +203,7 @@ def attend_decode(
         keys, values = widen(keys, key_scales, q.dtype), widen(values, value_scales, q.dtype)
     mask = meta.decode_masks.get(window)
     if mask is None:
-        context_lens = _needed(meta.decode_context_lens, "decode context lengths")
+        context_lens = needed(meta.decode_context_lens, "decode context lengths")
         mask = _decode_mask(context_lens, num_blocks * block_size, window)  # [Sd, 1, 1, L]
         meta.decode_masks[window] = mask
     out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
@@ -271,7 +215,7 @@ def _flash_attn_takes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     the Triton kernel, which computes the rest (attention/flash_attn_backend.py says what it takes)."""
     from inference_service.worker.attention import flash_attn_backend
 
-    return flash_attn_backend.takes(q, key_cache, value_cache, _needed(meta.kv_cache, "KV cache").block_size)
+    return flash_attn_backend.takes(q, key_cache, value_cache, needed(meta.kv_cache, "KV cache").block_size)
 
 
 def _use_triton(query: torch.Tensor, value: torch.Tensor) -> bool:
@@ -281,48 +225,6 @@ def _use_triton(query: torch.Tensor, value: torch.Tensor) -> bool:
     from inference_service.worker.attention import triton_paged
 
     return triton_paged.available()
-
-
-def _gpu_layout(meta: StepMetadata, which: str) -> PagedLayout:
-    """The step's sequences as the Triton kernel reads them, built once per step: "decode" for q
-    holding the decode rows in order, "step" for q holding every packed row."""
-    layout = meta.gpu_layouts.get(which)
-    if layout is not None:
-        return layout
-    from inference_service.worker.attention.triton_paged import PagedLayout
-
-    block_size = _needed(meta.kv_cache, "KV cache").block_size
-    device = meta.slot_mapping.device
-    starts: list[torch.Tensor] = []
-    lens: list[torch.Tensor] = []
-    contexts: list[torch.Tensor] = []
-    tables: list[torch.Tensor] = []
-    if meta.decode_block_table is not None:
-        context_lens = _needed(meta.decode_context_lens, "decode context lengths")
-        rows = context_lens.shape[0]
-        index = _needed(meta.decode_token_index, "decode rows") if which == "step" else None
-        starts.append(index if index is not None else torch.arange(rows, device=device))
-        lens.append(torch.ones(rows, dtype=torch.long, device=device))
-        contexts.append(context_lens)
-        tables.append(meta.decode_block_table)
-    if which == "step":
-        for chunk in meta.prefills:
-            starts.append(torch.tensor([chunk.token_start], device=device))
-            lens.append(torch.tensor([chunk.num_new], device=device))
-            contexts.append(torch.tensor([chunk.num_computed + chunk.num_new], device=device))
-            tables.append((chunk.context_slots[::block_size] // block_size)[None, :])
-    width = max(t.shape[1] for t in tables)
-    table = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
-    q_len = torch.cat(lens)
-    layout = PagedLayout(
-        q_start=torch.cat(starts).to(torch.int32),
-        q_len=q_len.to(torch.int32),
-        seq_lens=torch.cat(contexts).to(torch.int32),
-        block_table=table.to(torch.int32).contiguous(),
-        max_q_len=int(q_len.max()),
-    )
-    meta.gpu_layouts[which] = layout
-    return layout
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 
-from inference_service.worker.attention.paged import StepMetadata
+from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels.bf16_layers import FIELDS, BF16Layers, load_bf16_layers
 from inference_service.worker.kernels.bindings import MAX_BF16_LINEAR_ROWS, MAX_GROUPS
 from inference_service.worker.linears.bf16 import BF16NativeLinear

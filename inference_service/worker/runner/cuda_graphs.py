@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from inference_service.worker.attention.kv_cache import PagedKVCache
-from inference_service.worker.attention.paged import StepMetadata
+from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.attention.triton_paged import PagedLayout
 from inference_service.worker.kernels.bindings import PagedDecodeKernel
 

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from inference_service.worker import step_yield
 from inference_service.worker.attention.kv_cache import PagedKVCache
-from inference_service.worker.attention.paged import StepMetadata, attend_decode, attend_mixed
+from inference_service.worker.attention.paged import attend_decode, attend_mixed
+from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.bindings import DecodeGlue
 from inference_service.worker.lora.batch import current_step

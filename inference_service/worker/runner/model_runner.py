@@ -13,7 +13,7 @@ import torch
 from inference_service.outputs import ScheduledRequest, StepLogits
 from inference_service.sampling_params import ImageInput
 from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
-from inference_service.worker.attention.paged import PrefillChunk, StepMetadata, step_context
+from inference_service.worker.attention.step_metadata import PrefillChunk, StepMetadata, step_context
 from inference_service.worker.kernels.bindings import PagedDecodeKernel
 from inference_service.worker.lora.batch import LoraStep, group_rows, lora_context
 from inference_service.worker.lora.weights import LoraTable
