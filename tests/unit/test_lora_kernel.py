@@ -193,7 +193,6 @@ def forced_threads():
 @pytest.mark.parametrize("mode", [1, 2])  # one thread, the team: each decode-sized call may take either way
 @pytest.mark.parametrize("num_rows", [1, 16])  # BGMV's parts split over the team; SGMV's tiles and parts
 def test_decode_sized_calls_equal_float64_either_way(forced_threads, mode, num_rows):
-    forced_threads(mode)
     qkv = [(4, t) for t in WIDTHS]
     adapters = [_adapter(name, rank, seed, qkv) for name, rank, seed in (("a", 16, 11), ("b", 5, 12))]
     if num_rows == 1:
@@ -203,10 +202,15 @@ def test_decode_sized_calls_equal_float64_either_way(forced_threads, mode, num_r
     x, y = torch.randn(num_rows, IN), torch.randn(num_rows, sum(WIDTHS.values()))
     parts = _fused_parts(4)
     expected = _reference(x, y, groups, parts)
-    for _ in range(3):  # the same result on every call of the step's plan
+    results = {}
+    for setting in (mode, 3 - mode):
+        forced_threads(setting)
         got = y.clone()
         assert native.add_native(x, got, _step(groups, num_rows), _native_parts(parts))
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+        results[setting] = got
+    torch.testing.assert_close(results[mode].double(), expected, rtol=1e-5, atol=1e-4)
+    # The same tasks whichever thread runs them: the timing's choice never changes a token.
+    assert torch.equal(results[1], results[2])
 
 
 def test_thread_mode_setting(forced_threads):
