@@ -10,13 +10,14 @@ Three ratios, each measured side by side (runs alternate, best of `--runs`):
 Every request generates exactly `--new-tokens` tokens greedily (EOS ignored). The adapters are made
 here with peft (random, non-zero B), in PEFT's on-disk format.
 
-`--thread-modes` also runs the two LoRA measures with the kernel's decode-sized calls held on one
-thread and held on the thread team (kernels/lora_bindings.py force_threads), beside its default of
-choosing per call by timing: ratios against the same base runs. `--skip-peft` leaves out the peft
+`--thread-modes one,team` also runs the two LoRA measures with the kernel's decode-sized calls held on
+one thread (`one`: as before the kernel chose) and/or held on the thread team (`team`;
+kernels/lora_bindings.py force_threads), beside its default of choosing per call by timing: ratios
+against the same base runs, printed per round. `--skip-peft` leaves out the peft
 comparison (the longest part).
 
 Usage: python benchmarks/lora_bench.py [--quick] [--model-id ID] [--runs N] [--new-tokens N] [--prompt-tokens N]
-       [--thread-modes] [--skip-peft]
+       [--thread-modes one,team] [--skip-peft]
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--thread-modes", action="store_true")
+    parser.add_argument("--thread-modes", default="", help="comma-separated: one, team")
     parser.add_argument("--skip-peft", action="store_true")
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
@@ -139,7 +140,10 @@ def main() -> None:
     new = settings["new_tokens"]
     rates: dict[str, list[float]] = {"mixed": [], "base": [], "one_adapter": [], "one_base": [], "one_no_adapter": []}
     kernel = load_lora_kernel() if args.thread_modes else None
-    modes = {"": 0} if kernel is None else {"": 0, "_one_thread": 1, "_team": 2}
+    modes = {"": 0}
+    if kernel is not None:
+        held = {"one": ("_one_thread", 1), "team": ("_team", 2)}
+        modes.update(dict(held[name] for name in args.thread_modes.split(",")))
     for mode in modes:
         rates.update({f"mixed{mode}": [], f"one_adapter{mode}": []} if mode else {})
     for run in range(settings["runs"]):
