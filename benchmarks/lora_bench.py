@@ -10,7 +10,14 @@ Three ratios, each measured side by side (runs alternate, best of `--runs`):
 Every request generates exactly `--new-tokens` tokens greedily (EOS ignored). The adapters are made
 here with peft (random, non-zero B), in PEFT's on-disk format.
 
+`--thread-modes one,team` also runs the two LoRA measures with the kernel's decode-sized calls held on
+one thread (`one`: as before the kernel chose) and/or held on the thread team (`team`;
+kernels/lora_bindings.py force_threads), beside its default of choosing per call by timing: ratios
+against the same base runs, printed per round. `--skip-peft` leaves out the peft
+comparison (the longest part).
+
 Usage: python benchmarks/lora_bench.py [--quick] [--model-id ID] [--runs N] [--new-tokens N] [--prompt-tokens N]
+       [--thread-modes one,team] [--skip-peft]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from inference_service.config import DEMO_MODEL_ID, EngineConfig, ModelConfig, S
 from inference_service.engine.builder import build_engine, warm_up  # noqa: E402
 from inference_service.engine.llm_engine import LLMEngine  # noqa: E402
 from inference_service.models import loader  # noqa: E402
+from inference_service.worker.kernels.lora_bindings import load_lora_kernel  # noqa: E402
 from tests.lora_adapters import make_adapter  # noqa: E402
 
 FULL = {"streams": 16, "adapters": 4, "rank": 16, "prompt_tokens": 64, "new_tokens": 64, "runs": 3}
@@ -106,6 +114,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--thread-modes", default="", help="comma-separated: one, team")
+    parser.add_argument("--skip-peft", action="store_true")
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
     for key in ("runs", "new_tokens", "prompt_tokens"):
@@ -129,13 +139,35 @@ def main() -> None:
     mixed = [names[i % len(names)] for i in range(settings["streams"])]
     new = settings["new_tokens"]
     rates: dict[str, list[float]] = {"mixed": [], "base": [], "one_adapter": [], "one_base": [], "one_no_adapter": []}
-    for _ in range(settings["runs"]):
-        rates["mixed"].append(_decode_rate(with_lora, workload.prompts, mixed, new))
+    kernel = load_lora_kernel() if args.thread_modes else None
+    modes = {"": 0}
+    if kernel is not None:
+        held = {"one": ("_one_thread", 1), "team": ("_team", 2)}
+        modes.update(dict(held[name] for name in args.thread_modes.split(",")))
+    for mode in modes:
+        rates.update({f"mixed{mode}": [], f"one_adapter{mode}": []} if mode else {})
+    for run in range(settings["runs"]):
+        for mode, setting in modes.items():
+            if kernel is not None:
+                kernel.force_threads(setting)
+            rates[f"mixed{mode}"].append(_decode_rate(with_lora, workload.prompts, mixed, new))
         rates["base"].append(_decode_rate(base, workload.prompts, [None] * len(mixed), new))
-        rates["one_adapter"].append(_decode_rate(with_lora, workload.prompts[:1], [names[0]], new))
+        for mode, setting in modes.items():
+            if kernel is not None:
+                kernel.force_threads(setting)
+            rates[f"one_adapter{mode}"].append(_decode_rate(with_lora, workload.prompts[:1], [names[0]], new))
         rates["one_base"].append(_decode_rate(base, workload.prompts[:1], [None], new))
         rates["one_no_adapter"].append(_decode_rate(with_lora, workload.prompts[:1], [None], new))
-    peft_rate = _peft_rate(path, adapter_dirs, workload.prompts, mixed, new)
+        print(
+            f"round {run + 1}: "
+            + ", ".join(
+                f"mixed{mode} {rates[f'mixed{mode}'][-1] / rates['base'][-1]:.3f}x tok/s, "
+                f"one{mode} {rates['one_base'][-1] / rates[f'one_adapter{mode}'][-1]:.3f}x ms/token"
+                for mode in modes
+            ),
+            flush=True,
+        )
+    peft_rate = None if args.skip_peft else _peft_rate(path, adapter_dirs, workload.prompts, mixed, new)
     best = {key: max(values) for key, values in rates.items()}
     rows = [
         (
@@ -159,14 +191,37 @@ def main() -> None:
             common.ratio(best["one_base"], best["one_no_adapter"]),
             "≈ 1×",
         ),
-        (
-            f"{settings['streams']} mixed streams vs peft + transformers, one static batch (tok/s)",
-            common.fmt(best["mixed"]),
-            common.fmt(peft_rate),
-            common.ratio(best["mixed"], peft_rate),
-            "≥ 3×",
-        ),
     ]
+    for mode in modes:
+        if mode:
+            rows.append(
+                (
+                    f"{settings['streams']} streams, LoRA calls held {mode[1:].replace('_', ' ')} (tok/s)",
+                    common.fmt(best[f"mixed{mode}"]),
+                    common.fmt(best["base"]),
+                    common.ratio(best[f"mixed{mode}"], best["base"]),
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    f"one stream, LoRA calls held {mode[1:].replace('_', ' ')} (ms/token)",
+                    common.fmt(1000 / best[f"one_adapter{mode}"], 2),
+                    common.fmt(1000 / best["one_base"], 2),
+                    common.ratio(best["one_base"], best[f"one_adapter{mode}"]),
+                    "",
+                )
+            )
+    if peft_rate is not None:
+        rows.append(
+            (
+                f"{settings['streams']} mixed streams vs peft + transformers, one static batch (tok/s)",
+                common.fmt(best["mixed"]),
+                common.fmt(peft_rate),
+                common.ratio(best["mixed"], peft_rate),
+                "≥ 3×",
+            )
+        )
     table = common.markdown_table(("measure", "LoRA", "baseline", "ratio", "goal"), rows)
     print(common.machine_line(common.machine()))
     print(f"model {model_id}, rank {settings['rank']}, {settings['prompt_tokens']}-token prompts, {new} new tokens")

@@ -179,3 +179,42 @@ def test_decode_plan_adder_equals_torch_path(monkeypatch, num_rows):
     assert not torch.equal(got, y)
     if num_rows > 1:
         assert torch.equal(got[2], y[2])  # row 2 runs on the base
+
+
+@pytest.fixture
+def forced_threads():
+    """Set the kernel's thread mode for a test (lora_bindings.LoraKernel.force_threads), then choose by timing again."""
+    kernel = load_lora_kernel()
+    assert kernel is not None
+    yield kernel.force_threads
+    kernel.force_threads(0)
+
+
+@pytest.mark.parametrize("mode", [1, 2])  # one thread, the team: each decode-sized call may take either way
+@pytest.mark.parametrize("num_rows", [1, 16])  # BGMV's parts split over the team; SGMV's tiles and parts
+def test_decode_sized_calls_equal_float64_either_way(forced_threads, mode, num_rows):
+    qkv = [(4, t) for t in WIDTHS]
+    adapters = [_adapter(name, rank, seed, qkv) for name, rank, seed in (("a", 16, 11), ("b", 5, 12))]
+    if num_rows == 1:
+        groups = [(adapters[0], [0])]
+    else:
+        groups = [(adapters[i % 2], list(range(i, num_rows, 3))) for i in range(2)]  # every third row: base
+    x, y = torch.randn(num_rows, IN), torch.randn(num_rows, sum(WIDTHS.values()))
+    parts = _fused_parts(4)
+    expected = _reference(x, y, groups, parts)
+    results = {}
+    for setting in (mode, 3 - mode):
+        forced_threads(setting)
+        got = y.clone()
+        assert native.add_native(x, got, _step(groups, num_rows), _native_parts(parts))
+        results[setting] = got
+    torch.testing.assert_close(results[mode].double(), expected, rtol=1e-5, atol=1e-4)
+    # The same tasks whichever thread runs them: the timing's choice never changes a token.
+    assert torch.equal(results[1], results[2])
+
+
+def test_thread_mode_setting(forced_threads):
+    assert forced_threads(2) == 0  # by timing unless told
+    assert forced_threads(1) == 2
+    with pytest.raises(ValueError):
+        forced_threads(3)

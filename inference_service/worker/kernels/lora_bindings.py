@@ -64,6 +64,15 @@ class LoraKernel:
         # The ctypes functions themselves, for a caller that binds a step's arguments once and checks
         # the status itself (lora/decode.py: four calls per layer of every decode step).
         self.sgmv_raw, self.bgmv_raw = self._sgmv, self._bgmv
+        self._force_threads = bindings._bind(library, "lora_force_threads", [ctypes.c_int])
+
+    def force_threads(self, mode: int) -> int:
+        """How decode-sized calls run: 0 each picks one thread or the team by timing (the default),
+        1 always one thread, 2 always the team; returns the previous mode."""
+        previous = self._force_threads(mode)
+        if previous < 0:
+            raise ValueError(f"no thread mode {mode}")
+        return previous
 
     @staticmethod
     def supports(x: torch.Tensor, y: torch.Tensor) -> bool:

@@ -12,9 +12,12 @@
 // an entry with a null A means the adapter leaves that site alone. `in` is a multiple of 8.
 //
 // Threads (torch's OpenMP runtime) take (tile of rows, part) tasks once the call's work is large
-// enough to repay waking them; a single row runs inline.
+// enough to repay waking them; a decode-sized call runs on one thread or the team, whichever its
+// recent calls of the same class ran faster on (choices below); a single row's parts run inline.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -44,11 +47,9 @@ struct Part {  // one site of the projection and its columns in y
 static_assert(sizeof(Entry) == 32 && sizeof(Group) == 32 && sizeof(Part) == 24, "C ABI layout");
 
 constexpr int64_t kTile = 4;                      // rows per task: their shrinks share each A load
-// FMAs below which the kernel runs on one thread: a decode step's calls (16 rows of gate|up at rank 16:
-// ~1M FMAs, tens of µs) stay on the calling thread. Splitting them as the base's linears do (from 2^18
-// FMAs) was measured on the busy shared 2-core machine, 30 demo-model layers of 16 rows over 4
-// adapters: best 138 ms / median 2.3 s per step on two threads against 32 / 63 ms on one: each extra
-// fork-join per projection waits for a descheduled thread. Long prefills still split.
+// FMAs from which a call always splits over the team (prefills). Below it (a decode step's calls: 16
+// rows of gate|up at rank 16 are ~1M FMAs, tens of µs) the way is chosen by timing, as the cost of
+// waking the team there depends on what else the machine runs (see Choice).
 constexpr int64_t kMinParallelWork = 1 << 22;
 constexpr int64_t kMaxRank = 1024;
 
@@ -163,6 +164,77 @@ struct Tile {
 
 int64_t row_at(const int64_t* rows, int64_t position) { return rows ? rows[position] : position; }
 
+// How a decode-sized call (less work than kMinParallelWork, at least two tasks) runs: on the calling
+// thread, or its tasks split over the OpenMP team. Which is faster depends on the machine's state, not
+// on the call: on a quiet 2-core machine two threads read the adapters' weights about twice as fast,
+// while on a machine whose other work holds the cores each fork-join waits for a descheduled thread
+// (measured on the busy shared machine: 343 ms best per step of 16 rows over 4 adapters on two
+// threads against 16 ms on one). So each call is timed (ns per FMA, a running average per way and
+// per class: one row or several), the faster way serves, and every kExplore-th call tries the
+// other, so the choice follows the machine.
+constexpr int64_t kExplore = 512;
+
+struct Choice {
+    std::atomic<double> cost[2] = {0.0, 0.0};  // ns per FMA on one thread, on the team; 0: not yet timed
+    std::atomic<int64_t> calls{0};
+};
+
+Choice choices[2];                   // [0]: calls of one row, [1]: of several
+std::atomic<int> forced_threads{0};  // 0: choose by timing; 1: always one thread; 2: always the team
+
+bool team_for(Choice& c) {
+    const int forced = forced_threads.load(std::memory_order_relaxed);
+    if (forced != 0) return forced == 2;
+    const double one = c.cost[0].load(std::memory_order_relaxed), team = c.cost[1].load(std::memory_order_relaxed);
+    if (one == 0.0) return false;
+    if (team == 0.0) return true;
+    const bool best = team < one;
+    const int64_t n = c.calls.fetch_add(1, std::memory_order_relaxed);
+    return n % kExplore == kExplore - 1 ? !best : best;
+}
+
+void record(Choice& c, bool team, std::chrono::steady_clock::time_point started, int64_t work) {
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count();
+    const double cost = ns / static_cast<double>(work), old = c.cost[team].load(std::memory_order_relaxed);
+    c.cost[team].store(old == 0.0 ? cost : old + 0.25 * (cost - old), std::memory_order_relaxed);
+}
+
+struct Call {
+    const float* x;
+    int64_t k;
+    float* y;
+    int64_t ldy;
+    const int64_t* rows;
+    const Group* groups;
+    const Part* parts;
+    int64_t num_parts, max_rank;
+};
+
+// One task: a tile's rows through one part, shrink then expand, so tasks never wait on each other
+// (a barrier between the phases cost milliseconds when the machine's other work held a thread).
+void run_task(const Call& c, const Tile& tile, const Part& part, float* xs, float* t) {
+    const Entry* e = entry_of(c.groups[tile.group], part.site);
+    if (e == nullptr) return;
+    for (int64_t m = 0; m < tile.count; ++m)
+        std::memcpy(xs + m * c.k, c.x + row_at(c.rows, tile.first + m) * c.k, sizeof(float) * c.k);
+    shrink_rows(xs, tile.count, *e, c.k, t, c.max_rank);
+    float* yr[kTile];
+    for (int64_t m = 0; m < tile.count; ++m) yr[m] = c.y + row_at(c.rows, tile.first + m) * c.ldy + part.col;
+    expand_rows(t, c.max_rank, *e, part.width, yr, tile.count);
+}
+
+void run_tasks(const Call& c, const std::vector<Tile>& tiles, bool team) {
+    const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * c.num_parts;
+#pragma omp parallel if (team)
+    {
+        std::vector<float> xs(static_cast<size_t>(kTile * c.k));
+        std::vector<float> t(static_cast<size_t>(kTile * c.max_rank));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; ++task)
+            run_task(c, tiles[task / c.num_parts], c.parts[task % c.num_parts], xs.data(), t.data());
+    }
+}
+
 }  // namespace
 
 extern "C" int lora_sgmv_f32(const float* x, int64_t k, float* y, int64_t ldy, const int64_t* rows,
@@ -170,10 +242,11 @@ extern "C" int lora_sgmv_f32(const float* x, int64_t k, float* y, int64_t ldy, c
                              int64_t max_rank) {
     if (k % 8 != 0 || k <= 0 || max_rank < 1 || max_rank > kMaxRank || num_groups < 0 || num_parts < 1) return 1;
     std::vector<Tile> tiles;
-    int64_t work = 0;
+    int64_t work = 0, num_rows = 0;
     for (int64_t g = 0; g < num_groups; ++g) {
         const int64_t n = groups[g].end - groups[g].start;
         if (n < 0) return 1;
+        num_rows += n;
         for (int64_t i = 0; i < n; i += kTile) tiles.push_back({g, groups[g].start + i, std::min(kTile, n - i)});
         for (int64_t p = 0; p < num_parts; ++p) {
             const Entry* e = entry_of(groups[g], parts[p].site);
@@ -184,45 +257,57 @@ extern "C" int lora_sgmv_f32(const float* x, int64_t k, float* y, int64_t ldy, c
         }
     }
     if (work == 0) return 0;
-    const int64_t num_tasks = static_cast<int64_t>(tiles.size()) * num_parts;
-    // One task: a tile's rows through one part, shrink then expand, so tasks never wait on each other
-    // (a barrier between the phases cost milliseconds when the machine's other work held a thread).
-#pragma omp parallel if (work >= kMinParallelWork)
-    {
-        std::vector<float> xs(static_cast<size_t>(kTile * k));
-        std::vector<float> t(static_cast<size_t>(kTile * max_rank));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; ++task) {
-            const Tile& tile = tiles[task / num_parts];
-            const Part& part = parts[task % num_parts];
-            const Entry* e = entry_of(groups[tile.group], part.site);
-            if (e == nullptr) continue;
-            for (int64_t m = 0; m < tile.count; ++m) {
-                std::memcpy(xs.data() + m * k, x + row_at(rows, tile.first + m) * k, sizeof(float) * k);
-            }
-            shrink_rows(xs.data(), tile.count, *e, k, t.data(), max_rank);
-            float* yr[kTile];
-            for (int64_t m = 0; m < tile.count; ++m) yr[m] = y + row_at(rows, tile.first + m) * ldy + part.col;
-            expand_rows(t.data(), max_rank, *e, part.width, yr, tile.count);
-        }
+    const Call call{x, k, y, ldy, rows, groups, parts, num_parts, max_rank};
+    if (work >= kMinParallelWork || static_cast<int64_t>(tiles.size()) * num_parts < 2) {
+        run_tasks(call, tiles, work >= kMinParallelWork);
+        return 0;
     }
+    Choice& choice = choices[num_rows > 1];
+    const bool team = team_for(choice);
+    const auto started = std::chrono::steady_clock::now();
+    run_tasks(call, tiles, team);
+    record(choice, team, started, work);
     return 0;
 }
 
 // The single-row case (BGMV, a one-stream decode step): shrink and expand of each part inline, no
-// scratch beyond the stack and no thread wake-up.
+// scratch beyond the stack; a projection of several parts (q|k|v, gate|up) may split them over the
+// team instead (chosen as sgmv's calls are).
 extern "C" int lora_bgmv_f32(const float* x, int64_t k, float* y, const Entry* table, int64_t table_len,
                              const Part* parts, int64_t num_parts) {
     if (k % 8 != 0 || k <= 0 || num_parts < 1) return 1;
     Group g{table, table_len, 0, 1};
-    float t[kMaxRank];
+    int64_t work = 0, max_rank = 1;
     for (int64_t p = 0; p < num_parts; ++p) {
         const Entry* e = entry_of(g, parts[p].site);
         if (e == nullptr) continue;
         if (e->rank > kMaxRank) return 1;
-        shrink<1>(x, *e, k, t, 0);
-        float* yr = y + parts[p].col;
-        expand<1, 4>(t, 0, *e, parts[p].width, &yr);
+        work += e->rank * (k + parts[p].width);
+        max_rank = std::max(max_rank, e->rank);
     }
+    if (work == 0) return 0;
+    Choice& choice = choices[0];
+    const bool team = num_parts >= 2 && team_for(choice);
+    const auto started = std::chrono::steady_clock::now();
+    if (team) {
+        run_tasks(Call{x, k, y, 0, nullptr, &g, parts, num_parts, max_rank}, {Tile{0, 0, 1}}, true);
+    } else {
+        float t[kMaxRank];
+        for (int64_t p = 0; p < num_parts; ++p) {
+            const Entry* e = entry_of(g, parts[p].site);
+            if (e == nullptr) continue;
+            shrink<1>(x, *e, k, t, 0);
+            float* yr = y + parts[p].col;
+            expand<1, 4>(t, 0, *e, parts[p].width, &yr);
+        }
+    }
+    if (num_parts >= 2) record(choice, team, started, work);
     return 0;
+}
+
+// 0: each decode-sized call picks one thread or the team by timing (above); 1 or 2: always one thread
+// or always the team (tests of both ways, benchmarks comparing them). Returns the previous setting.
+extern "C" int lora_force_threads(int mode) {
+    if (mode < 0 || mode > 2) return -1;
+    return forced_threads.exchange(mode);
 }
