@@ -29,6 +29,46 @@ from benchmarks import common  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # the demo model (SmolLM2-135M)
 
 
+def time_context(length: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """Median ms per layer of the last chunk at context `length`, split and masked, and their largest
+    difference."""
+    import torch
+
+    from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache, resolve_kv_dtype
+    from inference_service.worker.attention.prefill import attend_chunk, prefill_mask
+    from inference_service.worker.attention.softcap import attend_masked
+
+    computed, n = length - args.chunk, args.chunk
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, torch.float32)
+    cache = PagedKVCache(
+        [LayerShape(KV_HEADS, HEAD_DIM)], -(-length // 16), 16, torch.float32, torch.device("cpu"), kv_dtype
+    )
+    slots = torch.randperm(cache.num_blocks * 16)[:length]
+    cache.write(0, slots, torch.randn(length, KV_HEADS, HEAD_DIM), torch.randn(length, KV_HEADS, HEAD_DIM))
+    q = torch.randn(1, HEADS, n, HEAD_DIM)
+    k_new, v_new = (torch.randn(1, KV_HEADS, n, HEAD_DIM) for _ in range(2))
+    scaling = HEAD_DIM**-0.5
+
+    def split():
+        return attend_chunk(q, k_new, v_new, cache, 0, slots, computed, scaling, None, None)
+
+    def masked():
+        keys, values = cache.read(0, slots[:computed])  # [P, KVH, D]
+        keys = torch.cat([keys.transpose(0, 1).unsqueeze(0), k_new], dim=2)
+        values = torch.cat([values.transpose(0, 1).unsqueeze(0), v_new], dim=2)
+        mask = prefill_mask(n, computed, None, q.device)  # [n, L]
+        return attend_masked(q, keys, values, mask, scaling, None)[0].transpose(0, 1)
+
+    error = (split() - masked()).abs().max().item()
+    times: dict[str, list[float]] = {"split": [], "masked": []}
+    for _ in range(args.repeats):
+        for name, run in (("split", split), ("masked", masked)):
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return 1000 * statistics.median(times["split"]), 1000 * statistics.median(times["masked"]), error
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384])
@@ -41,42 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache, resolve_kv_dtype
-    from inference_service.worker.attention.prefill import attend_chunk, prefill_mask
-    from inference_service.worker.attention.softcap import attend_masked
-
     torch.set_num_threads(args.threads)
-    kv_dtype = resolve_kv_dtype(args.kv_dtype, torch.float32)
     rows = []
     for length in args.contexts:
-        computed, n = length - args.chunk, args.chunk
-        cache = PagedKVCache(
-            [LayerShape(KV_HEADS, HEAD_DIM)], -(-length // 16), 16, torch.float32, torch.device("cpu"), kv_dtype
-        )
-        slots = torch.randperm(cache.num_blocks * 16)[:length]
-        cache.write(0, slots, torch.randn(length, KV_HEADS, HEAD_DIM), torch.randn(length, KV_HEADS, HEAD_DIM))
-        q = torch.randn(1, HEADS, n, HEAD_DIM)
-        k_new, v_new = (torch.randn(1, KV_HEADS, n, HEAD_DIM) for _ in range(2))
-        scaling = HEAD_DIM**-0.5
-
-        def split():
-            return attend_chunk(q, k_new, v_new, cache, 0, slots, computed, scaling, None, None)
-
-        def masked():
-            keys, values = cache.read(0, slots[:computed])  # [P, KVH, D]
-            keys = torch.cat([keys.transpose(0, 1).unsqueeze(0), k_new], dim=2)
-            values = torch.cat([values.transpose(0, 1).unsqueeze(0), v_new], dim=2)
-            mask = prefill_mask(n, computed, None, q.device)
-            return attend_masked(q, keys, values, mask, scaling, None)[0].transpose(0, 1)
-
-        error = (split() - masked()).abs().max().item()
-        times: dict[str, list[float]] = {"split": [], "masked": []}
-        for _ in range(args.repeats):
-            for name, run in (("split", split), ("masked", masked)):
-                started = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - started)
-        split_ms, masked_ms = (1000 * statistics.median(times[name]) for name in ("split", "masked"))
+        split_ms, masked_ms, error = time_context(length, args)
         rows.append(
             [
                 f"{length:,}",
