@@ -33,6 +33,12 @@ Needs `python benchmarks/llama_cpp.py build` once (~10-20 min); the models are w
     python benchmarks/peer_bench.py --quick --contexts 128 512 --batch-requests 16 --new-tokens 24  # a look
     python benchmarks/peer_bench.py             # demo + 1.5B, contexts 128 → 16k, batch, long: hours
     python benchmarks/peer_bench.py --models demo llama-1.5b --sections batch --tag batch  # batch rows only
+    python benchmarks/peer_bench.py --models demo --contexts 8192 16384 --sections decode --threads 1  # busy machine
+
+`--threads` sets both servers' threads (default 2). On a machine shared with other work, 1 thread
+each keeps the comparison fair: a 2-thread step waits at every op for whichever of its threads the
+kernel scheduled out (a demo decode step at 2k context took 1.8 s with 2 threads, 0.27 s with 1,
+under a load of 12 on 2 cores).
 """
 
 from __future__ import annotations
@@ -647,6 +653,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="our activation formats for Q4_1 weights, a decode row each (int8: opt-in, changes numerics)",
     )
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"per request (default: {NEW_TOKENS})")
+    parser.add_argument(
+        "--threads", type=int, default=THREADS, help=f"threads of each server (default: {THREADS}; 1 on a busy machine)"
+    )
     parser.add_argument("--out", help="output folder (default: benchmarks/results, quick: results/raw/quick)")
     args = parser.parse_args(argv)
     args.models = args.models or (["demo"] if args.quick else ["demo", "llama-1.5b"])
@@ -660,9 +669,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global NEW_TOKENS
+    global NEW_TOKENS, THREADS
     args = parse_args(argv)
     NEW_TOKENS = args.new_tokens  # fewer only for a look on a busy machine: ms/token is per token
+    THREADS = args.threads  # 1 on a busy machine: 2 threads that wait on each other wait on the others' work
     if {"decode", "batch"} & set(args.sections):
         llama_cpp.binary("llama-server")  # NotBuilt says how to build it, before any model is written
     out = common.output_dir(args.out, args.quick)

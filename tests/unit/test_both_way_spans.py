@@ -7,7 +7,7 @@ import torch
 from inference_service.engine.both_way_spans import fit_chunk
 from inference_service.engine.request import Request
 from inference_service.sampling_params import ImageInput, SamplingParams, StoppingParams
-from inference_service.worker.attention.paged import _prefill_mask
+from inference_service.worker.attention.prefill import prefill_mask
 
 
 def request_with_spans(*spans: tuple[int, int], image_tokens: int | None = None) -> Request:
@@ -53,8 +53,8 @@ def test_span_tokens_are_keyed_by_the_whole_span():
 
 
 def test_the_mask_is_causal_or_within_a_span_then_windowed():
-    mask = _prefill_mask(6, 2, None, torch.device("cpu"), ((3, 6),))  # queries 2..7 over keys 0..7
+    mask = prefill_mask(6, 2, None, torch.device("cpu"), ((3, 6),))  # queries 2..7 over keys 0..7
     expected = torch.tensor([[k <= q or (3 <= q < 6 and 3 <= k < 6) for k in range(8)] for q in range(2, 8)])
     assert torch.equal(mask, expected)
-    windowed = _prefill_mask(6, 2, 2, torch.device("cpu"), ((3, 6),))
+    windowed = prefill_mask(6, 2, 2, torch.device("cpu"), ((3, 6),))
     assert torch.equal(windowed, expected & torch.tensor([[k > q - 2 for k in range(8)] for q in range(2, 8)]))

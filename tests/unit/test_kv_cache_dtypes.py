@@ -24,6 +24,7 @@ from inference_service.worker.attention.kv_cache import (
     resolve_kv_dtype,
     widen,
 )
+from inference_service.worker.attention.prefill import prefill_mask
 from inference_service.worker.attention.softcap import attend_softcapped
 from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels import bindings as cpu_kernels
@@ -301,7 +302,7 @@ def test_softcapped_attention_in_tiles_equals_the_whole_score_matrix(heads, kv_h
     keys = torch.randn(batch, kv_heads, length, dim, generator=generator) * 3
     values = torch.randn(batch, kv_heads, length, dim, generator=generator)
     if shape == "prefill":
-        mask = attention._prefill_mask(n, length - n, 20, torch.device("cpu"))  # [n, L]
+        mask = prefill_mask(n, length - n, 20, torch.device("cpu"))  # [n, L]
     else:
         mask = attention._decode_mask(torch.tensor([50, 9, 31]), length, 20)  # [B, 1, 1, L]
     out = attend_softcapped(q, keys, values, mask, 0.25, 5.0, tile=tile)

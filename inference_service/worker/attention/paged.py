@@ -14,14 +14,13 @@ import weakref
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from inference_service.worker import step_yield
-from inference_service.worker.attention.kv_cache import PagedKVCache, widen
-from inference_service.worker.attention.softcap import attend_softcapped
+from inference_service.worker.attention.kv_cache import widen
+from inference_service.worker.attention.prefill import attend_chunk
+from inference_service.worker.attention.softcap import attend_masked
 from inference_service.worker.attention.step_metadata import (
-    PrefillChunk,
     StepMetadata,
     current_step,
     gpu_layout,
@@ -113,16 +112,18 @@ def attend_mixed(
         )
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_new)
-        out[rows] = _attend_prefill(
-            chunk,
+        out[rows] = attend_chunk(
             query[:, :, rows],
             key[:, :, rows] if key is not None else None,
             value[:, :, rows] if value is not None else None,
             kv_cache,
             layer,
+            chunk.context_slots,
+            chunk.num_computed,
             scaling,
             window,
             softcap,
+            chunk.both_way_spans,
         )
     return out
 
@@ -206,7 +207,7 @@ def attend_decode(
         context_lens = needed(meta.decode_context_lens, "decode context lengths")
         mask = _decode_mask(context_lens, num_blocks * block_size, window)  # [Sd, 1, 1, L]
         meta.decode_masks[window] = mask
-    out = _attend(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
+    out = attend_masked(q_by_seq.unsqueeze(2), keys, values, mask, scaling, softcap)  # [Sd, H, 1, Dv]
     return out.squeeze(2)
 
 
@@ -242,63 +243,6 @@ def _decode_mask(context_lens: torch.Tensor, length: int, window: int | None) ->
     if window is not None:
         mask &= positions[None, :] > lens - 1 - window
     return mask[:, None, None, :]
-
-
-def _attend_prefill(
-    chunk: PrefillChunk,
-    q: torch.Tensor,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    kv_cache: PagedKVCache,
-    layer: int,
-    scaling: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """q [1, H, n, D] → [n, H, Dv]: a chunk of new tokens over the cached prefix and themselves."""
-    if chunk.num_computed == 0 and k_new is not None and v_new is not None:
-        keys, values = k_new, v_new  # [1, KVH, n, D]: fresh prompt, no need to read the cache back
-    else:
-        keys, values = kv_cache.read(layer, chunk.context_slots)  # [ctx, KVH, D], the model's dtype
-        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-    if chunk.num_computed == 0 and window is None and softcap is None and not chunk.both_way_spans:
-        out = F.scaled_dot_product_attention(
-            q, keys, values, is_causal=True, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
-        )
-    else:
-        mask = _prefill_mask(chunk.num_new, chunk.num_computed, window, q.device, chunk.both_way_spans)  # [n, ctx]
-        out = _attend(q, keys, values, mask, scaling, softcap)
-    return out[0].transpose(0, 1)
-
-
-def _prefill_mask(
-    num_new: int,
-    num_computed: int,
-    window: int | None,
-    device: torch.device,
-    both_way_spans: tuple[tuple[int, int], ...] = (),
-) -> torch.Tensor:
-    """Causal, or both ways within a span (transformers' blockwise overlay), then the window's cut
-    (AND(window, OR(causal, span)), as Gemma 3's sliding layers do)."""
-    query_pos = torch.arange(num_computed, num_computed + num_new, device=device)[:, None]  # [n, 1]
-    key_pos = torch.arange(num_computed + num_new, device=device)[None, :]  # [1, ctx]
-    mask = key_pos <= query_pos
-    for start, end in both_way_spans:
-        mask |= (query_pos >= start) & (query_pos < end) & (key_pos >= start) & (key_pos < end)
-    if window is not None:
-        mask &= key_pos > query_pos - window
-    return mask
-
-
-def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None
-) -> torch.Tensor:
-    """Masked attention; SDPA (flash attention's tiling on CPU) unless a softcap needs the scores."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
-        )
-    return attend_softcapped(q, keys, values, mask, scaling, softcap)
 
 
 def register() -> None:

@@ -1,15 +1,27 @@
 """Softcapped attention (Gemma 2's logit softcap) in torch, tile by tile: SDPA cannot apply a
 softcap, and the whole score matrix of a long chunk would not fit, so the keys are taken a tile at a
-time with an online softmax. The paged attention's torch path calls it for prefill chunks and
-decode rows the native kernel does not take."""
+time with an online softmax. The paged attention's torch path calls `attend_masked` (SDPA, or this
+where a softcap is set) for prefill chunks and decode rows the native kernel does not take."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Keys per tile of the softcapped attention: its scores are [B, H, n, SOFTCAP_TILE] at a time, never
 # [B, H, n, context] (a 4k-token chunk over a 16k context would be 2 GiB per layer in fp32).
 SOFTCAP_TILE = 1024
+
+
+def attend_masked(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    """Masked attention; SDPA (flash attention's tiling on CPU) unless a softcap needs the scores."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
+        )
+    return attend_softcapped(q, keys, values, mask, scaling, softcap)
 
 
 def attend_softcapped(
