@@ -315,8 +315,9 @@ class AsyncEngine:
             run_on_engine(command, self._engine)
         return []  # Wake
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand one step's outputs to their callers, one wake-up per event loop."""
+    def _deliver(self, outputs: list[RequestOutput], here: asyncio.AbstractEventLoop | None = None) -> None:
+        """Hand one step's outputs to their callers, one wake-up per event loop; `here`: the loop
+        this runs on, whose callers get theirs at once."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
             for output in outputs:
@@ -324,6 +325,9 @@ class AsyncEngine:
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
+            if loop is here:
+                _put_all(items)
+                continue
             with contextlib.suppress(RuntimeError):  # that loop is closed: its callers are gone
                 loop.call_soon_threadsafe(_put_all, items)
 

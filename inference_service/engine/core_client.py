@@ -1,7 +1,10 @@
 """The API process's engine when the engine core runs in its own process (core_process.py).
 
 `CoreClient` is an `AsyncEngine`: the same admission, streams and delivery, with the engine thread
-replaced by a sender (commands onto the pipe) and a receiver (each step's outputs off it). When the
+replaced by a sender (commands onto the pipe) and a receiver (each step's outputs off it). Started on
+an event loop (the server's), the loop itself is the receiver: a step's outputs go from the pipe to
+their streams with no thread between, so a token wakes one thread here, not two; the core's OpenMP
+threads want both of a small machine's cores, and every wake-up here is taken from them. When the
 core process ends unasked (a segfault, the OOM killer, SIGKILL), the receiver ends every call in
 flight with `ServerFailed` (gRPC UNAVAILABLE: the gateway's error event) and the client takes its
 failed state: NOT_SERVING, and `serve` exits non-zero so whoever runs it restarts it.
@@ -90,6 +93,7 @@ class CoreClient(AsyncEngine):
         self._conn = conn
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="core-receiver", daemon=True)
+        self._reading_on: asyncio.AbstractEventLoop | None = None  # the loop that reads the pipe, if one does
 
     @classmethod
     def fork(cls, config: EngineConfig, start_method: str | None = None) -> CoreStart:
@@ -116,12 +120,21 @@ class CoreClient(AsyncEngine):
         return self._process.pid
 
     def start(self) -> None:
+        """Start the sender, and the receiver: the running event loop when there is one (it must
+        then outlive the engine, as the server's does), else a thread."""
         if self._thread is None:
-            self._receiver.start()
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._receiver.start()
+            else:
+                self._reading_on = loop
+                loop.add_reader(self._conn.fileno(), self._on_message)
+                loop.add_reader(self._process.sentinel, self._on_core_end)
         super().start()
 
     def observe_steps(self, observer: Callable[[StepStats], None] | None) -> None:
-        self._face.step_observer = observer  # called on the receiver thread with the core's steps
+        self._face.step_observer = observer  # called by the receiver (thread or loop) with the core's steps
 
     async def on_engine_thread(self, fn: Callable[..., Any]) -> Any:
         raise RuntimeError("the engine runs in the engine-core process: nothing runs on its thread here")
@@ -157,6 +170,7 @@ class CoreClient(AsyncEngine):
 
     # -- the receiver ----------------------------------------------------------------------------
     def _receive(self) -> None:
+        """The receiver thread (no event loop started the client)."""
         while True:
             readable = multiprocessing.connection.wait([self._conn, self._process.sentinel])
             if self._conn not in readable:
@@ -165,18 +179,46 @@ class CoreClient(AsyncEngine):
                 message: wire.FromCore = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(message, wire.Outputs):
-                self._face.last_stats = self._stats = message.stats
-                observer = self._face.step_observer
-                if observer is not None:
-                    for step in message.steps:
-                        observer(step)
-                if message.outputs:
-                    self._deliver(message.outputs)
-            elif isinstance(message, wire.Failed):
-                self.failure = message.reason
+            self._take(message, None)
         if not self._stopping.is_set():
             self._lost()
+
+    def _on_message(self) -> None:
+        """The pipe is readable (on the reading loop): one message, or its end."""
+        try:
+            message: wire.FromCore = self._conn.recv()
+        except (EOFError, OSError):
+            self._stop_reading()
+            return
+        self._take(message, self._reading_on)
+
+    def _on_core_end(self) -> None:
+        """The core process ended (on the reading loop): done once the pipe holds nothing unread."""
+        if not self._conn.poll():  # what is left (or the pipe's end) is `_on_message`'s
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        loop, self._reading_on = self._reading_on, None
+        if loop is None:
+            return
+        loop.remove_reader(self._conn.fileno())
+        loop.remove_reader(self._process.sentinel)
+        if not self._stopping.is_set():  # `_lost` waits for the process: not on the loop
+            threading.Thread(target=self._lost, name="core-lost", daemon=True).start()
+
+    def _take(self, message: wire.FromCore, loop: asyncio.AbstractEventLoop | None) -> None:
+        """One message from the core; `loop`: the event loop this runs on (its streams get their
+        outputs at once)."""
+        if isinstance(message, wire.Outputs):
+            self._face.last_stats = self._stats = message.stats
+            observer = self._face.step_observer
+            if observer is not None:
+                for step in message.steps:
+                    observer(step)
+            if message.outputs:
+                self._deliver(message.outputs, loop)
+        elif isinstance(message, wire.Failed):
+            self.failure = message.reason
 
     def _lost(self) -> None:
         """The core process ended unasked: every call in flight ends with ServerFailed, new ones are refused."""

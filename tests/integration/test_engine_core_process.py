@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -125,12 +126,46 @@ def test_an_error_crosses_the_process_boundary_as_it_is(engines):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_a_dead_core_ends_every_call_and_refuses_new_ones(tiny_model_dir):
+def test_started_on_a_loop_the_loop_reads_the_core_and_generates_the_same(engines, tiny_model_dir):
+    """The server starts the client on its event loop, which then reads the core's pipe itself (no
+    receiver thread): the same results, every step seen by the observer, nothing left behind."""
+    local, _ = engines
     config = _config(tiny_model_dir)
     engine = CoreClient.fork(config, start_method="forkserver").wait(config)
-    engine.start()
+    receivers_before = _receiver_threads()
+
+    async def scenario() -> tuple[list, list[StepStats], int, int]:
+        engine.start()
+        steps: list[StepStats] = []
+        engine.observe_steps(steps.append)
+        results = await _all(engine)
+        stats, receivers = await idle(engine), _receiver_threads()
+        await engine.shutdown(timeout_s=1)
+        return results, steps, stats.num_steps, receivers
+
+    theirs, steps, num_steps, receivers = asyncio.run(scenario())
+    assert receivers == receivers_before  # the loop read the pipe: no receiver thread
+    mine = asyncio.run(_all(local))
+    for ours, apart in zip(mine, theirs, strict=True):
+        assert [t.id for t in apart.tokens] == [t.id for t in ours.tokens]
+        assert apart.generated_text == ours.generated_text and apart.finish_reason == ours.finish_reason
+    assert len(steps) == num_steps > 0
+
+
+def _receiver_threads() -> int:
+    return sum(thread.name == "core-receiver" for thread in threading.enumerate())
+
+
+@pytest.mark.parametrize("reader", ["thread", "event loop"])
+def test_a_dead_core_ends_every_call_and_refuses_new_ones(tiny_model_dir, reader):
+    config = _config(tiny_model_dir)
+    engine = CoreClient.fork(config, start_method="forkserver").wait(config)
+    if reader == "thread":
+        engine.start()
 
     async def scenario() -> tuple[list, BaseException, str]:
+        if reader == "event loop":
+            engine.start()
         request = await validated(engine, GenerateRequest("a", GenerateParameters(max_new_tokens=400)), stream=True)
         outcomes: list = []
         first = asyncio.Event()
