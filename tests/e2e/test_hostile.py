@@ -54,7 +54,8 @@ SOAK_WORKERS = 4
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 READY = r"ready: TGI REST API on http://127\.0\.0\.1:(\d+), gRPC API on port (\d+)"
 SOAK_PARTS = 8  # RSS is sampled after each part; an idle window of the innocent requests precedes each
-IDLE_WINDOW_S = 2.0
+IDLE_WINDOW_S = 2.0  # at least; until each innocent request ran IDLE_RUNS_PER_WINDOW times alone (at most 30 s)
+IDLE_RUNS_PER_WINDOW = 10
 # RSS growth allowed per part over the soak's second half: the grammar cache filling (up to its
 # bound) and allocator slack, not a leak per request.
 MEMORY_GROWTH_MIB_PER_PART = 8.0
@@ -94,6 +95,38 @@ class Server:
             return connection.getresponse().status
         finally:
             connection.close()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes (all their threads) have used so far."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(groups: dict[str, list[int]]) -> dict[str, float]:
+    return {name: cpu_seconds(pids) for name, pids in groups.items()}
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process under it."""
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += descendants(int(child))
+    return found
+
+
+def wait_alone(bystanders: Bystanders, since: float) -> None:
+    """Until each innocent request has run IDLE_RUNS_PER_WINDOW times since `since` (its whole run
+    after it), and IDLE_WINDOW_S has passed; 30 s at most."""
+    while time.monotonic() < since + 30:
+        done = min(sum(start >= since for start, _ in runs) for runs in list(bystanders.runs.values()))
+        if done >= IDLE_RUNS_PER_WINDOW and time.monotonic() >= since + IDLE_WINDOW_S:
+            return
+        time.sleep(0.05)
 
 
 def rss_bytes(pid: int) -> int:
@@ -392,6 +425,15 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         before = server.stats()
         rss = [{name: rss_bytes(pid) for name, pid in pids.items()}]
         statuses = Counter()
+        # Who used the machine's cores: the server (API and engine core), Envoy, the hostile clients, and
+        # this process (the innocent requests' clients).
+        groups = {
+            "server": [p for p in descendants(server.run.process.pid) if p != server.envoy_pid],
+            "envoy": [server.envoy_pid],
+            "hostile_clients": list(pool._processes),  # type: ignore[attr-defined]
+            "innocent_clients": [os.getpid()],
+        }
+        cpu_before = cpu_of(groups)
         idle_windows: list[tuple[float, float]] = []
         started, started_at = time.monotonic(), time.time()
         with Bystanders(server, alone) as bystanders:
@@ -399,13 +441,14 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
                 # The innocent requests beside each other only (the load they make themselves),
                 # between the parts: the idle baseline shares the machine's state with the soak.
                 window_start = time.monotonic()
-                time.sleep(IDLE_WINDOW_S)
+                wait_alone(bystanders, window_start)
                 idle_windows.append((window_start, time.monotonic()))
                 counted, found = send_in_processes(server, part, pool)
                 statuses += counted
                 wrong += found
                 rss.append({name: rss_bytes(pid) for name, pid in pids.items()})
-        elapsed = time.monotonic() - started - IDLE_WINDOW_S * SOAK_PARTS
+            cpu_after = cpu_of(groups)
+        elapsed = time.monotonic() - started - sum(high - low for low, high in idle_windows)
     stats = server.wait_idle()
     idle_latencies, loaded_latencies = split_runs(bystanders.runs, idle_windows)
     assert all(idle_latencies.values()), "an innocent request never ran alone"
@@ -431,6 +474,7 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         "slowest_bystander_runs": slowest_runs(bystanders.runs, started),
         "kv_blocks_free_before": f"{before.num_free_blocks}/{before.num_total_blocks}",
         "kv_blocks_free_after": f"{stats.num_free_blocks}/{stats.num_total_blocks}",
+        "cpu_seconds_during_soak": {name: round(cpu_after[name] - cpu_before[name], 1) for name in groups},
         "rss_mib_after_warmup_then_each_part": rss_mib,
         "rss_growth_limit_mib_per_part": MEMORY_GROWTH_MIB_PER_PART,
     }
@@ -458,9 +502,9 @@ def markdown(results: dict) -> str:
         "",
         summary_line(results),
         "",
-        f"Innocent latency: idle is the three loops beside each other alone, in a {IDLE_WINDOW_S:.0f} s window before",
-        "each part of the cases (the same machine, the same moment); each run that overlapped hostile requests",
-        "is divided by its request's idle median.",
+        "Innocent latency: idle is the three loops beside each other alone, in a window before each part of",
+        "the cases (the same machine, the same moment); each run that overlapped hostile requests is divided",
+        "by its request's idle median.",
         "",
         "| innocent request | idle median (s) | beside hostile median (s) | p95 (s) | max (s) "
         "| ÷ idle: median | p95 | max |",
@@ -474,6 +518,8 @@ def markdown(results: dict) -> str:
         )
     memory = results["rss_mib_after_warmup_then_each_part"]
     lines += ["", f"RSS (MiB) once warm, then after each of {SOAK_PARTS} parts of the cases: " + str(memory)]
+    cpu = results["cpu_seconds_during_soak"]
+    lines += ["", "CPU seconds used during the soak (idle windows included): " + str(cpu)]
     lines += [
         "",
         "Slowest innocent runs (seconds after the soak's start): " + str(results["slowest_bystander_runs"]),
