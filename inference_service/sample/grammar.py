@@ -54,11 +54,7 @@ __all__ = [
     "prefetch_masks",
 ]
 
-# Compiled grammars kept (least recently used first out). Each holds its matcher's lexer states: 0.1-1
-# MiB with a 330-token vocabulary, more with a real one; in the hostile soak, a cache of 256 filling
-# with distinct grammars was the server's only memory growth (about 5 MiB per 375 cases, still rising
-# after 3000). Compiling a typical schema again costs about a millisecond.
-DEFAULT_CACHE_SIZE = 64
+DEFAULT_CACHE_SIZE = 256
 
 
 @dataclass(frozen=True)
