@@ -15,7 +15,8 @@ that is down or draining is taken out, and which requests are retried.
 - Retries only where no engine accepted the request, each time on another replica (found by
   walking the ring far enough past the replicas already tried, `HOST_SELECTION_ATTEMPTS`): a connection
   that failed or was reset before the request went out, a refused stream, or an engine's own
-  refusal before admission (full, loading, draining), which it marks with `RETRYABLE_KEY`. Never
+  refusal before admission (full, loading, draining), which it marks with `RETRYABLE_KEY`, or a call
+  a stopping replica cancelled (CANCELLED, before any response headers). Never
   on a status alone: an UNAVAILABLE after admission (a connection closed under a running
   generation) would replay work that was done, and a request must run once.
 """
@@ -85,7 +86,10 @@ def engine_cluster(
 
 def retry_policy() -> dict[str, Any]:
     return {
-        "retry_on": "connect-failure,reset-before-request,refused-stream,retriable-headers",
+        # `cancelled`: a stopping replica cancels the calls no handler took yet (a 503 while the
+        # other replica served). A call its stopping engine cut is CANCELLED too: a unary one's
+        # caller saw none of it, so it runs again elsewhere; a stream has sent headers: never retried.
+        "retry_on": "connect-failure,reset-before-request,refused-stream,retriable-headers,cancelled",
         "retriable_headers": [{"name": RETRYABLE_KEY, "string_match": {"exact": "1"}}],
         "num_retries": 2,
         "retry_host_predicate": [

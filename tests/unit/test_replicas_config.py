@@ -53,6 +53,7 @@ def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_rout
             "reset-before-request",
             "refused-stream",
             "retriable-headers",
+            "cancelled",  # a stopping replica's calls no handler took (its engine already stopped)
         }
         assert policy["retriable_headers"] == [{"name": "x-textgen-retryable", "string_match": {"exact": "1"}}]
         # Ring hash: every retry walks from the prompt's own entry; the walk must get past a run of
