@@ -5,9 +5,11 @@ this process (core_client.py), and when it dies — a segfault, the OOM killer, 
 process is still there to end every call in flight with a typed UNAVAILABLE and report NOT_SERVING,
 which a process that dies whole cannot do.
 
-Two threads: the receiver reads commands off the pipe and compiles their grammars (llguidance drops
-the GIL: a grammar never holds a step), the engine loop applies them between steps and sends each
-step's outputs back in one message. The pipe's end is the API process's end: the core exits with it.
+Two threads: the receiver reads commands off the pipe, the engine loop applies them between steps and
+sends each step's outputs back in one message. A request with a grammar waits for its compilation on
+a thread of its own (llguidance drops the GIL): a grammar never holds a step, nor the commands behind
+it (compiled in the receiver, one that took its whole budget held every request sent after it). The
+pipe's end is the API process's end: the core exits with it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from inference_service.engine.builder import warm_up
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.shards import build_engine, exit_with
-from inference_service.errors import InferenceError, ModelLoadError, RunnerLost, ServerFailed, ValidationError
+from inference_service.errors import ModelLoadError, RunnerLost, ServerFailed, ValidationError
 from inference_service.outputs import RequestOutput, StepStats
 from inference_service.sample.grammar import GrammarSpec
 
@@ -89,7 +91,10 @@ class CoreLoop:
         self.conn = conn
         self.commands: queue.Queue[wire.ToCore | None] = queue.Queue()  # None: the pipe ended
         self.failure: str | None = None
-        self._send_lock = threading.Lock()  # the loop and the receiver both send
+        self._send_lock = threading.Lock()  # the loop, the receiver and grammar threads send
+        # Requests whose grammar is compiling → whether an abort came for them meanwhile.
+        self._compiling: dict[str, bool] = {}
+        self._compiling_lock = threading.Lock()
         self.steps: list[StepStats] = []  # since the last Outputs (a new list after each send)
         self.stats = engine.stats()  # the last step's, for the receiver (which must not read a stepping engine)
         engine.step_observer = self._observe
@@ -167,14 +172,36 @@ class CoreLoop:
                 self.commands.put(None)
                 return
             if isinstance(command, wire.AddRequest) and isinstance(command.request.grammar, GrammarSpec):
-                try:
-                    command = self._compiled(command)
-                except InferenceError as error:  # checked by the API process already; said, not raised
-                    self.send(wire.Outputs([RequestOutput(command.request_id, error=error)], self.stats, []))
-                    continue
-            if isinstance(command, wire.AddRequest | wire.AbortRequest):  # a lone prefill step gives way to it
-                self.engine.arrivals.coming()
-            self.commands.put(command)
+                with self._compiling_lock:
+                    self._compiling[command.request_id] = False
+                threading.Thread(target=self._compile_then_queue, args=(command,), daemon=True).start()
+                continue
+            if isinstance(command, wire.AbortRequest):
+                with self._compiling_lock:
+                    if command.request_id in self._compiling:
+                        self._compiling[command.request_id] = True
+            self._queue(command)
+
+    def _queue(self, command: wire.ToCore | None) -> None:
+        if isinstance(command, wire.AddRequest | wire.AbortRequest):  # a lone prefill step gives way to it
+            self.engine.arrivals.coming()
+        self.commands.put(command)
+
+    def _compile_then_queue(self, command: wire.AddRequest) -> None:
+        """Queue the request once its grammar is compiled (not at all if it was aborted meanwhile: its
+        abort went ahead of it); a failure is its answer."""
+        try:
+            command = self._compiled(command)
+        except Exception as error:  # noqa: BLE001 — checked by the API process already; said, not raised
+            with self._compiling_lock:
+                aborted = self._compiling.pop(command.request_id, False)
+            if not aborted:
+                failure = request_error(error, "compiling its grammar")
+                self.send(wire.Outputs([RequestOutput(command.request_id, error=failure)], self.stats, []))
+            return
+        with self._compiling_lock:  # an abort read after this finds it queued, and goes behind it
+            if not self._compiling.pop(command.request_id, False):
+                self._queue(command)
 
     def _compiled(self, command: wire.AddRequest) -> wire.AddRequest:
         compiler = self.engine.grammar_compiler

@@ -65,8 +65,8 @@ ENGINE_FLAGS = (
     Flag(
         "--grammar-compile-timeout-ms",
         "limits.grammar_compile_timeout_ms",
-        "Longest a request's grammar may take to compile (its first token mask included); a grammar "
-        "over it is refused at validation (422).",
+        "Longest a request's grammar may take to compile (its first token mask included; CPU time, and "
+        "its caller waits no longer); a grammar over it is refused at validation (422).",
         int,
     ),
     Flag(

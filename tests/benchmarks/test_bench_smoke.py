@@ -172,6 +172,12 @@ def test_bystander_latency_quick(tmp_path, tiny_model_dir):
         assert min(times["alone_s"] + times["beside_s"] + times["long_alone_s"]) > 0
 
 
+def test_grammar_neighbours_quick(tiny_model_dir):
+    result = run_script("grammar_neighbours.py", "--quick", "--model-id", str(tiny_model_dir))
+    rows = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["bystander", "alone", "niceness 0", "niceness 10"], result.stdout  # the baseline in the same run
+
+
 def test_tensor_parallel_bench_quick(tmp_path, tiny_model_dir):
     run_script("tensor_parallel_bench.py", "--quick", "--model-id", str(tiny_model_dir), "--out", str(tmp_path))
     assert "Tensor parallel: --num-shard 2 vs 1" in (tmp_path / "tensor_parallel.md").read_text()

@@ -21,6 +21,7 @@ from inference_service.engine.core_client import CoreClient, refusal
 from inference_service.errors import InferenceError, ServerFailed
 from inference_service.frontend.parameters import GenerateParameters, GenerateRequest
 from inference_service.outputs import StepStats
+from inference_service.sample.grammar import GrammarSpec, GrammarTooComplex
 from tests.engine_calls import idle, validated
 
 REQUESTS = [
@@ -106,6 +107,38 @@ def test_an_aborted_stream_frees_its_blocks_in_the_core(engines):
     assert asyncio.run(cut_short()) == 3
     stats = asyncio.run(idle(remote))
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_a_grammar_compiling_in_the_core_holds_no_request_sent_after_it(engines):
+    """The core compiles a request's grammar again (its own cache); one that takes its whole budget
+    there (sent as a spec, as the wire carries it) is answered too complex, and a plain request
+    sent just after it finishes first, as an abort of another such request goes ahead of it."""
+    _, remote = engines
+
+    async def race() -> list[str]:
+        plain = await validated(remote, GenerateRequest("a", GenerateParameters(max_new_tokens=4)))
+        hostile = dataclasses.replace(plain, grammar=GrammarSpec("regex", "a{1000000}"))
+        aborted = dataclasses.replace(plain, grammar=GrammarSpec("regex", "a{1000000}"))
+        order: list[str] = []
+
+        async def run(name: str, request) -> None:
+            try:
+                await remote.generate(request)
+            except GrammarTooComplex:
+                name += " too complex"
+            order.append(name)
+
+        slow = asyncio.ensure_future(run("hostile", hostile))
+        cut = asyncio.ensure_future(run("aborted", aborted))
+        await asyncio.sleep(0.05)  # both in the core's hands, compiling
+        cut.cancel()
+        await run("plain", plain)
+        await slow
+        return order
+
+    assert asyncio.run(race()) == ["plain", "hostile too complex"]
+    stats = asyncio.run(idle(remote))
+    assert stats.num_free_blocks == stats.num_total_blocks and (stats.num_running, stats.num_waiting) == (0, 0)
 
 
 def test_an_error_crosses_the_process_boundary_as_it_is(engines):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import threading
 import time
 
@@ -297,3 +299,14 @@ def test_compiles_queued_past_the_budget_are_overload_not_invalid(byte_tokenizer
     while compiler.num_running:  # the slow grammar's compilation runs on to its own end
         time.sleep(0.005)
     assert compiler.compile(GrammarSpec("regex", "[0-9]+")).spec.value == "[0-9]+"  # not cached as refused
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="niceness is set per thread on Linux only")
+def test_compiler_threads_run_at_the_budgets_niceness_and_leave_the_callers_alone(byte_tokenizer):
+    compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [1], budget=GrammarBudget(niceness=7))
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    compiler.compile(GrammarSpec("regex", "[0-9]+"))
+    theirs = compiler._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert (theirs, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) == (min(19, mine + 7), mine)
+    with pytest.raises(ValueError, match="niceness"):
+        GrammarBudget(niceness=20)

@@ -53,8 +53,12 @@ def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_rout
             "reset-before-request",
             "refused-stream",
             "retriable-headers",
+            "cancelled",  # a stopping replica's calls no handler took (its engine already stopped)
         }
         assert policy["retriable_headers"] == [{"name": "x-textgen-retryable", "string_match": {"exact": "1"}}]
+        # Ring hash: every retry walks from the prompt's own entry; the walk must get past a run of
+        # the dead replica's entries (each next entry is another replica's about half the time).
+        assert policy["host_selection_retry_max_attempts"] >= 32
         assert "hash_policy" not in route["route"]
     prefix = GatewayConfig(upstream_ports=(7001, 7002), routing="prefix")
     assert _engine_cluster(prefix)["lb_policy"] == "RING_HASH"
