@@ -31,6 +31,7 @@ from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loa
 from inference_service.config import EngineConfig
 from inference_service.engine import core_client
 from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.host_heap import cap_arenas
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.hub import Observability
 from textgen.v1 import generate_pb2, generate_pb2_grpc
@@ -232,6 +233,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     """Serve until SIGTERM or SIGINT, then drain (a second signal cuts the drain short); returns
     the exit code. Raises ModelLoadError (the model can't be served) or StartupError (can't listen)."""
+    cap_arenas()  # before the server's threads: grammar compiles must not fragment a heap each
     server = ApiServer(server_config, engine_config, engine_loader(server_config, engine_config))
     signals = StopSignals.install()
     await server.start()

@@ -28,6 +28,7 @@ from inference_service.config import EngineConfig
 from inference_service.engine import core_wire as wire
 from inference_service.engine.async_engine import STEP_DELAY_ENV
 from inference_service.engine.builder import warm_up
+from inference_service.engine.host_heap import cap_arenas
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.shards import build_engine, exit_with
@@ -51,6 +52,7 @@ def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
     # leaving while the model loads, multiprocessing's own cleanup) must stop it, and quietly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    cap_arenas()  # a forkserver's child starts with the C library's defaults (host_heap.py)
     # Never outlive the API process, even while loading (the pipe is read only once serving).
     threading.Thread(target=exit_with, args=(api_pid,), name="api-watcher", daemon=True).start()
     try:

@@ -50,3 +50,30 @@ def test_no_mallopt_leaves_the_c_library_alone(monkeypatch):
     monkeypatch.setattr(host_heap, "_done", False)
     monkeypatch.setattr(ctypes, "CDLL", lambda name: NoMallopt())
     assert host_heap.keep_freed_memory() is False
+
+
+@pytest.mark.skipif(not GLIBC, reason="M_ARENA_MAX is glibc's")
+def test_threads_share_the_capped_arenas():
+    import subprocess
+    import sys
+
+    # In a child of its own: the cap is process-wide. Eight threads that each allocate and hold a block
+    # would get a heap each; capped, malloc_stats lists the main arena and one more.
+    code = """
+import ctypes, threading
+from inference_service.engine import host_heap
+assert host_heap.cap_arenas()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+start, done = threading.Barrier(9), threading.Barrier(9)
+def hold():
+    start.wait(); libc.malloc(1 << 16); done.wait()
+threads = [threading.Thread(target=hold) for _ in range(8)]
+[t.start() for t in threads]
+start.wait(); done.wait()
+[t.join() for t in threads]
+libc.malloc_stats()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    arenas = result.stderr.count("Arena ")
+    assert 1 <= arenas <= host_heap.MAX_ARENAS, result.stderr
