@@ -31,6 +31,7 @@ from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loa
 from inference_service.config import EngineConfig
 from inference_service.engine import core_client
 from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.gc_pauses import freeze_loaded_objects
 from inference_service.engine.host_heap import cap_arenas
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.hub import Observability
@@ -147,6 +148,7 @@ class ApiServer:
         engine.start()
         self.engine, self.front_end = engine, front_end
         self.servicer.attach(engine, front_end)
+        freeze_loaded_objects()  # full collections skip what loading made (engine/gc_pauses.py)
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._failure_watch = asyncio.ensure_future(self._watch_failure(engine))

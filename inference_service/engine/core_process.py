@@ -28,6 +28,7 @@ from inference_service.config import EngineConfig
 from inference_service.engine import core_wire as wire
 from inference_service.engine.async_engine import STEP_DELAY_ENV
 from inference_service.engine.builder import warm_up
+from inference_service.engine.gc_pauses import freeze_loaded_objects
 from inference_service.engine.host_heap import cap_arenas
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
@@ -76,6 +77,7 @@ def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
     except Exception as error:  # noqa: BLE001 — a tokenizer or processor that can't be pickled
         _send(conn, wire.LoadFailed(f"{NOT_HANDED_OVER}: {error}"))
         os._exit(1)
+    freeze_loaded_objects()  # full collections skip the loaded model's objects (gc_pauses.py)
     CoreLoop(engine, conn).run()
     os._exit(0)  # no interpreter teardown: the atexit handlers inherited from the API process are not ours
 
