@@ -11,8 +11,8 @@ Every request generates exactly `--new-tokens` tokens greedily (EOS ignored). Th
 here with peft (random, non-zero B), in PEFT's on-disk format.
 
 `--thread-modes one,team` also runs the two LoRA measures with the kernel's decode-sized calls held on
-one thread (`one`: as before the kernel chose) and/or held on the thread team (`team`;
-kernels/lora_bindings.py force_threads), beside its default of choosing per call by timing: ratios
+one thread (`one`) and/or held on the thread team (`team`; kernels/lora_bindings.py force_threads),
+beside its default (several rows on the team, a single row inline): ratios
 against the same base runs, printed per round. `--skip-peft` leaves out the peft
 comparison (the longest part).
 

@@ -183,7 +183,7 @@ def test_decode_plan_adder_equals_torch_path(monkeypatch, num_rows):
 
 @pytest.fixture
 def forced_threads():
-    """Set the kernel's thread mode for a test (lora_bindings.LoraKernel.force_threads), then choose by timing again."""
+    """Set the kernel's thread mode for a test (lora_bindings.LoraKernel.force_threads), then back to the default."""
     kernel = load_lora_kernel()
     assert kernel is not None
     yield kernel.force_threads
@@ -209,12 +209,12 @@ def test_decode_sized_calls_equal_float64_either_way(forced_threads, mode, num_r
         assert native.add_native(x, got, _step(groups, num_rows), _native_parts(parts))
         results[setting] = got
     torch.testing.assert_close(results[mode].double(), expected, rtol=1e-5, atol=1e-4)
-    # The same tasks whichever thread runs them: the timing's choice never changes a token.
+    # The same tasks whichever thread runs them: the way a call runs never changes a token.
     assert torch.equal(results[1], results[2])
 
 
 def test_thread_mode_setting(forced_threads):
-    assert forced_threads(2) == 0  # by timing unless told
+    assert forced_threads(2) == 0  # the default rule unless told
     assert forced_threads(1) == 2
     with pytest.raises(ValueError):
         forced_threads(3)

@@ -67,8 +67,8 @@ class LoraKernel:
         self._force_threads = bindings._bind(library, "lora_force_threads", [ctypes.c_int])
 
     def force_threads(self, mode: int) -> int:
-        """How decode-sized calls run: 0 each picks one thread or the team by timing (the default),
-        1 always one thread, 2 always the team; returns the previous mode."""
+        """How decode-sized calls run: 0 several rows on the team and a single row inline (the
+        default), 1 always one thread, 2 always the team; returns the previous mode."""
         previous = self._force_threads(mode)
         if previous < 0:
             raise ValueError(f"no thread mode {mode}")

@@ -12,12 +12,11 @@
 // an entry with a null A means the adapter leaves that site alone. `in` is a multiple of 8.
 //
 // Threads (torch's OpenMP runtime) take (tile of rows, part) tasks once the call's work is large
-// enough to repay waking them; a decode-sized call runs on one thread or the team, whichever its
-// recent calls of the same class ran faster on (choices below); a single row's parts run inline.
+// enough to repay waking them, and for any call of several rows (team_for); a single row's parts run
+// inline.
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,8 +47,7 @@ static_assert(sizeof(Entry) == 32 && sizeof(Group) == 32 && sizeof(Part) == 24, 
 
 constexpr int64_t kTile = 4;                      // rows per task: their shrinks share each A load
 // FMAs from which a call always splits over the team (prefills). Below it (a decode step's calls: 16
-// rows of gate|up at rank 16 are ~1M FMAs, tens of µs) the way is chosen by timing, as the cost of
-// waking the team there depends on what else the machine runs (see Choice).
+// rows of gate|up at rank 16 are ~1M FMAs, tens of µs) team_for decides.
 constexpr int64_t kMinParallelWork = 1 << 22;
 constexpr int64_t kMaxRank = 1024;
 
@@ -164,39 +162,17 @@ struct Tile {
 
 int64_t row_at(const int64_t* rows, int64_t position) { return rows ? rows[position] : position; }
 
-// How a decode-sized call (less work than kMinParallelWork, at least two tasks) runs: on the calling
-// thread, or its tasks split over the OpenMP team. Which is faster depends on the machine's state, not
-// on the call: on a quiet 2-core machine two threads read the adapters' weights about twice as fast,
-// while on a machine whose other work holds the cores each fork-join waits for a descheduled thread
-// (measured on the busy shared machine: 343 ms best per step of 16 rows over 4 adapters on two
-// threads against 16 ms on one). So each call is timed (ns per FMA, a running average per way and
-// per class: one row or several), the faster way serves, and every kExplore-th call tries the
-// other, so the choice follows the machine.
-constexpr int64_t kExplore = 512;
+// How a decode-sized call (less work than kMinParallelWork, at least two tasks) runs. Measured on the
+// quiet 2-core machine (lora_bench --thread-modes one,team, demo model, 2 rounds): 16 streams over 4
+// adapters at 0.94x / 0.86x the base's tok/s with the team against 0.90x / 0.78x on one thread, and
+// 0.75x / 0.77x when each call chose by timing its recent calls; one stream 1.16-1.23x the base's
+// ms/token every way. So calls of several rows split over the team, as the base's linears do, and a
+// single row's parts run inline (no wake-up to repay).
+std::atomic<int> forced_threads{0};  // 0: that rule; 1: always one thread; 2: always the team
 
-struct Choice {
-    std::atomic<double> cost[2] = {0.0, 0.0};  // ns per FMA on one thread, on the team; 0: not yet timed
-    std::atomic<int64_t> calls{0};
-};
-
-Choice choices[2];                   // [0]: calls of one row, [1]: of several
-std::atomic<int> forced_threads{0};  // 0: choose by timing; 1: always one thread; 2: always the team
-
-bool team_for(Choice& c) {
+bool team_for(bool several_rows) {
     const int forced = forced_threads.load(std::memory_order_relaxed);
-    if (forced != 0) return forced == 2;
-    const double one = c.cost[0].load(std::memory_order_relaxed), team = c.cost[1].load(std::memory_order_relaxed);
-    if (one == 0.0) return false;
-    if (team == 0.0) return true;
-    const bool best = team < one;
-    const int64_t n = c.calls.fetch_add(1, std::memory_order_relaxed);
-    return n % kExplore == kExplore - 1 ? !best : best;
-}
-
-void record(Choice& c, bool team, std::chrono::steady_clock::time_point started, int64_t work) {
-    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - started).count();
-    const double cost = ns / static_cast<double>(work), old = c.cost[team].load(std::memory_order_relaxed);
-    c.cost[team].store(old == 0.0 ? cost : old + 0.25 * (cost - old), std::memory_order_relaxed);
+    return forced == 0 ? several_rows : forced == 2;
 }
 
 struct Call {
@@ -262,11 +238,7 @@ extern "C" int lora_sgmv_f32(const float* x, int64_t k, float* y, int64_t ldy, c
         run_tasks(call, tiles, work >= kMinParallelWork);
         return 0;
     }
-    Choice& choice = choices[num_rows > 1];
-    const bool team = team_for(choice);
-    const auto started = std::chrono::steady_clock::now();
-    run_tasks(call, tiles, team);
-    record(choice, team, started, work);
+    run_tasks(call, tiles, team_for(num_rows > 1));
     return 0;
 }
 
@@ -286,10 +258,7 @@ extern "C" int lora_bgmv_f32(const float* x, int64_t k, float* y, const Entry* t
         max_rank = std::max(max_rank, e->rank);
     }
     if (work == 0) return 0;
-    Choice& choice = choices[0];
-    const bool team = num_parts >= 2 && team_for(choice);
-    const auto started = std::chrono::steady_clock::now();
-    if (team) {
+    if (num_parts >= 2 && team_for(false)) {
         run_tasks(Call{x, k, y, 0, nullptr, &g, parts, num_parts, max_rank}, {Tile{0, 0, 1}}, true);
     } else {
         float t[kMaxRank];
@@ -301,11 +270,10 @@ extern "C" int lora_bgmv_f32(const float* x, int64_t k, float* y, const Entry* t
             expand<1, 4>(t, 0, *e, parts[p].width, &yr);
         }
     }
-    if (num_parts >= 2) record(choice, team, started, work);
     return 0;
 }
 
-// 0: each decode-sized call picks one thread or the team by timing (above); 1 or 2: always one thread
+// 0: decode-sized calls of several rows on the team, one row inline (above); 1 or 2: always one thread
 // or always the team (tests of both ways, benchmarks comparing them). Returns the previous setting.
 extern "C" int lora_force_threads(int mode) {
     if (mode < 0 || mode > 2) return -1;
