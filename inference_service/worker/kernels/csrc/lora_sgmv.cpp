@@ -234,17 +234,14 @@ extern "C" int lora_sgmv_f32(const float* x, int64_t k, float* y, int64_t ldy, c
     }
     if (work == 0) return 0;
     const Call call{x, k, y, ldy, rows, groups, parts, num_parts, max_rank};
-    if (work >= kMinParallelWork || static_cast<int64_t>(tiles.size()) * num_parts < 2) {
-        run_tasks(call, tiles, work >= kMinParallelWork);
-        return 0;
-    }
-    run_tasks(call, tiles, team_for(num_rows > 1));
+    const bool several_tasks = static_cast<int64_t>(tiles.size()) * num_parts >= 2;
+    run_tasks(call, tiles, work >= kMinParallelWork || (several_tasks && team_for(num_rows > 1)));
     return 0;
 }
 
 // The single-row case (BGMV, a one-stream decode step): shrink and expand of each part inline, no
-// scratch beyond the stack; a projection of several parts (q|k|v, gate|up) may split them over the
-// team instead (chosen as sgmv's calls are).
+// scratch beyond the stack; a projection of several parts (q|k|v, gate|up) splits them over the team
+// only where lora_force_threads(2) says so (team_for).
 extern "C" int lora_bgmv_f32(const float* x, int64_t k, float* y, const Entry* table, int64_t table_len,
                              const Part* parts, int64_t num_parts) {
     if (k % 8 != 0 || k <= 0 || num_parts < 1) return 1;
