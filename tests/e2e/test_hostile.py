@@ -468,9 +468,10 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         cpu_before, threads_before = cpu_of(groups), cpu_by_thread(groups["server"], server.run.process.pid)
         idle_windows: list[tuple[float, float]] = []
         sent: list[Span] = []
-        # The innocent clients run in this process, which holds torch and what made the tiny model: a
-        # full collection walked it all with every client thread held (~0.1-0.25 s, all three loops slow
-        # at once, none of it the server's). Frozen as the server freezes its own (engine/gc_pauses.py).
+        # The innocent clients run in this process, which holds torch and what made the tiny model
+        # (~424k objects): a full collection walked them all with every client thread held (0.69 s
+        # measured on a busy machine; all three loops slow at once, none of it the server's). Frozen
+        # as the server freezes its own (engine/gc_pauses.py).
         freeze_loaded_objects()
         started, started_at = time.monotonic(), time.time()
         with ClientCollections() as client_gc, Bystanders(server, alone) as bystanders:
