@@ -26,12 +26,13 @@ from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
 from inference_service.api.decoding import DecodeErrorInterceptor, WholeMessageInterceptor
 from inference_service.api.header_limits import metadata_options
+from inference_service.api.loop_lag import watch_loop_lag
 from inference_service.api.servicer import TextGenerationServicer
 from inference_service.api.stopping import LOAD_THREAD, StopSignals, abandon_loading
 from inference_service.config import EngineConfig
 from inference_service.engine import core_client
 from inference_service.engine.async_engine import AsyncEngine
-from inference_service.engine.gc_pauses import freeze_loaded_objects
+from inference_service.engine.gc_pauses import GcClock, freeze_loaded_objects
 from inference_service.engine.host_heap import cap_arenas
 from inference_service.frontend.front_end import FrontEnd
 from inference_service.observability.hub import Observability
@@ -72,6 +73,8 @@ class ApiServer:
         self.front_end: FrontEnd | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.gc_clock: GcClock | None = None
+        self._loop_lag: asyncio.Future | None = None
         self.observability = Observability(server_config)
         self.servicer = TextGenerationServicer(
             engine_config.scheduler, metrics=self.observability.metrics.render, observer=self.observability.requests
@@ -149,6 +152,9 @@ class ApiServer:
         self.engine, self.front_end = engine, front_end
         self.servicer.attach(engine, front_end)
         freeze_loaded_objects()  # full collections skip what loading made (engine/gc_pauses.py)
+        if self.gc_clock is None:  # a long collection, a late event loop: every call stalls (logged)
+            self.gc_clock = GcClock()
+            self._loop_lag = asyncio.ensure_future(watch_loop_lag(self.gc_clock))
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._failure_watch = asyncio.ensure_future(self._watch_failure(engine))
@@ -180,12 +186,20 @@ class ApiServer:
                 how = "stopped at once" if at_once else f"the drain timed out after {timeout_s:.1f}s"
                 logger.info("%s: %d request%s cut", how, num_cut, "" if num_cut == 1 else "s")
         await self._server.stop(STOP_GRACE_S)
+        self._stop_stall_reports()
         await asyncio.to_thread(self.observability.shutdown)
         logger.info("stopped")
 
     async def stop_now(self) -> None:
         await self._server.stop(None)
+        self._stop_stall_reports()
         await asyncio.to_thread(self.observability.shutdown)
+
+    def _stop_stall_reports(self) -> None:
+        if self._loop_lag is not None:
+            self._loop_lag.cancel()
+        if self.gc_clock is not None:
+            self.gc_clock.close()
 
 
 async def run_in_daemon_thread(function: Callable[..., T], *args: object) -> T:

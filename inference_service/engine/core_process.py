@@ -33,6 +33,7 @@ from inference_service.engine.host_heap import cap_arenas
 from inference_service.engine.isolation import request_error
 from inference_service.engine.llm_engine import LLMEngine
 from inference_service.engine.shards import build_engine, exit_with
+from inference_service.engine.slow_turns import SlowTurns
 from inference_service.errors import ModelLoadError, RunnerLost, ServerFailed, ValidationError
 from inference_service.outputs import RequestOutput, StepStats
 from inference_service.sample.grammar import GrammarSpec
@@ -43,6 +44,7 @@ NOT_HANDED_OVER = (
     "the model's tokenizer or processor can't be handed to the API process; serve it with --engine-core-process false"
 )
 _IDLE_WAIT_S = 0.5  # the idle loop re-checks the pipe's end this often
+_NOTHING = object()  # no command came
 
 
 def core_main(config: EngineConfig, conn: Connection, api_pid: int) -> None:
@@ -103,6 +105,8 @@ class CoreLoop:
         self.stats = engine.stats()  # the last step's, for the receiver (which must not read a stepping engine)
         engine.step_observer = self._observe
         self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV) or 0) / 1000
+        self.turns = SlowTurns()  # logs a turn that held every stream (slow_turns.py)
+        self.num_commands = 0
 
     def _observe(self, step: StepStats) -> None:
         self.steps.append(step)  # the list of now: `run` hands each one over whole
@@ -117,8 +121,13 @@ class CoreLoop:
         stopping = False
         while not stopping:
             outputs: list[RequestOutput] = []
+            # Waiting idle is no part of a turn: a turn is timed from its first command or its step.
+            first = self._wait() if not engine.has_unfinished() or self.failure is not None else _NOTHING
+            self.turns.start()
+            commands_started, num_commands, commands_s = time.perf_counter(), self.num_commands, 0.0
             try:
-                stopping = self._apply_commands(outputs, block=not engine.has_unfinished() or self.failure is not None)
+                stopping = self._apply_commands(outputs, first)
+                commands_s = time.perf_counter() - commands_started
                 if self.failure is None and engine.runner.lost is not None:
                     raise engine.runner.lost
                 if not stopping and engine.has_unfinished() and self.failure is None:
@@ -132,25 +141,37 @@ class CoreLoop:
             except Exception:  # noqa: BLE001 — a bug must not end the core
                 logger.exception("engine step failed")
                 outputs.extend(engine.fail_all())
+            steps: list[StepStats] = []
             if outputs or self.steps:
                 steps, self.steps = self.steps, []
                 self.stats = engine.stats()
                 self.send(wire.Outputs(outputs, self.stats, steps))
+            self.turns.end(steps, commands_s, self.num_commands - num_commands)
             if self.failure is not None:
                 self.send(wire.Failed(self.failure))
                 stopping = True
         for request_id in list(engine.live):
             engine.abort_request(request_id, "server shutting down")
+        self.turns.gc_clock.close()
         engine.close()
 
-    def _apply_commands(self, outputs: list[RequestOutput], block: bool) -> bool:
-        """Apply the commands waiting (the first one waited for if `block`); True on Stop or the pipe's end."""
+    def _wait(self) -> wire.ToCore | None | object:
+        """The next command, waited for a while (_NOTHING if none came)."""
         try:
-            command = self.commands.get(timeout=_IDLE_WAIT_S) if block else self.commands.get_nowait()
+            return self.commands.get(timeout=_IDLE_WAIT_S)
+        except queue.Empty:
+            return _NOTHING
+
+    def _apply_commands(self, outputs: list[RequestOutput], first: wire.ToCore | None | object = _NOTHING) -> bool:
+        """Apply `first` (unless _NOTHING) and the commands waiting; True on Stop or the pipe's end."""
+        command = first
+        try:
             while True:
                 if command is None or isinstance(command, wire.Stop):
                     return True
-                outputs.extend(self._apply(command))
+                if command is not _NOTHING:
+                    self.num_commands += 1
+                    outputs.extend(self._apply(command))  # type: ignore[arg-type]
                 command = self.commands.get_nowait()
         except queue.Empty:
             return False

@@ -14,7 +14,12 @@ nanobind bindings) would otherwise report them as leaked on stderr.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
 
 
 def freeze_loaded_objects() -> int:
@@ -24,3 +29,41 @@ def freeze_loaded_objects() -> int:
         atexit.register(gc.unfreeze)
     gc.freeze()
     return gc.get_freeze_count()
+
+
+# A collection this long is said in the log: it held every thread of its process (the GIL) as long.
+LONG_COLLECTION_S = 0.05
+
+
+class GcClock:
+    """Times this process's garbage collections (gc.callbacks): their total so far, for a caller
+    that wants to know what part of a slow stretch they were, and each one over LONG_COLLECTION_S
+    said in the log (what a stall of every stream at once would otherwise leave unexplained)."""
+
+    def __init__(self, long_s: float = LONG_COLLECTION_S):
+        self.long_s = long_s
+        self.total_s = 0.0
+        self.num_long = 0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+            return
+        took = now - self._started
+        self.total_s += took
+        if took >= self.long_s:
+            self.num_long += 1
+            logger.warning(
+                "long garbage collection: %.0f ms (generation %d, %d collected)",
+                took * 1000,
+                info["generation"],
+                info["collected"],
+                extra={"fields": {"gc_s": round(took, 4), "generation": info["generation"]}},
+            )

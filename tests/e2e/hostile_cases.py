@@ -642,11 +642,14 @@ def mixed_specs(count: int, seed: int = 0) -> list[tuple[str, int]]:
     return [(rng.choice(names), rng.getrandbits(32)) for _ in range(count)]
 
 
-def send_spec(spec: tuple[str, int], target: Target) -> tuple[str, str, Answer]:
+def send_spec(spec: tuple[str, int], target: Target) -> tuple[str, str, Answer, float, float]:
     """Make and send one case (in a worker process: the caller's own threads stay free);
-    (its name, its kind, its answer)."""
+    (its name, its kind, its answer, and when it was sent and answered: `time.monotonic()`, one
+    clock for the machine's processes)."""
     made = case(spec)
-    return str(made), made.kind, made.send(target)
+    started = time.monotonic()
+    answer = made.send(target)
+    return str(made), made.kind, answer, started, time.monotonic()
 
 
 def grpc_stub(target: Target) -> generate_pb2_grpc.TextGenerationStub:

@@ -13,14 +13,18 @@ generator, four at a time, in eight parts, beside three innocent request loops t
 while before each part (their idle baseline, on the same machine at the same moment), and reports (in
 benchmarks/results/hostile_soak.{json,md}, and one `hostile soak:` line on stdout) the cases, the
 5xx and server-fault answers, wrong answers, innocent failures, each innocent run's latency divided
-by its idle median (median, p95, max), the slowest runs and when they ran, the KV blocks free and the
-server's and Envoy's memory after each part. It asserts every answer and output, no KV block held,
+by its idle median (median, p95, max), the slowest runs with what overlapped them (the hostile cases in
+flight, the server's stall reports from its log, the innocent clients' own garbage collections:
+tests/e2e/soak_attribution.py), each hostile kind's share of the overlaps with runs over 2x idle
+against its share of all overlaps, where the server's CPU went, the KV blocks free and the server's and
+Envoy's memory after each part. It asserts every answer and output, no KV block held,
 and no memory growth over the second half beyond a stated bound; latency is reported, not asserted.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import socket
@@ -34,6 +38,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_service.engine.gc_pauses import freeze_loaded_objects
 from tests.e2e.hostile_cases import (
     JSON,
     KINDS,
@@ -43,6 +48,16 @@ from tests.e2e.hostile_cases import (
     mixed_specs,
     problems,
     send_spec,
+)
+from tests.e2e.soak_attribution import (
+    SLOW_RATIO,
+    ClientCollections,
+    Overlaps,
+    Span,
+    kinds_beside_slow_runs,
+    runs_beside_stalls,
+    server_stalls,
+    slowest_runs,
 )
 from tests.launched import Launched
 from textgen.v1 import generate_pb2 as pb
@@ -105,6 +120,26 @@ def cpu_seconds(pids: list[int]) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_thread(pids: list[int], api_pid: int) -> Counter:
+    """CPU seconds used so far by the threads of the server's API process and its children (the engine
+    core), by name (Python's own threads all bear the process's name, so the main one, the engine
+    core's step loop, is told apart): where the server's time goes."""
+    used: Counter = Counter()
+    for pid in pids:
+        process = "api" if pid == api_pid else f"child {Path(f'/proc/{pid}/cmdline').read_text()[-40:]!r}"
+        if "resource_tracker" in process:
+            continue
+        process = "engine core" if process.startswith("child") and "forkserver" not in process else process
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                name = (task / "comm").read_text().strip().rstrip("0123456789_-")
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                niced = " (niced)" if int(fields[16]) > 0 else ""  # grammar compiles (sample/grammar.py)
+                name = "main thread" if task.name == str(pid) else f"other {name}{niced}"
+                used[f"{process}/{name}"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
 
 
 def cpu_of(groups: dict[str, list[int]]) -> dict[str, float]:
@@ -378,13 +413,16 @@ def summary_line(results: dict) -> str:
     )
 
 
-def send_in_processes(server: Server, specs, pool) -> tuple[Counter, list[str]]:
-    """`send_all`, with the cases made and sent by worker processes."""
+def send_in_processes(server: Server, specs, pool, sent: list[Span] | None = None) -> tuple[Counter, list[str]]:
+    """`send_all`, with the cases made and sent by worker processes; each case's span (kind and
+    transport, sent, answered) appended to `sent`."""
     statuses: Counter = Counter()
     wrong: list[str] = []
-    for name, kind, answer in pool.map(send_spec, specs, [server.target] * len(specs), chunksize=8):
+    for name, kind, answer, start, end in pool.map(send_spec, specs, [server.target] * len(specs), chunksize=8):
         statuses[f"{kind} {answer.via} {answer.status}"] += 1
         wrong += [f"{name}: {problem}" for problem in problems(answer)]
+        if sent is not None:
+            sent.append(Span(f"{kind} {answer.via}", start, end))
     return statuses, wrong
 
 
@@ -400,15 +438,6 @@ def split_runs(
             inside = any(low <= started and ended <= high for low, high in idle_windows)
             (idle if inside else loaded)[name].append(ended - started)
     return idle, loaded
-
-
-def slowest_runs(runs: dict[str, list[tuple[float, float]]], origin: float, count: int = 10) -> list[dict]:
-    """The slowest innocent runs and when they started (seconds after `origin`), to line up with
-    the server's own logs."""
-    spans = sorted(
-        ((ended - started, started, name) for name, each in runs.items() for started, ended in each), reverse=True
-    )
-    return [{"name": n, "start_s": round(t - origin, 3), "latency_s": round(d, 4)} for d, t, n in spans[:count]]
 
 
 @pytest.mark.soak
@@ -436,27 +465,40 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
             "hostile_clients": list(pool._processes),  # type: ignore[attr-defined]
             "innocent_clients": [os.getpid()],
         }
-        cpu_before = cpu_of(groups)
+        cpu_before, threads_before = cpu_of(groups), cpu_by_thread(groups["server"], server.run.process.pid)
         idle_windows: list[tuple[float, float]] = []
+        sent: list[Span] = []
+        # The innocent clients run in this process, which holds torch and what made the tiny model
+        # (~424k objects): a full collection walked them all with every client thread held (0.69 s
+        # measured on a busy machine; all three loops slow at once, none of it the server's). Frozen
+        # as the server freezes its own (engine/gc_pauses.py).
+        freeze_loaded_objects()
         started, started_at = time.monotonic(), time.time()
-        with Bystanders(server, alone) as bystanders:
+        with ClientCollections() as client_gc, Bystanders(server, alone) as bystanders:
             for part in parts:
                 # The innocent requests beside each other only (the load they make themselves),
                 # between the parts: the idle baseline shares the machine's state with the soak.
                 window_start = time.monotonic()
                 wait_alone(bystanders, window_start)
                 idle_windows.append((window_start, time.monotonic()))
-                counted, found = send_in_processes(server, part, pool)
+                counted, found = send_in_processes(server, part, pool, sent)
                 statuses += counted
                 wrong += found
                 rss.append({name: rss_bytes(pid) for name, pid in pids.items()})
-            cpu_after = cpu_of(groups)
+            cpu_after, threads_after = cpu_of(groups), cpu_by_thread(groups["server"], server.run.process.pid)
         elapsed = time.monotonic() - started - sum(high - low for low, high in idle_windows)
     stats = server.wait_idle()
     idle_latencies, loaded_latencies = split_runs(bystanders.runs, idle_windows)
     assert all(idle_latencies.values()), "an innocent request never ran alone"
     idle, loaded = summary(idle_latencies), summary(loaded_latencies)
     rss_mib = {name: [round(point[name] / 2**20, 1) for point in rss] for name in pids}
+    idle_medians = {name: statistics.median(values) for name, values in idle_latencies.items()}
+    hostile = Overlaps(sent)
+    loaded_runs = {  # the runs beside hostile cases (not wholly in an idle window)
+        name: [(a, b) for a, b in spans if not any(low <= a and b <= high for low, high in idle_windows)]
+        for name, spans in bystanders.runs.items()
+    }
+    stalls = Overlaps(server_stalls(server.run.lines, started - started_at) + client_gc.spans)
 
     results = {
         "cases": len(specs),
@@ -476,10 +518,16 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         # The same ratios of the idle runs themselves: the machine's own spread, the floor of the above.
         "idle_latency_ratio_to_idle": latency_ratios(idle_latencies, idle_latencies),
         "started_at_unix": round(started_at, 3),  # the slowest runs' times count from here
-        "slowest_bystander_runs": slowest_runs(bystanders.runs, started),
+        "slowest_bystander_runs": slowest_runs(loaded_runs, idle_medians, hostile, stalls, started),
+        "slow_runs_beside_a_stall": runs_beside_stalls(loaded_runs, idle_medians, stalls),
+        "stalls": len(stalls.spans),
+        "hostile_kinds_beside_slow_runs": kinds_beside_slow_runs(bystanders.runs, idle_medians, hostile),
         "kv_blocks_free_before": f"{before.num_free_blocks}/{before.num_total_blocks}",
         "kv_blocks_free_after": f"{stats.num_free_blocks}/{stats.num_total_blocks}",
         "cpu_seconds_during_soak": {name: round(cpu_after[name] - cpu_before[name], 1) for name in groups},
+        "server_cpu_seconds_by_thread": {
+            name: round(used, 1) for name, used in (threads_after - threads_before).most_common(12) if used >= 0.1
+        },
         "rss_mib_after_warmup_then_each_part": rss_mib,
         "rss_growth_limit_mib_per_part": MEMORY_GROWTH_MIB_PER_PART,
     }
@@ -525,13 +573,46 @@ def markdown(results: dict) -> str:
     lines += ["", f"RSS (MiB) once warm, then after each of {SOAK_PARTS} parts of the cases: " + str(memory)]
     cpu = results["cpu_seconds_during_soak"]
     lines += ["", "CPU seconds used during the soak (idle windows included): " + str(cpu)]
-    lines += [
-        "",
-        "Slowest innocent runs (seconds after the soak's start): " + str(results["slowest_bystander_runs"]),
-        "",
-    ]
+    lines += ["", "The server's by process/thread: " + str(results["server_cpu_seconds_by_thread"])]
+    lines += ["", *attribution_markdown(results), ""]
     lines += ["Answers (kind, transport, status): " + ", ".join(f"{k}: {v}" for k, v in results["answers"].items())]
     return "\n".join(lines) + "\n"
+
+
+def attribution_markdown(results: dict) -> list[str]:
+    """What ran beside the slowest innocent runs, and which hostile kinds coincide with slow runs."""
+    stalls = results["slow_runs_beside_a_stall"]
+    lines = [
+        "## What the slowest innocent runs beside hostile cases overlapped",
+        "",
+        "Stalls: the server's reports in its log (engine turns that held every stream, late API event loops, "
+        "long garbage collections) and the innocent clients' own garbage collections (client gc) over 10 ms: "
+        f"{results['stalls']}; innocent runs over {SLOW_RATIO}x idle: {stalls['slow_runs']}, "
+        f"of which {stalls['beside_a_stall']} overlapped a stall report.",
+        "",
+        "| innocent run | start (s) | latency (s) | ÷ idle | hostile cases in flight | stalls |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in results["slowest_bystander_runs"]:
+        hostile = ", ".join(f"{what} ×{count}" for what, count in run["hostile_in_flight"].items()) or "none"
+        lines.append(
+            f"| {run['name']} | {run['start_s']} | {run['latency_s']} | {run['ratio_to_idle']} | {hostile} "
+            f"| {'; '.join(run['stalls']) or 'none'} |"
+        )
+    lines += [
+        "",
+        f"Hostile kinds (and transport) by their share of all overlaps with innocent runs and of the overlaps "
+        f"with runs over {SLOW_RATIO}x idle; lift, the second ÷ the first (a kind well over 1 is a suspect):",
+        "",
+        "| hostile kind | overlaps | beside slow runs | share of overlaps | share beside slow runs | lift |",
+        "|---|---|---|---|---|---|",
+    ]
+    for what, row in results["hostile_kinds_beside_slow_runs"].items():
+        lines.append(
+            f"| {what} | {row['overlaps']} | {row['beside_slow_runs']} | {row['share_of_overlaps']} "
+            f"| {row['share_beside_slow_runs']} | {row['lift']} |"
+        )
+    return lines
 
 
 @pytest.mark.parametrize("path", ["/textgen.v1.TextGeneration/Generate", "/health"])

@@ -199,7 +199,7 @@ def test_the_core_process_loop_counts_what_comes_down_the_pipe_until_it_takes_it
             threading.Event().wait(0.01)
         assert loop.commands.qsize() == 2 and engine.arrivals.waiting
         outputs: list = []
-        assert not loop._apply_commands(outputs, block=False)
+        assert not loop._apply_commands(outputs)
         assert not engine.arrivals.waiting
         assert [output.request_id for output in outputs] == ["a"] and not engine.has_unfinished()
     finally:
