@@ -13,12 +13,14 @@ that is down or draining is taken out, and which requests are retried.
   UNAVAILABLE (loading, draining) and the request is retried on another, so callers see the
   server's own answers (TGI's in-band stream errors included) rather than Envoy's.
 - Retries only where no engine accepted the request, each time on another replica (found by
-  walking the ring far enough past the replicas already tried, `HOST_SELECTION_ATTEMPTS`): a connection
-  that failed or was reset before the request went out, a refused stream, or an engine's own
-  refusal before admission (full, loading, draining), which it marks with `RETRYABLE_KEY`, or a call
-  a stopping replica cancelled (CANCELLED, before any response headers). Never
-  on a status alone: an UNAVAILABLE after admission (a connection closed under a running
-  generation) would replay work that was done, and a request must run once.
+  walking the ring far enough past the replicas already tried, `HOST_SELECTION_ATTEMPTS`), as many
+  at once as there are such requests (`MAX_CONCURRENT_RETRIES`): a connection that failed or was
+  reset before the request went out, a refused stream, or an engine's own refusal before admission
+  (full, loading, draining, its engine core dead), which it marks with `RETRYABLE_KEY`. Never on a
+  status alone: an UNAVAILABLE or CANCELLED after admission (a connection closed under a running
+  generation, a drain that timed out) would replay work that was done, and a request must run once.
+  A stopping replica keeps refusing, marked, until the requests stop coming
+  (`inference_service.api.linger`), so none reaches it after its handlers are gone.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ HEALTH_TRY_TIMEOUT = "3s"  # a replica that can't answer its health in this long
 # starts at the same entry, so with 3 every retry of a prompt whose next 3 entries belong to the
 # dead replica went back to it: a 503 about 1 time in 16 while a healthy replica served).
 HOST_SELECTION_ATTEMPTS = 64
+# Retries in flight at once over the whole cluster (Envoy's default is 3: with a replica dead, a
+# fourth request it refused at the same moment, /health's included, was answered with the refusal, a
+# 503 while the other replica served). A retry is of a request no engine admitted, at most
+# `num_retries` per request, so it is not capped beyond the requests themselves.
+MAX_CONCURRENT_RETRIES = 1_000_000
 
 
 def engine_cluster(
@@ -51,7 +58,7 @@ def engine_cluster(
         "connect_timeout": "5s",
         "lb_policy": "RING_HASH" if routing == "prefix" else "LEAST_REQUEST",
         "typed_extension_protocol_options": protocol_options,
-        "circuit_breakers": {"thresholds": [limits]},
+        "circuit_breakers": {"thresholds": [{**limits, "max_retries": MAX_CONCURRENT_RETRIES}]},
         "health_checks": [
             {
                 "timeout": "1s",
@@ -86,10 +93,7 @@ def engine_cluster(
 
 def retry_policy() -> dict[str, Any]:
     return {
-        # `cancelled`: a stopping replica cancels the calls no handler took yet (a 503 while the
-        # other replica served). A call its stopping engine cut is CANCELLED too: a unary one's
-        # caller saw none of it, so it runs again elsewhere; a stream has sent headers: never retried.
-        "retry_on": "connect-failure,reset-before-request,refused-stream,retriable-headers,cancelled",
+        "retry_on": "connect-failure,reset-before-request,refused-stream,retriable-headers",
         "retriable_headers": [{"name": RETRYABLE_KEY, "string_match": {"exact": "1"}}],
         "num_retries": 2,
         "retry_host_predicate": [

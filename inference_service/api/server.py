@@ -3,7 +3,8 @@
 The port opens before the model loads, so orchestrators see NOT_SERVING while it loads and warms
 up, SERVING once it can generate, and NOT_SERVING again while it drains on SIGTERM (readiness); the
 `liveness` health service is SERVING all along, for a liveness probe that must not kill a pod that
-is loading or draining.
+is loading or draining. Once drained (or failed), the port stays open while requests still arrive,
+each refused before admission (`linger`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -21,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from inference_service.api import pings
+from inference_service.api import linger, pings
 from inference_service.api.auth import ApiKeyInterceptor
 from inference_service.api.config import ServerConfig, read_pem
 from inference_service.api.decoding import DecodeErrorInterceptor, WholeMessageInterceptor
@@ -83,6 +85,7 @@ class ApiServer:
         # Set when the engine can no longer generate (a model shard died): NOT_SERVING, and `serve` exits.
         self.failed = asyncio.Event()
         self._failure_watch: asyncio.Future | None = None
+        self._not_serving_since: float | None = None  # time.monotonic() once the engine failed
         # First: every unary request is read as a stream, where a call that ends without a message shows.
         interceptors: list[grpc.aio.ServerInterceptor] = [WholeMessageInterceptor()]
         interceptors += self.observability.server_interceptors()
@@ -167,6 +170,7 @@ class ApiServer:
         logger.error("not serving any more: %s", reason)
         for service in (*HEALTH_SERVICES, LIVENESS_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._not_serving_since = time.monotonic()
         self.failed.set()
 
     async def shutdown(self, timeout_s: float | None = None, cut: asyncio.Event | None = None) -> None:
@@ -178,6 +182,7 @@ class ApiServer:
         logger.info("draining (up to %.1fs; Ctrl-C again stops at once)", timeout_s)
         for service in HEALTH_SERVICES:  # not ready; still alive
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        not_serving_since = self._not_serving_since or time.monotonic()
         self.servicer.drain()
         if self.engine is not None:
             num_cut = await self.engine.shutdown(timeout_s, cut)
@@ -185,6 +190,8 @@ class ApiServer:
             if num_cut or at_once:
                 how = "stopped at once" if at_once else f"the drain timed out after {timeout_s:.1f}s"
                 logger.info("%s: %d request%s cut", how, num_cut, "" if num_cut == 1 else "s")
+            engine = self.engine  # refusing, typed, what a gateway still sends (api/linger.py)
+            await linger.until_callers_stop(lambda: engine.last_arrival_at, not_serving_since, cut)
         await self._server.stop(STOP_GRACE_S)
         self._stop_stall_reports()
         await asyncio.to_thread(self.observability.shutdown)

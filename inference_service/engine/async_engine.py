@@ -75,6 +75,9 @@ class AsyncEngine:
         self._step_delay_s = _step_delay_s()
         # Why the engine can no longer generate (a model shard is gone); None while it can.
         self.failure: str | None = None
+        # When (time.monotonic) a request last arrived, admitted or refused: while they keep coming
+        # after NOT_SERVING, a gateway has not seen it yet (api/linger.py).
+        self.last_arrival_at: float | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -241,6 +244,7 @@ class AsyncEngine:
 
     def _admit(self, count: int) -> None:
         with self._lock:
+            self.last_arrival_at = time.monotonic()
             if self.failure is not None:
                 refused = ServerFailed(self.failure)
                 refused.retryable = True  # nothing ran: another replica may serve it

@@ -7,6 +7,7 @@ process dies ends its streams with typed error events while the other one serves
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -26,6 +27,8 @@ from textgen.v1 import generate_pb2_grpc
 
 READY = r"ready: TGI REST API on (http://\S+) \(gRPC too\), balanced over (\d+) replicas"
 REPLICA = r"replica (\d+) \(pid (\d+)\): gRPC port (\d+)"
+AFTER_THE_KILL = 16  # prompts sent once a replica's engine core is dead
+RETRY_STATS = r"textgen\.(upstream_rq|upstream_cx|health_check)"  # what a failed retry met
 
 
 def generate(
@@ -197,6 +200,21 @@ def test_prefix_routing_keeps_a_prefix_on_one_replica(launched, tmp_path):
     assert sorted(moved)[0] == 0 and sorted(moved)[1] > 0, moved  # every turn on the same replica
 
 
+def generated_on(port: int, inputs: str, max_new_tokens: int) -> str:
+    """A replica's own answer (its gRPC port, not through Envoy)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = pb.GenerateRequest(inputs=inputs, parameters=pb.GenerateParameters(max_new_tokens=max_new_tokens))
+        return generate_pb2_grpc.TextGenerationStub(channel).Generate(request, timeout=60).generated_text
+
+
+def envoy_stats(run: Launched, prefix: str) -> dict[str, str]:
+    """Envoy's nonzero counters under `prefix` of the engine cluster (what its retries met)."""
+    admin = run.wait_for(r"Envoy \d+: REST on port \d+, admin (\S+)").group(1)
+    with urllib.request.urlopen(f"{admin}/stats?filter=cluster\\.{prefix}", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return dict(line.split(": ", 1) for line in lines if not line.endswith(": 0"))
+
+
 def running_on(port: int) -> int:
     """Requests running on a replica now (its own gRPC Info)."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -238,7 +256,15 @@ def test_a_dead_engine_core_ends_its_streams_with_error_events_while_the_other_r
 
     # The other replica serves meanwhile; the failed one exits 1 and is started again.
     before = steps_of(other_port)
-    assert generate(url, "meanwhile, elsewhere", 4)[0] == 200
+    # Prompts hashed anywhere on the ring, the dead replica's share included, all at once (with
+    # /health asked beside them): each is refused there before admission and retried on the live one.
+    prompts = [f"meanwhile, elsewhere {i}" for i in range(AFTER_THE_KILL)]
+    with concurrent.futures.ThreadPoolExecutor(AFTER_THE_KILL) as pool:
+        answers = list(pool.map(lambda prompt: generate(url, prompt, 4), prompts))
+    failures = [answer for answer in answers if answer[0] != 200]
+    assert not failures, f"{failures}; Envoy's counters: {envoy_stats(run, RETRY_STATS)}"
+    expected = [generated_on(other_port, prompt, 4) for prompt in prompts]  # greedy: the same text
+    assert [body["generated_text"] for _, body in answers] == expected
     assert steps_of(other_port) > before and alive(other_pid)
     run.wait_for(rf"replica {index} \(pid {pid}\) exited with code 1: restarting", timeout_s=60)
     run.wait_for(rf"replica {index} restarted \(pid (\d+)\): serving again", timeout_s=90)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from inference_service.api import linger
+from inference_service.api.errors import RETRYABLE_KEY
 from textgen.v1 import generate_pb2 as pb
 
 TIMEOUT = 30
@@ -76,6 +80,24 @@ def test_drain_timeout_cancels_what_is_left(start_grpc_server, tiny_engine_confi
         list(in_flight)
     assert raised.value.code() == grpc.StatusCode.CANCELLED
     assert dict(raised.value.trailing_metadata())["x-error-type"] == "cancelled"
+
+
+def test_a_stopping_server_refuses_what_still_comes_until_it_stops_coming(start_grpc_server, tiny_engine_config):
+    """A gateway sends requests until its health checks see NOT_SERVING: each is refused, typed and
+    marked retryable, while they come (the port would have cancelled them: nothing says whether a
+    cancelled call ran); the server stops once they stop."""
+    server = start_grpc_server(tiny_engine_config)
+    assert server.stub.Generate(MEDIUM, timeout=TIMEOUT).generated_text  # requests are coming
+    shutdown = server.start_shutdown(timeout_s=0.0)
+    started, refusals = time.monotonic(), []
+    while time.monotonic() - started < linger.QUIET_S + 1:  # longer than the quiet it waits for
+        with pytest.raises(grpc.RpcError) as raised:
+            server.stub.Generate(MEDIUM, timeout=TIMEOUT)
+        refusals.append((raised.value.code(), dict(raised.value.trailing_metadata() or ()).get(RETRYABLE_KEY)))
+        time.sleep(0.05)
+    assert set(refusals) == {(grpc.StatusCode.UNAVAILABLE, "1")}, refusals
+    assert not shutdown.done()
+    shutdown.result(TIMEOUT)  # and it stops once they stop (tests/unit/test_linger.py: when)
 
 
 def test_reflection_lists_and_describes_the_service(tiny_grpc_server):

@@ -41,6 +41,9 @@ def test_replicas_are_the_cluster_endpoints_with_health_checks_and_outlier_detec
     # No gRPC status ejects a replica: a request's own error, a client's expired deadline.
     assert detection["enforcing_consecutive_5xx"] == detection["enforcing_consecutive_gateway_failure"] == 0
     assert _engine_cluster(GatewayConfig(upstream_host="engine.ns.svc"))["type"] == "STRICT_DNS"  # DNS: all pods
+    # Every request a dead replica refused at the same moment is retried (Envoy's default: 3 at once).
+    (thresholds,) = cluster["circuit_breakers"]["thresholds"]
+    assert thresholds["max_retries"] >= 1000
 
 
 def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_routing():
@@ -53,8 +56,7 @@ def test_routes_retry_only_what_never_started_and_hash_prefixes_with_prefix_rout
             "reset-before-request",
             "refused-stream",
             "retriable-headers",
-            "cancelled",  # a stopping replica's calls no handler took (its engine already stopped)
-        }
+        }  # not `cancelled`: a unary call a drain cut is CANCELLED, and it ran
         assert policy["retriable_headers"] == [{"name": "x-textgen-retryable", "string_match": {"exact": "1"}}]
         # Ring hash: every retry walks from the prompt's own entry; the walk must get past a run of
         # the dead replica's entries (each next entry is another replica's about half the time).
