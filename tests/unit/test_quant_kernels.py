@@ -213,3 +213,43 @@ def test_4bit_offsets_large_against_scales(kernel):
     packed = PackedWeight(4, pack_codes(codes, 4), scales, offsets, group_size, k)
     x = torch.randn(3, k, generator=generator)
     assert_close(kernel(x, packed, None), reference(x, packed, None))
+
+
+def fp16_valued(packed: PackedWeight) -> PackedWeight:
+    """The weight with its scales and offsets rounded to fp16 values, as GGUF stores them (kept fp32)."""
+    scales, offsets = packed.scales.half().float(), packed.offsets.half().float()
+    return PackedWeight(packed.bits, packed.codes, scales, offsets, packed.group_size, packed.in_features)
+
+
+@pytest.mark.parametrize(("k", "group_size"), [(576, 32), (95, 32), (200, 128), (63, 64), (1000, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fp16_factors_give_the_fp32_factors_results(kernel, monkeypatch, k, group_size, rows):
+    """4-bit codes in groups of 32 and more whose scales and offsets are fp16 values: QuantLinear's
+    decode rows read fp16 copies of them, bitwise the fp32 factors' results (and float64's)."""
+    monkeypatch.delenv("INFERENCE_SERVICE_QUANT_ACTIVATIONS", raising=False)
+    packed = fp16_valued(random_packed(45, k, 4, group_size, seed=k + rows))
+    bias = torch.randn(45)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    module = QuantLinear(packed, bias)
+    out = module(x)
+    few_rows = module._native_kernels()[3]
+    if not kernel.takes_f16(packed):
+        pytest.skip("no AVX-512 here: the fp16 entry is not compiled in")
+    assert few_rows is not None and all(f.dtype == torch.float16 for f in few_rows.factors)
+    assert torch.equal(out, kernel(x, packed, bias))
+    assert_close(out, reference(x, packed, bias))
+
+
+@pytest.mark.parametrize(("bits", "group_size", "fp16_values"), [(4, 32, False), (4, 16, True), (8, 32, True)])
+def test_factors_stay_fp32_unless_fp16_valued_and_taken(kernel, monkeypatch, bits, group_size, fp16_values):
+    """RTN's fp32 scales (fp16 would round them), 4-bit groups of 16 and 8-bit codes (no fp16 entry)
+    keep the fp32 factors."""
+    monkeypatch.delenv("INFERENCE_SERVICE_QUANT_ACTIVATIONS", raising=False)
+    packed = random_packed(40, 96, bits, group_size, seed=5)  # 40 rows: 8-bit codes stay unpanelled
+    packed = fp16_valued(packed) if fp16_values else packed
+    module = QuantLinear(packed)
+    x = torch.randn(2, 96)
+    out = module(x)
+    few_rows = module._native_kernels()[3]
+    assert few_rows is not None and all(f.dtype == torch.float32 for f in few_rows.factors)
+    assert torch.equal(out, kernel(x, packed, None))
