@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from inference_service.worker.kernels import bindings, int8_activations
-from inference_service.worker.kernels.packed import PackedWeight, fp16_factors, quantize_rtn
+from inference_service.worker.kernels.packed import PackedWeight, quantize_rtn
 from inference_service.worker.linears.quant import QuantLinear
 
 EXACT = 1e-5  # against the float64 redo of the kernel's rounding, relative to the output's magnitude
@@ -179,10 +179,10 @@ def test_fp16_factors_give_the_fp32_factors_results(kernel, monkeypatch, k, grou
 def test_factors_that_are_not_fp16_values_stay_fp32(kernel, monkeypatch):
     packed = random_packed(64, 576, 32, seed=4)  # RTN scales: fp32 values that fp16 would round
     monkeypatch.setenv(int8_activations.ENV_SWITCH, "int8")
-    assert fp16_factors(packed) is None
+    assert int8_activations.Int8ActivationLinear.compact_factors(packed) is None
     offset_only = fp16_exact(packed)
     offset_only.offsets[3, 5] += 1e-6  # one value off the fp16 grid keeps both fp32
-    assert fp16_factors(offset_only) is None
+    assert int8_activations.Int8ActivationLinear.compact_factors(offset_only) is None
     linear = QuantLinear(packed)
     x = torch.randn(2, 576)
     out = linear(x)

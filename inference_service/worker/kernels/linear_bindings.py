@@ -189,8 +189,6 @@ class QuantLinearKernel:
     def __init__(self, library: ctypes.CDLL):
         self._fn = native_build.bind(library, "quant_linear_f32", [POINTER] * 6 + [I64] * 5)
         self._supported = native_build.bind(library, "quant_linear_supported", [I64] * 3)
-        self.fn_f16 = native_build.bind(library, "quant_linear_f16", [POINTER] * 6 + [I64] * 5)  # fp16 factors
-        self._f16_supported = native_build.bind(library, "quant_linear_f16_supported", [I64] * 3)
         self._dequantize = native_build.bind(library, "quant_dequantize_f32", [POINTER] * 4 + [I64] * 4)
 
     def supports(self, packed: PackedWeight) -> bool:
@@ -200,11 +198,6 @@ class QuantLinearKernel:
             and all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets))
             and bool(self._supported(packed.bits, packed.group_size, packed.in_features))
         )
-
-    def takes_f16(self, packed: PackedWeight) -> bool:
-        """Whether `fn_f16` (fp16 scales and offsets) takes the codes: 4-bit in groups of a multiple of
-        32 (or one over K), with AVX-512."""
-        return bool(self._f16_supported(packed.bits, packed.group_size, packed.in_features))
 
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
         """fp32 [N, K], as packed.dequantize() computes it, in one pass (any group size)."""

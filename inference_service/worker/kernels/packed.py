@@ -81,16 +81,6 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-def fp16_factors(packed: PackedWeight) -> tuple[Tensor, Tensor] | None:
-    """fp16 copies of the weight's scales and offsets when every value survives the round trip (GGUF
-    stores Q4_0/Q4_1's as fp16): a kernel reading them computes the same floats from fewer bytes.
-    None when one value does not."""
-    scales, offsets = packed.scales.half(), packed.offsets.half()
-    if torch.equal(scales.float(), packed.scales) and torch.equal(offsets.float(), packed.offsets):
-        return scales, offsets
-    return None
-
-
 def quantize_rtn(weight: Tensor, bits: int, group_size: int, symmetric: bool = False) -> PackedWeight:
     """Round-to-nearest quantization of an fp32 `[N, K]` weight: how test checkpoints are made.
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_service.worker.kernels import bindings, int8_activations, panels
-from inference_service.worker.kernels.packed import PackedWeight, fp16_factors
+from inference_service.worker.kernels.packed import PackedWeight
 
 # fp32 weight elements dequantized at once: 4 MiB, a whole projection of the demo model (one GEMM
 # each; 1 MiB slices made its prefill 7% slower), the head in slices.
@@ -33,13 +33,8 @@ class _FewRows:
     `max_rows` rows, with the weight's pointers and sizes taken once (a decode step makes ~120 of
     these calls; the kernels' own __call__ looks them up each time). It keeps the weight's tensors,
     so the pointers stay valid; QuantLinear makes a new one whenever its buffers change (repoint,
-    `.to()`).
-
-    Where the scales and offsets are all fp16 values (GGUF's Q4_0/Q4_1) and the kernel has an fp16
-    entry for the codes, it gets fp16 copies of them (packed.fp16_factors): a decode step streams each
-    weight once, and the 4-bit layers' bytes become GGUF's, 0.625 per weight instead of 0.75, with the
-    same results. The fp32 ones stay for the other paths (the panel GEMM of prefill), so the copies
-    cost 1/8 byte per weight of memory."""
+    `.to()`). The int8-activation kernel reads fp16 copies of the scales and offsets where they are
+    exact (Int8ActivationLinear.compact_factors): fewer bytes a step, the same results."""
 
     def __init__(
         self,
@@ -52,9 +47,10 @@ class _FewRows:
         self.max_elements = max_rows * packed.in_features
         self._fn = kernel._fn  # the kernels' C entry points take the same arguments
         self.factors = packed.scales, packed.offsets
-        compact = fp16_factors(packed) if kernel.takes_f16(packed) else None
-        if compact is not None:
-            self._fn, self.factors = kernel.fn_f16, compact
+        if isinstance(kernel, int8_activations.Int8ActivationLinear):
+            compact = kernel.compact_factors(packed)
+            if compact is not None:
+                self._fn, self.factors = kernel.fn_f16, compact
         self._weight = (
             packed.codes.data_ptr(),
             self.factors[0].data_ptr(),

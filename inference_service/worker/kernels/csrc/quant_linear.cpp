@@ -156,49 +156,21 @@ void run(const Args& a, int64_t m) {
     run_row_blocks<FloatRows<BITS, CH>>(a, m);
 }
 
-// Codes the 16-lane path takes: 4-bit, in groups of a multiple of 32 or one group over all of K.
-bool takes512(int64_t bits, int64_t gs, int64_t k) { return bits == 4 && (gs >= k || gs % 32 == 0); }
-
 #if defined(__AVX512F__)
-// The 16-lane path (see the top): 4-bit codes, groups a multiple of 32 or one group over all of K. It
-// reads each row's scales and offsets once per group, as fp32 or (quant_linear_f16) as fp16 where
-// they all are fp16 values: GGUF's Q4_0/Q4_1 are, and their fp16 bytes are a fifth of what a step
-// streams at groups of 32 (fp32: a third).
-inline float factor(const float* p, int64_t i) { return p[i]; }
-inline float factor(const uint16_t* p, int64_t i) { return _cvtsh_ss(p[i]); }
-
-// Up to 16 factors from p, the rest of the lanes zero.
-inline __m512 load_factors(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load_factors(const uint16_t* p, __mmask16 mask) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-}
-
-// sum_g offsets[g] xsum[g], 16 lanes at a time: written out, so both storages sum in one order and
-// give the same floats (a plain loop is vectorized as the compiler likes, differently per type).
-template <typename F>
-float shift_of(const F* offsets, const float* xsum, int64_t groups) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        acc = _mm512_fmadd_ps(load_factors(offsets + g, mask), _mm512_maskz_loadu_ps(mask, xsum + g), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-template <typename F>
+// The 16-lane path (see the top): 4-bit codes, groups a multiple of 32 or one group over all of K.
 struct Args512 {
     const float* xp;    // [M, kp] permuted in blocks of 32, zero-padded
     const float* xsum;  // [M, groups]: each group's sum of x
     const uint8_t* codes;
-    const F* scales;   // [N, groups], fp32 or fp16
-    const F* offsets;  // [N, groups]
+    const float* scales;
+    const float* offsets;
     const float* bias;
     float* y;  // [M, N]
     int64_t n, k, kp, row_bytes, gs, groups;
 };
 
-template <int M, int RN, typename F>
-void rows512(const Args512<F>& a, int64_t m0, int64_t n0, int64_t n1) {
+template <int M, int RN>
+void rows512(const Args512& a, int64_t m0, int64_t n0, int64_t n1) {
     const float* xp = a.xp + m0 * a.kp;
     const float* xsum = a.xsum + m0 * a.groups;
     float* y = a.y + m0 * a.n;
@@ -208,7 +180,7 @@ void rows512(const Args512<F>& a, int64_t m0, int64_t n0, int64_t n1) {
         const int rn = static_cast<int>(std::min<int64_t>(RN, n1 - j));
         const bool ahead = j + 2 * RN <= a.n;  // a next block to prefetch
         const uint8_t* base[RN];
-        const F* scales[RN];
+        const float* scales[RN];
         uint8_t tail[RN][16] = {};  // the row's last, partial chunk, zero-padded
         for (int r = 0; r < RN; ++r) {
             const int64_t row = j + std::min(r, rn - 1);  // a short block recomputes its last row
@@ -246,34 +218,36 @@ void rows512(const Args512<F>& a, int64_t m0, int64_t n0, int64_t n1) {
                 }
             }
             for (int r = 0; r < RN; ++r) {
-                const __m512 s = _mm512_set1_ps(factor(scales[r], g));
+                const __m512 s = _mm512_set1_ps(scales[r][g]);
                 for (int m = 0; m < M; ++m) total[r][m] = _mm512_fmadd_ps(s, acc[r][m], total[r][m]);
             }
         }
         for (int r = 0; r < rn; ++r) {
-            const F* offsets = a.offsets + (j + r) * a.groups;
+            const float* offsets = a.offsets + (j + r) * a.groups;
             const float b = a.bias ? a.bias[j + r] : 0.f;
             for (int m = 0; m < M; ++m) {
-                const float shift = shift_of(offsets, xsum + m * a.groups, a.groups);  // offsets × sums of x
+                float shift = 0.f;  // sum over groups of offset * sum of x
+                for (int64_t g = 0; g < a.groups; ++g) shift += offsets[g] * xsum[m * a.groups + g];
                 y[m * a.n + j + r] = _mm512_reduce_add_ps(total[r][m]) + shift + b;
             }
         }
     }
 }
 
-template <int M, typename F>
-void rows512_of(const Args512<F>& a, int64_t m0, int64_t n0, int64_t n1) {
+template <int M>
+void rows512_of(const Args512& a, int64_t m0, int64_t n0, int64_t n1) {
     constexpr int RN = M == 1 ? 4 : M == 2 ? 3 : M <= 4 ? 2 : 1;  // 2 * RN * M accumulators + 2 M x
     rows512<M, RN>(a, m0, n0, n1);
 }
 
 struct Rows512 {
-    template <int M, typename F>
-    static void run(const Args512<F>& a, int64_t m0, int64_t n0, int64_t n1) {
+    template <int M>
+    static void run(const Args512& a, int64_t m0, int64_t n0, int64_t n1) {
         rows512_of<M>(a, m0, n0, n1);
     }
 };
 
+void run512(const Args512& a, int64_t m) { run_row_blocks<Rows512>(a, m); }
 #define QUANT_LINEAR_512 1
 #else
 #define QUANT_LINEAR_512 0
@@ -295,22 +269,6 @@ std::vector<float> permuted(const float* x, int64_t m, int64_t k, int64_t kp, in
     }
     return xp;
 }
-
-#if QUANT_LINEAR_512
-// x permuted and its group sums, then the 16-lane rows (4-bit codes, takes512).
-template <typename F>
-void run512(const float* x, const uint8_t* codes, const F* scales, const F* offsets, const float* bias, float* y,
-            int64_t m, int64_t n, int64_t k, int64_t group_size) {
-    const int64_t groups = (k + group_size - 1) / group_size, kp = (k + 31) / 32 * 32;
-    const std::vector<float> xp = permuted(x, m, k, kp, 32, 4);
-    std::vector<float> xsum(m * groups, 0.f);  // each group's sum of x: the offsets' factor
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = 0; c < k; ++c) xsum[r * groups + c / group_size] += x[r * k + c];
-    const Args512<F> args{xp.data(), xsum.data(), codes, scales, offsets, bias, y, n, k, kp, (k + 1) / 2, group_size,
-                          groups};
-    run_row_blocks<Rows512>(args, m);
-}
-#endif
 
 // The chunk width for these codes, or 0 when a chunk would straddle groups (not supported).
 int64_t chunk_for(int64_t bits, int64_t gs, int64_t k) {
@@ -334,8 +292,13 @@ extern "C" int quant_linear_f32(const float* x, const uint8_t* codes, const floa
     if (m < 1 || !quant_linear_supported(bits, group_size, k)) return 1;
     const int64_t groups = (k + group_size - 1) / group_size, row_bytes = bits == 8 ? k : (k + 1) / 2;
 #if QUANT_LINEAR_512
-    if (takes512(bits, group_size, k)) {
-        run512(x, codes, scales, offsets, bias, y, m, n, k, group_size);
+    if (bits == 4 && (group_size >= k || group_size % 32 == 0)) {
+        const int64_t kp = (k + 31) / 32 * 32;
+        const std::vector<float> xp = permuted(x, m, k, kp, 32, bits);
+        std::vector<float> xsum(m * groups, 0.f);  // each group's sum of x: the offsets' factor
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < k; ++c) xsum[r * groups + c / group_size] += x[r * k + c];
+        run512({xp.data(), xsum.data(), codes, scales, offsets, bias, y, n, k, kp, row_bytes, group_size, groups}, m);
         return 0;
     }
 #endif
@@ -347,26 +310,6 @@ extern "C" int quant_linear_f32(const float* x, const uint8_t* codes, const floa
     else if (ch == 16) run<4, 16>(a, m);
     else run<4, 8>(a, m);
     return 0;
-}
-
-// Whether quant_linear_f16 takes these codes: 4-bit, groups a multiple of 32 or one over all of K, AVX-512.
-extern "C" int quant_linear_f16_supported(int64_t bits, int64_t group_size, int64_t k) {
-    return QUANT_LINEAR_512 && k > 0 && group_size > 0 && takes512(bits, group_size, k);
-}
-
-// quant_linear_f32 with scales and offsets stored as fp16 (their bits as uint16), for the codes
-// quant_linear_f16_supported takes; nonzero for others.
-extern "C" int quant_linear_f16(const float* x, const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets,
-                                const float* bias, float* y, int64_t m, int64_t n, int64_t k, int64_t bits,
-                                int64_t group_size) {
-    if (m < 1 || !quant_linear_f16_supported(bits, group_size, k)) return 1;
-#if QUANT_LINEAR_512
-    run512(x, codes, scales, offsets, bias, y, m, n, k, group_size);
-    return 0;
-#else
-    (void)x, (void)codes, (void)scales, (void)offsets, (void)bias, (void)y, (void)n;
-    return 1;
-#endif
 }
 
 // w [n, k] fp32 = dequant(codes, scales, offsets): what QuantLinear multiplies by torch's GEMM for
