@@ -6,6 +6,7 @@ Two references, both float64:
   shape, register block and tail is computed as stated;
 - the exact product with unrounded x: within the stated tolerance of the rounding
   (RELATIVE_RMS_ERROR of the output's rms; measured ~0.4% on Gaussian inputs).
+Scales and offsets that are exactly fp16 (GGUF's) are read as fp16 copies: the same results bit for bit.
 And QuantLinear takes this path only when asked (INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8), only for
 the few-row shapes it fits, and gives greedy tokens that agree with the fp32 path on a small model.
 """
@@ -144,6 +145,50 @@ def test_quant_linear_uses_it_only_when_asked_and_for_few_rows(kernel, monkeypat
     assert torch.equal(asked(many), default(many))  # prefill rows keep the fp32 path
     eight_bit = QuantLinear(quantize_rtn(torch.randn(37, 576), 8, 32))  # 37 rows: no panels
     assert torch.equal(eight_bit(few), fp32_kernel(few, eight_bit.packed, None))
+
+
+def fp16_exact(packed: PackedWeight) -> PackedWeight:
+    """The weight with its scales and offsets rounded to fp16 values (as GGUF stores them), kept fp32."""
+    return PackedWeight(
+        packed.bits,
+        packed.codes,
+        packed.scales.half().float(),
+        packed.offsets.half().float(),
+        packed.group_size,
+        packed.in_features,
+    )
+
+
+@pytest.mark.parametrize(("k", "group_size"), [(576, 32), (96, 32), (1536, 128), (160, 160), (224, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fp16_factors_give_the_fp32_factors_results(kernel, monkeypatch, k, group_size, rows):
+    """Factors that are all fp16 values are read as fp16 copies (both the adjacent-pair loads of groups
+    of 32 and the per-group ones): bitwise the fp32 factors' results, and the float64 redo's."""
+    packed = fp16_exact(random_packed(37, k, group_size, seed=k + rows))
+    bias = torch.randn(37)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    monkeypatch.setenv(int8_activations.ENV_SWITCH, "int8")
+    linear = QuantLinear(packed, bias)
+    out = linear(x)
+    few_rows = linear._native_kernels()[3]
+    assert few_rows is not None and all(f.dtype == torch.float16 for f in few_rows.factors)
+    assert torch.equal(out, kernel(x, packed, bias))
+    assert_exact(out, rounded_reference(x, packed, bias))
+
+
+def test_factors_that_are_not_fp16_values_stay_fp32(kernel, monkeypatch):
+    packed = random_packed(64, 576, 32, seed=4)  # RTN scales: fp32 values that fp16 would round
+    monkeypatch.setenv(int8_activations.ENV_SWITCH, "int8")
+    assert int8_activations.Int8ActivationLinear.compact_factors(packed) is None
+    offset_only = fp16_exact(packed)
+    offset_only.offsets[3, 5] += 1e-6  # one value off the fp16 grid keeps both fp32
+    assert int8_activations.Int8ActivationLinear.compact_factors(offset_only) is None
+    linear = QuantLinear(packed)
+    x = torch.randn(2, 576)
+    out = linear(x)
+    few_rows = linear._native_kernels()[3]
+    assert few_rows is not None and all(f.dtype == torch.float32 for f in few_rows.factors)
+    assert torch.equal(out, kernel(x, packed, None))
 
 
 def test_greedy_tokens_agree_with_the_fp32_path(kernel, monkeypatch):

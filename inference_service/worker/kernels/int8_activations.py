@@ -8,6 +8,12 @@ unless `INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8`; QuantLinear then uses it for 
 packed-weight kernel (decode steps) where the codes fit (4-bit, K a multiple of 32, groups a multiple
 of 32) and the CPU has AVX-512 VNNI; everything else keeps the fp32 path.
 
+Scales and offsets that are all exactly fp16 (GGUF's Q4_0/Q4_1 store them so) are handed to the kernel as
+fp16 copies (`compact_factors`): a decode step streams each weight's codes and factors once, and fp16
+factors make the 4-bit layers' bytes GGUF's (0.625 per weight instead of 0.75), the same results bit for
+bit. The fp32 ones stay for the other paths (prefill's panel GEMM), so the copies cost 1/8 byte per weight
+of memory.
+
 Built like the other native kernels (bindings._build: the machine's C++ compiler, cached on disk), as
 its own small library; `INFERENCE_SERVICE_CPU_KERNELS=off` switches it off with the rest.
 """
@@ -48,6 +54,7 @@ class Int8ActivationLinear:
 
     def __init__(self, library: ctypes.CDLL):
         self._fn = bindings._bind(library, "quant_linear_q8_f32", [_P] * 6 + [_I64] * 5)
+        self.fn_f16 = bindings._bind(library, "quant_linear_q8_f16", [_P] * 6 + [_I64] * 5)  # fp16 factors
         self._supported = bindings._bind(library, "quant_linear_q8_supported", [_I64] * 3)
         self._quantize = library.quant_linear_q8_quantize
         self._quantize.restype, self._quantize.argtypes = None, [_P, _P, _P, _I64, _I64]
@@ -59,6 +66,15 @@ class Int8ActivationLinear:
             and all(t.is_contiguous() for t in (packed.codes, packed.scales, packed.offsets))
             and bool(self._supported(packed.bits, packed.group_size, packed.in_features))
         )
+
+    @staticmethod
+    def compact_factors(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp16 copies of the weight's scales and offsets when every value survives the round trip
+        (the kernel then reads them instead, with the same results); None when one does not."""
+        scales, offsets = packed.scales.half(), packed.offsets.half()
+        if torch.equal(scales.float(), packed.scales) and torch.equal(offsets.float(), packed.offsets):
+            return scales, offsets
+        return None
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] fp32 → (x's int8 codes [M, K], in x's order; their block scales [M, K / 32]), as

@@ -22,6 +22,12 @@
 // with a B of zeros) and groups a multiple of 32 or one over all of K.
 //
 // Threads split N as in quant_linear.cpp (row_blocks.h), with its prefetch of the next block of rows' cache lines.
+//
+// Scales and offsets come as fp32 or, in quant_linear_q8_f16 (kernels/int8_activations.py), as fp16 where
+// every value is exactly an fp16 (GGUF stores them so): one step streams the codes and their factors
+// from memory, and at 32 codes a group fp32 factors are a third of the bytes (16 bytes of codes, 8 of
+// factors), fp16 ones a fifth, as in the GGUF file. A core streams memory at about 7 GB/s here, so
+// bytes are time: the demo model's 4-bit layers read 80 MB a token with fp32 factors, 66 MB with fp16.
 
 #include <algorithm>
 #include <cmath>
@@ -45,31 +51,53 @@ bool shape_ok(int64_t bits, int64_t group_size, int64_t k) {
 }
 
 #if QUANT_LINEAR_Q8
+// The factors' storage: fp32, or fp16 (uint16_t bits) widened as they are read.
+inline float factor(const float* p, int64_t i) { return p[i]; }
+inline float factor(const uint16_t* p, int64_t i) { return _cvtsh_ss(p[i]); }
+
+// Two adjacent factors p[i], p[i + 1] in lanes 0 and 1.
+inline __m128 two_factors(const float* p, int64_t i) {
+    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p + i)));
+}
+inline __m128 two_factors(const uint16_t* p, int64_t i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof bits);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+}
+
+// Up to 16 factors from p, the rest of the lanes zero.
+inline __m512 load_factors(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load_factors(const uint16_t* p, __mmask16 mask) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+template <typename F>
 struct Args {
     const int8_t* xq;    // [M, pairs * 64]: each pair of blocks as [A even, B even, A odd, B odd]
     const float* xd;     // [M, pairs * 16]: x's block scale for each int32 lane of the pair
     const float* xsum;   // [M, groups]: sums of the rounded x per weight group (the offsets' factor)
     const uint8_t* codes;
-    const float* scales;
-    const float* offsets;
+    const F* scales;   // [N, groups], fp32 or fp16
+    const F* offsets;  // [N, groups]
     const float* bias;
     float* y;  // [M, N]
     int64_t n, k, row_bytes, gs, groups, pairs;
 };
 
 // sum_g a[g] b[g], 16 lanes at a time.
-float dot(const float* a, const float* b, int64_t count) {
+template <typename F>
+float dot(const F* a, const float* b, int64_t count) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < count; g += 16) {
         const __mmask16 mask = count - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - g)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + g), _mm512_maskz_loadu_ps(mask, b + g), acc);
+        acc = _mm512_fmadd_ps(load_factors(a + g, mask), _mm512_maskz_loadu_ps(mask, b + g), acc);
     }
     return _mm512_reduce_add_ps(acc);
 }
 
 // Output rows [n0, n1) for M rows of x starting at row m0, RN W rows at a time.
-template <int M, int RN, bool GS32>
-void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+template <int M, int RN, bool GS32, typename F>
+void rows(const Args<F>& a, int64_t m0, int64_t n0, int64_t n1) {
     const int64_t kp = a.pairs * 64;
     const int8_t* xq = a.xq + m0 * kp;
     const float* xd = a.xd + m0 * a.pairs * 16;
@@ -83,7 +111,7 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
         const int rn = static_cast<int>(std::min<int64_t>(RN, n1 - j));
         const bool ahead = j + 2 * RN <= a.n;  // a next block to prefetch
         const uint8_t* base[RN];
-        const float* scales[RN];
+        const F* scales[RN];
         uint8_t tail[RN][32] = {};  // a last pair with block A only: B's bytes zero
         for (int r = 0; r < RN; ++r) {
             const int64_t row = j + std::min(r, rn - 1);  // a short block recomputes its last row
@@ -113,10 +141,10 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
                 const __m512i w = _mm512_and_si512(_mm512_srlv_epi64(raw, shifts), low);
                 __m512 s;
                 if (GS32) {  // the two blocks' scales are adjacent: one 8-byte load, spread to their lanes
-                    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales[r] + ga)));
-                    s = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(two));
+                    s = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(two_factors(scales[r], ga)));
                 } else {
-                    s = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(scales[r][ga]), _mm512_set1_ps(scales[r][gb]));
+                    s = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(factor(scales[r], ga)),
+                                             _mm512_set1_ps(factor(scales[r], gb)));
                 }
                 for (int m = 0; m < M; ++m) {
                     const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x[m]);
@@ -125,7 +153,7 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
             }
         }
         for (int r = 0; r < rn; ++r) {
-            const float* offsets = a.offsets + (j + r) * a.groups;
+            const F* offsets = a.offsets + (j + r) * a.groups;
             const float b = a.bias ? a.bias[j + r] : 0.f;
             for (int m = 0; m < M; ++m) {
                 y[m * a.n + j + r] = _mm512_reduce_add_ps(acc[r][m]) + dot(offsets, xsum + m * a.groups, a.groups) + b;
@@ -134,21 +162,19 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
     }
 }
 
-template <int M>
-void rows_of(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+template <int M, typename F>
+void rows_of(const Args<F>& a, int64_t m0, int64_t n0, int64_t n1) {
     constexpr int RN = M == 1 ? 4 : M == 2 ? 3 : M <= 4 ? 2 : 1;  // RN * M accumulators + 2 M x vectors
     if (a.gs == 32 && a.groups % 2 == 0) rows<M, RN, true>(a, m0, n0, n1);  // GGUF's Q4_0/Q4_1 blocks
     else rows<M, RN, false>(a, m0, n0, n1);
 }
 
 struct Rows {
-    template <int M>
-    static void run(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+    template <int M, typename F>
+    static void run(const Args<F>& a, int64_t m0, int64_t n0, int64_t n1) {
         rows_of<M>(a, m0, n0, n1);
     }
 };
-
-void run(const Args& a, int64_t m) { run_row_blocks<Rows>(a, m); }
 #endif
 
 }  // namespace
@@ -178,13 +204,13 @@ extern "C" void quant_linear_q8_quantize(const float* x, int8_t* xq, float* d, i
     }
 }
 
-// x [m, k], codes uint8 [n, k / 2], scales/offsets [n, ceil(k / gs)], bias [n] or null, y [m, n]; all
-// contiguous. Returns nonzero for a shape it does not take (or without AVX-512 VNNI).
-extern "C" int quant_linear_q8_f32(const float* x, const uint8_t* codes, const float* scales, const float* offsets,
-                                   const float* bias, float* y, int64_t m, int64_t n, int64_t k, int64_t bits,
-                                   int64_t group_size) {
-    if (m < 1 || n < 1 || !quant_linear_q8_supported(bits, group_size, k)) return 1;
 #if QUANT_LINEAR_Q8
+namespace {
+// x [m, k] quantized (quant_linear_q8_quantize) with the per-lane scales and group sums the kernel
+// takes, then the kernel over W's rows.
+template <typename F>
+void linear(const float* x, const uint8_t* codes, const F* scales, const F* offsets, const float* bias, float* y,
+            int64_t m, int64_t n, int64_t k, int64_t group_size) {
     const int64_t groups = (k + group_size - 1) / group_size, blocks = k / 32, pairs = (blocks + 1) / 2;
     std::vector<int8_t> xq(m * pairs * 64);
     std::vector<float> d(m * blocks), xd(m * pairs * 16, 0.f), xsum(m * groups, 0.f);
@@ -201,8 +227,35 @@ extern "C" int quant_linear_q8_f32(const float* x, const uint8_t* codes, const f
             xsum[r * groups + b * 32 / group_size] += d[r * blocks + b] * static_cast<float>(sum);
         }
     }
-    run({xq.data(), xd.data(), xsum.data(), codes, scales, offsets, bias, y, n, k, k / 2, group_size, groups, pairs},
-        m);
+    const Args<F> args{xq.data(), xd.data(), xsum.data(), codes,  scales, offsets, bias,
+                       y,         n,         k,           k / 2, group_size, groups,  pairs};
+    run_row_blocks<Rows>(args, m);
+}
+}  // namespace
+#endif
+
+// x [m, k], codes uint8 [n, k / 2], scales/offsets [n, ceil(k / gs)], bias [n] or null, y [m, n]; all
+// contiguous. Returns nonzero for a shape it does not take (or without AVX-512 VNNI).
+extern "C" int quant_linear_q8_f32(const float* x, const uint8_t* codes, const float* scales, const float* offsets,
+                                   const float* bias, float* y, int64_t m, int64_t n, int64_t k, int64_t bits,
+                                   int64_t group_size) {
+    if (m < 1 || n < 1 || !quant_linear_q8_supported(bits, group_size, k)) return 1;
+#if QUANT_LINEAR_Q8
+    linear(x, codes, scales, offsets, bias, y, m, n, k, group_size);
+    return 0;
+#else
+    (void)x, (void)codes, (void)scales, (void)offsets, (void)bias, (void)y;
+    return 1;
+#endif
+}
+
+// The same with scales and offsets stored as fp16 (their bits as uint16).
+extern "C" int quant_linear_q8_f16(const float* x, const uint8_t* codes, const uint16_t* scales,
+                                   const uint16_t* offsets, const float* bias, float* y, int64_t m, int64_t n,
+                                   int64_t k, int64_t bits, int64_t group_size) {
+    if (m < 1 || n < 1 || !quant_linear_q8_supported(bits, group_size, k)) return 1;
+#if QUANT_LINEAR_Q8
+    linear(x, codes, scales, offsets, bias, y, m, n, k, group_size);
     return 0;
 #else
     (void)x, (void)codes, (void)scales, (void)offsets, (void)bias, (void)y;
