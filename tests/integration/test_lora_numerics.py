@@ -178,3 +178,37 @@ def test_a_quantized_base_plus_the_float_adapter(tiny_model_dir, adapters):
         _check_against_peft(runs, references)
     finally:
         _REFERENCE.clear()
+
+
+def test_one_stream_at_a_time_equals_peft(tiny_model_dir, adapters, references, monkeypatch):
+    """Requests one after another: each decode step is one row of one adapter, whose projections and
+    updates run as single kernel calls (lora_panel_row_f32), still peft's tokens and logprobs."""
+    from inference_service.worker.kernels.lora_bindings import load_lora_kernel
+
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("no C++ compiler for the native kernel")
+    fused = kernel.panel_row_raw
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return fused(*args)
+
+    monkeypatch.setattr(kernel, "panel_row_raw", counted)  # the real kernel, its calls counted
+    engine = AsyncEngine.from_config(_config(tiny_model_dir, adapters))
+    engine.start()
+
+    async def main():
+        runs = []
+        for prompt in PROMPTS[:2]:
+            for adapter in (None, *ADAPTERS):
+                params = GenerateParameters(max_new_tokens=12, details=True, adapter_id=adapter)
+                request = await validated(engine, GenerateRequest(prompt, params))
+                runs.append((adapter, request.prompt_token_ids, await engine.generate(request)))
+        await engine.shutdown(5.0)
+        return runs
+
+    runs = asyncio.run(main())
+    _check_against_peft(runs, references)
+    assert calls  # the one-row steps took the fused call

@@ -218,3 +218,97 @@ def test_thread_mode_setting(forced_threads):
     assert forced_threads(1) == 2
     with pytest.raises(ValueError):
         forced_threads(3)
+
+
+# A fused q|k|v over panels of 32 columns: 192 columns x 352 inputs is enough work for the panel
+# GEMM's threads, whose split (column 96) falls inside k_proj; 77 and 59 leave scalar column tails.
+PANEL_IN = 352
+PANEL_WIDTHS = {"q_proj": 77, "k_proj": 59, "v_proj": 56}
+
+
+def _panel_parts(layer: int):
+    parts, start = [], 0
+    for target, width in PANEL_WIDTHS.items():
+        parts.append(((layer, target), slice(start, start + width)))
+        start += width
+    return parts
+
+
+def _panel_adapter(rank: int, seed: int, sites: list[tuple[int, str]]) -> AdapterWeights:
+    generator = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for site in sites:
+        a = torch.randn(rank, PANEL_IN, generator=generator)
+        pairs[site] = LoraPair(a=a.t(), b=torch.randn(rank, PANEL_WIDTHS[site[1]], generator=generator) * 0.5)
+    return AdapterWeights("a", rank, pairs)
+
+
+def _panelled(bias: bool):
+    from inference_service.worker.kernels.bindings import load_panel_linear
+    from inference_service.worker.linears.panelled import PanelledLinear
+
+    generator = torch.Generator().manual_seed(20)
+    weight = torch.randn(sum(PANEL_WIDTHS.values()), PANEL_IN, generator=generator) * 0.1
+    b = torch.randn(weight.shape[0], generator=generator) if bias else None
+    return PanelledLinear.from_weight(weight, b, load_panel_linear()), weight, b
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_row_equals_float64(bias, threads):
+    """One row's projection and update in one call equal float64, with the team or on one thread; an
+    adapter leaving v_proj alone leaves those columns the base's."""
+    module, weight, b = _panelled(bias)
+    adapter = _panel_adapter(16, 21, [(2, "q_proj"), (2, "k_proj")])
+    x = torch.randn(1, PANEL_IN)
+    base = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
+    expected = _reference(x, base, [(adapter, [0])], _panel_parts(2))
+    kernel = load_lora_kernel()
+    assert kernel is not None
+    parts = _native_parts(_panel_parts(2))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.panel_row(x, module.weight_panels, module.bias, native.adapter_table(adapter), parts.address, 3)
+        plain = module(x)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    v = _panel_parts(2)[2][1]
+    assert torch.equal(got[:, v], plain[:, v])  # the base's columns bitwise the panel GEMM's
+
+
+def test_panel_row_refuses_what_it_cannot_take():
+    module, _, _ = _panelled(False)
+    kernel = load_lora_kernel()
+    assert kernel is not None
+    table = native.adapter_table(_panel_adapter(4, 22, [(0, "q_proj")]))
+    too_wide = native.parts_of([((0, "q_proj"), 150, 77)])  # columns past the output's
+    with pytest.raises(RuntimeError):
+        kernel.panel_row(torch.randn(1, PANEL_IN), module.weight_panels, None, table, too_wide.address, 1)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3])  # one row: the fused call; several: the module, then sgmv
+def test_decode_plan_project_equals_module_then_torch_path(monkeypatch, num_rows):
+    """The decode plan's `project` over a panelled q|k|v equals the module's output plus add_lora's
+    torch path."""
+    from inference_service.worker.lora.decode import QKV, DecodeLora
+
+    shapes = {(layer, t): (PANEL_IN, PANEL_WIDTHS.get(t, PANEL_IN)) for layer in (0, 1) for t in TARGETS}
+    plan = DecodeLora([0, 1], shapes)
+    module, _, _ = _panelled(True)
+    one = _panel_adapter(16, 23, [(1, t) for t in PANEL_WIDTHS])
+    two = _panel_adapter(5, 24, [(1, "v_proj")])
+    groups = [(one, [0])] if num_rows == 1 else [(one, [0, 2]), (two, [1])]
+    x = torch.randn(num_rows, PANEL_IN)
+    fast = plan.adder(_step(groups, num_rows), x)
+    assert fast.native and (fast._row is not None) == (num_rows == 1)  # the fused call takes one row
+    got = fast.project(module, x, 1, QKV)
+    monkeypatch.setattr(native, "MAX_NATIVE_ROWS", 0)  # the torch path
+    step = _step(groups, num_rows)
+    with lora_context(step):
+        reference = plan.adder(step, x)
+        assert not reference.native
+        expected = reference.project(module, x, 1, QKV)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(got, module(x))

@@ -61,9 +61,12 @@ class LoraKernel:
     def __init__(self, library: ctypes.CDLL):
         self._sgmv = bindings._bind(library, "lora_sgmv_f32", [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64])
         self._bgmv = bindings._bind(library, "lora_bgmv_f32", [_P, _I64, _P, _P, _I64, _P, _I64])
+        self._panel_row = bindings._bind(
+            library, "lora_panel_row_f32", [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I64]
+        )
         # The ctypes functions themselves, for a caller that binds a step's arguments once and checks
         # the status itself (lora/decode.py: four calls per layer of every decode step).
-        self.sgmv_raw, self.bgmv_raw = self._sgmv, self._bgmv
+        self.sgmv_raw, self.bgmv_raw, self.panel_row_raw = self._sgmv, self._bgmv, self._panel_row
         self._force_threads = bindings._bind(library, "lora_force_threads", [ctypes.c_int])
 
     def force_threads(self, mode: int) -> int:
@@ -120,6 +123,36 @@ class LoraKernel:
         status = self._bgmv(x.data_ptr(), x.shape[1], y.data_ptr(), table.data_ptr(), table.shape[0], parts, num_parts)
         if status != 0:
             raise RuntimeError(f"LoRA kernel refused x {list(x.shape)}")
+
+    def panel_row(
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        bias: torch.Tensor | None,
+        table: torch.Tensor,
+        parts: int,
+        num_parts: int,
+    ) -> torch.Tensor:
+        """One row's projection and its LoRA update in one call: x [1, in] · W + bias + the update of
+        `table`'s adapter over `parts` (as in sgmv) → y [1, out], W as panels [out / 32, in, 32]
+        (linears/panelled.py)."""
+        count, k, width = panels.shape
+        y = torch.empty(1, count * width)
+        status = self._panel_row(
+            x.data_ptr(),
+            k,
+            panels.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            count * width,
+            table.data_ptr(),
+            table.shape[0],
+            parts,
+            num_parts,
+        )
+        if status != 0:
+            raise RuntimeError(f"LoRA kernel refused x {list(x.shape)} over panels {list(panels.shape)}")
+        return y
 
 
 @functools.cache

@@ -123,9 +123,7 @@ class DecodeStep:
         for number, layer in enumerate(self.layers):
             rows, heads, kv_heads = hidden.shape[0], layer.num_heads, layer.num_kv_heads
             hidden, normed = ops.add_norm(hidden, delta, layer.input_norm)
-            qkv = layer.qkv(normed)
-            if lora is not None:
-                lora.add(normed, qkv, number, QKV)
+            qkv = layer.qkv(normed) if lora is None else lora.project(layer.qkv, normed, number, QKV)
             qkv = qkv.view(rows, heads + 2 * kv_heads, layer.head_dim)
             if meta.kv_cache is None:
                 raise ValueError("a decode step needs the paged KV cache in its metadata")
@@ -144,17 +142,11 @@ class DecodeStep:
                     meta, q.transpose(0, 1).unsqueeze(0), k, v, layer.index, layer.scaling, layer.window, None
                 )  # [S, H, Dv]
             attended = attended.reshape(rows, -1)
-            out = layer.o_proj(attended)
-            if lora is not None:
-                lora.add(attended, out, number, O_PROJ)
+            out = layer.o_proj(attended) if lora is None else lora.project(layer.o_proj, attended, number, O_PROJ)
             hidden, normed = ops.add_norm(hidden, out, layer.post_norm)
-            gate_up = layer.gate_up(normed)
-            if lora is not None:
-                lora.add(normed, gate_up, number, GATE_UP)
+            gate_up = layer.gate_up(normed) if lora is None else lora.project(layer.gate_up, normed, number, GATE_UP)
             act = ops.silu_mul(gate_up)
-            delta = layer.down(act)
-            if lora is not None:
-                lora.add(act, delta, number, DOWN)
+            delta = layer.down(act) if lora is None else lora.project(layer.down, act, number, DOWN)
         return hidden + delta if delta is not None else hidden
 
 
