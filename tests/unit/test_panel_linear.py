@@ -197,12 +197,12 @@ def test_panelled_fp32_weights_equal_float64_math(panel, rows, out_features, in_
 
 @pytest.mark.parametrize(
     ("rows", "in_features"),
-    [(47, 576), (48, 576), (1000, 576), (455, 1024), (100, 1025), (60, 1536)],
+    [(47, 576), (48, 576), (61, 576), (1000, 576), (455, 1024), (100, 1025), (60, 1536)],
 )
 def test_panelled_fp32_prompt_rows_equal_float64_math(panel, rows, in_features):
-    """Prompt-sized inputs: x packed in blocks of rows (several blocks and a partial last one at
-    1,000 rows of 576, blocks of 444), at the edges of packing (48 rows, 1,024 columns), and read in
-    place past them."""
+    """Prompt-sized inputs: x packed in blocks of rows (one block with a partial last tile at 61 rows;
+    several blocks and a partial last one at 1,000 rows of 576, blocks of 444), at the edges of
+    packing (48 rows, 1,024 columns), and read in place past them."""
     generator = torch.Generator().manual_seed(rows + in_features)
     linear = torch.nn.Linear(in_features, 96)
     module = PanelledLinear.from_weight(linear.weight, linear.bias, panel)

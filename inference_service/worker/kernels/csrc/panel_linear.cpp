@@ -378,23 +378,36 @@ extern "C" int panel_weights_linear_f32(const float* x, const float* panels, con
         }
         return 0;
     }
-    const int64_t block = std::min(m, rows_per_block(k));
-    std::vector<float> packed(block * k);  // the block's rows, packed tile by tile
+    // All rows packed first, block by block (tile t of a block at its start + t * kMR * k), behind
+    // one barrier; then each block's tiles run over every panel, blocks one after another without
+    // a barrier between them (they write apart): two barriers a call (a decode-sized call has one;
+    // on a busy machine each barrier waits for whichever thread was scheduled out).
+    const int64_t block = std::min(m, rows_per_block(k)), tiles_per_block = (block + kMR - 1) / kMR;
+    const int64_t blocks = (m + block - 1) / block;
+    thread_local std::vector<float> packed;  // reused across calls (a prompt step's is megabytes); only grows
+    packed.resize(m * k);
     float* xp = packed.data();
 #pragma omp parallel if (n * k >= (1 << 16))
-    for (int64_t m0 = 0; m0 < m; m0 += block) {
-        const int64_t rows = std::min(block, m - m0), tiles = (rows + kMR - 1) / kMR;
+    {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t) pack_tile(x + m0 * k, rows, k, t, xp);
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < count; ++p) {
-            for (int col = 0; col < kCodePanel; col += 2 * kLanes) {  // one tile wide with AVX-512, two with AVX2
-                const int64_t n0 = p * kCodePanel + col;
-                const float* b = bias ? bias + n0 : nullptr;
-                over_row_blocks<kMR>(rows, [&](auto tile_rows, int64_t r0, int64_t) {
-                    packed_tile<decltype(tile_rows)::value>(xp + r0 * k, panels + p * k * kCodePanel + col,
-                                                            kCodePanel, k, y + (m0 + r0) * n + n0, n, b);
-                });
+        for (int64_t t = 0; t < blocks * tiles_per_block; ++t) {
+            const int64_t m0 = (t / tiles_per_block) * block;
+            if (m0 + (t % tiles_per_block) * kMR < m) {
+                pack_tile(x + m0 * k, std::min(block, m - m0), k, t % tiles_per_block, xp + m0 * k);
+            }
+        }
+        for (int64_t m0 = 0; m0 < m; m0 += block) {
+            const int64_t rows = std::min(block, m - m0);
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < count; ++p) {
+                for (int col = 0; col < kCodePanel; col += 2 * kLanes) {  // one tile wide with AVX-512, two with AVX2
+                    const int64_t n0 = p * kCodePanel + col;
+                    const float* b = bias ? bias + n0 : nullptr;
+                    over_row_blocks<kMR>(rows, [&](auto tile_rows, int64_t r0, int64_t) {
+                        packed_tile<decltype(tile_rows)::value>(xp + (m0 + r0) * k, panels + p * k * kCodePanel + col,
+                                                                kCodePanel, k, y + (m0 + r0) * n + n0, n, b);
+                    });
+                }
             }
         }
     }
