@@ -5,8 +5,9 @@ the same at every row count; PanelledLinear replaces exactly the linears it shou
 model's logits as they were.
 
 Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 6 with
-AVX2), output sizes with a partial last panel, K not a multiple of the 8x8 transpose, group sizes
-that do not divide K, and enough output columns to run both threads.
+AVX2), prompt-sized inputs whose rows are packed in several blocks, output sizes with a partial last
+panel, K not a multiple of the 8x8 transpose, group sizes that do not divide K, and enough output
+columns to run both threads.
 """
 
 from __future__ import annotations
@@ -192,6 +193,22 @@ def test_panelled_fp32_weights_equal_float64_math(panel, rows, out_features, in_
         assert_close(module(x), expected)
         assert_close(PanelledLinear.from_weight(linear.weight, linear.bias, None)(x), expected)  # torch's path
     assert torch.equal(module.weight, linear.weight)
+
+
+@pytest.mark.parametrize(
+    ("rows", "in_features"),
+    [(47, 576), (48, 576), (61, 576), (1000, 576), (455, 1024), (100, 1025), (60, 1536)],
+)
+def test_panelled_fp32_prompt_rows_equal_float64_math(panel, rows, in_features):
+    """Prompt-sized inputs: x packed in blocks of rows (one block with a partial last tile at 61 rows;
+    several blocks and a partial last one at 1,000 rows of 576, blocks of 444), at the edges of
+    packing (48 rows, 1,024 columns), and read in place past them."""
+    generator = torch.Generator().manual_seed(rows + in_features)
+    linear = torch.nn.Linear(in_features, 96)
+    module = PanelledLinear.from_weight(linear.weight, linear.bias, panel)
+    x = torch.randn(rows, in_features, generator=generator)
+    with torch.no_grad():
+        assert_close(module(x), x.double() @ linear.weight.double().T + linear.bias.double())
 
 
 def test_panelled_linear_install_replaces_exactly_the_eligible_linears(panel):
