@@ -1,13 +1,15 @@
 """The server against llama.cpp's `llama-server` on the same GGUF weights, side by side in one run.
 
-Both are real servers on loopback, measured by streaming from a client, one after the other:
+Both are real servers on loopback, measured by streaming from a client, side by side:
 
 - **Decode at context L** (L = 128 … 16k): one stream, a prompt of exactly L tokens, 64 new tokens,
   greedy; decode ms/token = the gap between the first and the last token ÷ the tokens between.
   Ours: `inference-service launch --num-threads 2 --prefix-caching false`, gRPC, one row per
   `--kv-dtypes` (fp16 is the like-for-like row against llama.cpp's default f16 KV cache; auto is
   the model's fp32). llama.cpp: `llama-server -t 2 -tb 2 -np 1 -c <longest + 64>`, `/completion`
-  streamed with `cache_prompt: false` and the same token ids.
+  streamed with `cache_prompt: false` and the same token ids. Every row's server is up at once and
+  the streams interleave over `--decode-rounds` rounds (default 3), alternating the order: the table
+  gives each context's median round and every round's ratio.
 - **Prefill tok/s** = L ÷ time to first token of the same requests (the table shows it at every L;
   the goals name 512 and 4k). Our step budget is `--max-batch-prefill-tokens 2048`, llama.cpp's
   default logical batch.
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import socket
@@ -157,8 +160,11 @@ class LlamaServer:
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
+        # As its users start it: libgomp's own spinning, not the bound our package sets on import
+        # for its own process tree (inference_service/openmp_wait.py), which this process inherited.
+        env = {name: value for name, value in os.environ.items() if name != "GOMP_SPINCOUNT"}
         self.process = subprocess.Popen(
-            self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+            self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -282,10 +288,6 @@ async def batch_run(send, prompts: PromptMaker, num_requests: int) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "errors": errors[:3]}
 
 
-def decode_contexts(args: argparse.Namespace) -> list[int]:
-    return args.contexts if "decode" in args.sections else []
-
-
 def ours_args(kv_dtype: str, fmt: str, longest: int, budget: bool = False) -> list[str]:
     args = ["--num-threads", str(THREADS), "--prefix-caching", "false", "--kv-cache-dtype", kv_dtype]
     args += ["--max-batch-prefill-tokens", str(PREFILL_BUDGET), "--max-total-tokens", str(longest + NEW_TOKENS)]
@@ -322,28 +324,6 @@ def start_ours(paths, fmt, kv_dtype, args, out: Path, activations: str = "fp32",
             os.environ[ACTIVATIONS_ENV] = saved
 
 
-def run_ours(paths, fmt, kv_dtype, args, prompts, out: Path, activations: str = "fp32") -> dict:
-    """Our server's decode sweep (one stream per context)."""
-    label = f"{ours_label(kv_dtype, activations)}, {fmt}"
-    server = start_ours(paths, fmt, kv_dtype, args, out, activations)
-    try:
-
-        async def go():
-            client = server.client()
-
-            async def send(text, ids, length, max_new):
-                return await stream_ours(client, text, length, max_new)
-
-            try:
-                return {"decode": await decode_sweep(send, prompts, decode_contexts(args), label)}
-            finally:
-                await client.close()
-
-        return asyncio.run(go())
-    finally:
-        server.stop()
-
-
 def llama_session(url: str):
     """An aiohttp session for llama-server: a connection per request (after a long streamed response
     llama-server drops the kept-alive connection, and the next request written into it failed)."""
@@ -353,24 +333,73 @@ def llama_session(url: str):
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout)
 
 
-def run_llama(paths, fmt, args, prompts, out: Path) -> dict:
-    """llama-server -np 1's decode sweep."""
-    longest = max(args.contexts)
-
-    async def go(url: str):
-        async with llama_session(url) as session:
-
-            async def send(text, ids, length, max_new):
-                return await stream_llama(session, url, ids, max_new)
-
-            return await decode_sweep(send, prompts, decode_contexts(args), f"{LLAMA} {fmt}")
-
-    print(f"{LLAMA} {fmt}: starting -np 1", file=sys.stderr, flush=True)
-    server = LlamaServer(paths[fmt], 1, longest + NEW_TOKENS + 64, out / f"llama-server-{fmt}-np1.log")
+def run_decode(paths, fmt, args, prompts, out: Path) -> dict[str, dict[int, list[Stream]]]:
+    """Every decode row's server up at once (ours per KV dtype and activation format, `llama-server
+    -np 1`), then `--decode-rounds` rounds: in each, every context's stream runs on each server back to
+    back, in an order that alternates round by round, so each round's ratio is side by side (a
+    machine that slows for a minute slows both sides of it)."""
+    rows = [(kv_dtype, "fp32") for kv_dtype in args.kv_dtypes]
+    if fmt != "f32":
+        rows += [(args.kv_dtypes[0], a) for a in args.quant_activations if a != "fp32"]
+    servers: dict[str, Ours] = {}
+    llama = None
     try:
-        return {"decode": asyncio.run(go(server.url))}
+        for kv_dtype, activations in rows:
+            servers[ours_label(kv_dtype, activations)] = start_ours(paths, fmt, kv_dtype, args, out, activations)
+        print(f"{LLAMA} {fmt}: starting -np 1", file=sys.stderr, flush=True)
+        context = max(args.contexts) + NEW_TOKENS + 64
+        llama = LlamaServer(paths[fmt], 1, context, out / f"llama-server-{fmt}-np1.log")
+        return asyncio.run(decode_rounds(servers, llama.url, fmt, args, prompts))
     finally:
-        server.stop()
+        if llama is not None:
+            llama.stop()
+        for server in servers.values():
+            server.stop()
+
+
+async def decode_rounds(servers: dict[str, Ours], url: str, fmt: str, args, prompts) -> dict:
+    clients = {label: server.client() for label, server in servers.items()}
+
+    def ours_sender(client):
+        async def send(text, ids, length, max_new):
+            return await stream_ours(client, text, length, max_new)
+
+        return send
+
+    async with llama_session(url) as session:
+
+        async def send_llama(text, ids, length, max_new):
+            return await stream_llama(session, url, ids, max_new)
+
+        senders = {label: ours_sender(client) for label, client in clients.items()} | {LLAMA: send_llama}
+        try:
+            for send in senders.values():  # warm-up: first requests, threads started
+                await send(*prompts.make(32, 999), 32, 8)
+            results: dict[str, dict[int, list[Stream]]] = {name: {n: [] for n in args.contexts} for name in senders}
+            for number in range(args.decode_rounds):
+                order = list(senders) if number % 2 == 0 else list(senders)[::-1]
+                for length in args.contexts:
+                    text, ids = prompts.make(length, 0)
+                    for name in order:
+                        record = await senders[name](text, ids, length, NEW_TOKENS)
+                        results[name][length].append(record)
+                        print(
+                            f"  {name}, {fmt}, round {number + 1}, context {length}: TTFT {record.ttft_s:.2f} s, "
+                            f"decode {record.decode_ms:.1f} ms/token ({record.tokens} tokens)"
+                            f"{' ERROR ' + record.error if record.error else ''}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+            return results
+        finally:
+            for client in clients.values():
+                await client.close()
+
+
+def median_stream(streams: list[Stream]) -> Stream:
+    """The round whose decode ms/token is the median (the lower middle of an even count; failed last)."""
+    ranked = sorted(streams, key=lambda s: (math.isnan(s.decode_ms), s.decode_ms))
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def run_batch(paths, fmt, kv_dtype, args, prompts, out: Path) -> dict[str, dict]:
@@ -511,10 +540,13 @@ KV_BLOCKS = re.compile(r"(\d+) KV blocks of (\d+) tokens")
 
 
 # -- the report -----------------------------------------------------------------------------------
-def decode_table(model: str, fmt: str, rows: dict[str, dict[int, Stream]], contexts: list[int]) -> str:
+def decode_table(
+    model: str, fmt: str, rows: dict[str, dict[int, Stream]], rounds: dict[str, dict[int, list[Stream]]], contexts
+) -> str:
     names = list(rows)
     header = ["context", *(f"{n} ms/token" for n in names)]
     header += [f"{n} ÷ {LLAMA}" for n in names if n != LLAMA]
+    header += [f"{n} ÷ {LLAMA}, each round" for n in names if n != LLAMA]
     header += [f"{n} prefill tok/s" for n in names]
     table = []
     for length in contexts:
@@ -522,6 +554,14 @@ def decode_table(model: str, fmt: str, rows: dict[str, dict[int, Stream]], conte
         prefill = {n: length / rows[n][length].ttft_s for n in names}
         row = [f"{length:,}", *(common.fmt(decode[n]) for n in names)]
         row += [common.ratio(decode[n], decode[LLAMA]) for n in names if n != LLAMA]
+        row += [
+            ", ".join(
+                f"{a.decode_ms / b.decode_ms:.2f}"
+                for a, b in zip(rounds[n][length], rounds[LLAMA][length], strict=True)
+            )
+            for n in names
+            if n != LLAMA
+        ]
         row += [common.fmt(prefill[n], 0) for n in names]
         table.append(row)
     return (
@@ -532,14 +572,15 @@ def decode_table(model: str, fmt: str, rows: dict[str, dict[int, Stream]], conte
 def report(results: dict, args: argparse.Namespace, machine: dict, plot_names: list[str]) -> str:
     parts = [
         f"### Against llama.cpp (`llama-server` {llama_cpp.VERSION}), {THREADS} threads each, same GGUF weights\n",
-        "Decode ms/token: one stream, 64 new tokens, first-to-last gap (lower is better); ratios are ours ÷ "
+        f"Decode ms/token: one stream, 64 new tokens, first-to-last gap (lower is better), the median of "
+        f"{args.decode_rounds} interleaved round(s) with every server up; ratios are ours ÷ "
         "llama.cpp (below 1: we are faster). Prefill tok/s = context ÷ time to first token (higher is better). "
         "llama.cpp's KV cache is f16: `fp16` is the like-for-like row.\n",
     ]
     for model, by_format in results.items():
         for fmt, entry in by_format.items():
             if entry.get("decode"):
-                parts.append(decode_table(model, fmt, entry["decode"], args.contexts))
+                parts.append(decode_table(model, fmt, entry["decode"], entry["decode_rounds"], args.contexts))
     batch_rows = []
     for model, by_format in results.items():
         for fmt, entry in by_format.items():
@@ -627,6 +668,8 @@ def as_json(results: dict) -> dict:
             return {"ttft_s": value.ttft_s, "decode_ms": value.decode_ms, "tokens": value.tokens, "error": value.error}
         if isinstance(value, dict):
             return {str(k): convert(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [convert(v) for v in value]
         return value
 
     return convert(results)
@@ -643,6 +686,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-requests", type=int, help="default: 64 (quick: 32)")
     parser.add_argument(
         "--batch-rounds", type=int, default=3, help="batch runs per server, alternating with llama.cpp (default: 3)"
+    )
+    parser.add_argument(
+        "--decode-rounds", type=int, default=3, help="decode streams per server and context, interleaved (default: 3)"
     )
     parser.add_argument("--tag", help="results as peers_<tag>.md/json (e.g. batch), beside the full run's")
     parser.add_argument(
@@ -663,8 +709,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.contexts = sorted(args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS))
     args.sections = args.sections or (["decode", "batch"] if args.quick else list(SECTIONS))
     args.batch_requests = args.batch_requests or (32 if args.quick else 64)
-    if args.batch_rounds < 1:
-        parser.error("--batch-rounds must be >= 1")
+    if args.batch_rounds < 1 or args.decode_rounds < 1:
+        parser.error("--batch-rounds and --decode-rounds must be >= 1")
     return args
 
 
@@ -686,14 +732,9 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in args.formats:
             entry = results.setdefault(model, {}).setdefault(fmt, {})
             if "decode" in args.sections:
-                for kv_dtype in args.kv_dtypes:
-                    ours = run_ours(paths, fmt, kv_dtype, args, prompts, raw)
-                    entry.setdefault("decode", {})[f"ours {kv_dtype} KV"] = ours["decode"]
-                if fmt != "f32":
-                    for activations in (a for a in args.quant_activations if a != "fp32"):
-                        ours = run_ours(paths, fmt, args.kv_dtypes[0], args, prompts, raw, activations)
-                        entry["decode"][ours_label(args.kv_dtypes[0], activations)] = ours["decode"]
-                entry["decode"][LLAMA] = run_llama(paths, fmt, args, prompts, raw)["decode"]
+                rounds = run_decode(paths, fmt, args, prompts, raw)
+                entry["decode"] = {name: {n: median_stream(s) for n, s in by.items()} for name, by in rounds.items()}
+                entry["decode_rounds"] = rounds
             if "batch" in args.sections:
                 entry["batch"] = run_batch(paths, fmt, args.kv_dtypes[0], args, prompts, raw)
         if "long" in args.sections:

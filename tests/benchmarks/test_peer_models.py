@@ -158,8 +158,11 @@ def test_peer_bench_arguments():
     full = peer_bench.parse_args(["--contexts", "4096", "128"])
     assert full.models == ["demo", "llama-1.5b"] and full.contexts == [128, 4096]
     assert full.sections == list(peer_bench.SECTIONS) and full.kv_dtypes == ["fp16", "auto"]
+    assert full.decode_rounds == 3 and peer_bench.parse_args(["--decode-rounds", "5"]).decode_rounds == 5
     with pytest.raises(SystemExit):
         peer_bench.parse_args(["--formats", "q4_k"])
+    with pytest.raises(SystemExit):
+        peer_bench.parse_args(["--decode-rounds", "0"])
 
 
 def test_a_streams_decode_time_counts_the_tokens_after_the_first_arrival():
@@ -170,3 +173,17 @@ def test_a_streams_decode_time_counts_the_tokens_after_the_first_arrival():
     assert stream.decode_ms == pytest.approx(1000 * 0.5 / 4)
     assert math.isnan(Stream(start=0.0, arrivals=[(1.0, 1)]).decode_ms)  # one token: no gap to time
     assert math.isnan(Stream(start=0.0).ttft_s)
+
+
+def test_the_decode_row_is_the_median_round_and_a_failed_round_ranks_last():
+    from benchmarks.peer_bench import Stream, median_stream
+
+    def stream(ms: float | None) -> Stream:  # 3 tokens: two gaps of `ms`, or one token (failed: nan)
+        if ms is None:
+            return Stream(start=0.0, arrivals=[(1.0, 1)], error="cut")
+        return Stream(start=0.0, arrivals=[(1.0, 1), (1.0 + ms / 1000, 1), (1.0 + 2 * ms / 1000, 1)])
+
+    rounds = [stream(30.0), stream(10.0), stream(20.0)]
+    assert median_stream(rounds).decode_ms == pytest.approx(20.0)
+    assert median_stream([stream(None), stream(12.0), stream(14.0)]).decode_ms == pytest.approx(14.0)
+    assert median_stream([stream(12.0), stream(14.0)]).decode_ms == pytest.approx(12.0)  # the lower middle
