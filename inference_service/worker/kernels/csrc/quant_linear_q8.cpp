@@ -234,11 +234,11 @@ void linear(const float* x, const uint8_t* codes, const F* scales, const F* offs
 }  // namespace
 #endif
 
-// x [m, k], codes uint8 [n, k / 2], scales/offsets [n, ceil(k / gs)], bias [n] or null, y [m, n]; all
-// contiguous. Returns nonzero for a shape it does not take (or without AVX-512 VNNI).
-extern "C" int quant_linear_q8_f32(const float* x, const uint8_t* codes, const float* scales, const float* offsets,
-                                   const float* bias, float* y, int64_t m, int64_t n, int64_t k, int64_t bits,
-                                   int64_t group_size) {
+namespace {
+// Both entries: the shape check, then the kernel where it was built (scales and offsets as F).
+template <typename F>
+int checked_linear(const float* x, const uint8_t* codes, const F* scales, const F* offsets, const float* bias,
+                   float* y, int64_t m, int64_t n, int64_t k, int64_t bits, int64_t group_size) {
     if (m < 1 || n < 1 || !quant_linear_q8_supported(bits, group_size, k)) return 1;
 #if QUANT_LINEAR_Q8
     linear(x, codes, scales, offsets, bias, y, m, n, k, group_size);
@@ -248,17 +248,19 @@ extern "C" int quant_linear_q8_f32(const float* x, const uint8_t* codes, const f
     return 1;
 #endif
 }
+}  // namespace
+
+// x [m, k], codes uint8 [n, k / 2], scales/offsets [n, ceil(k / gs)], bias [n] or null, y [m, n]; all
+// contiguous. Returns nonzero for a shape it does not take (or without AVX-512 VNNI).
+extern "C" int quant_linear_q8_f32(const float* x, const uint8_t* codes, const float* scales, const float* offsets,
+                                   const float* bias, float* y, int64_t m, int64_t n, int64_t k, int64_t bits,
+                                   int64_t group_size) {
+    return checked_linear(x, codes, scales, offsets, bias, y, m, n, k, bits, group_size);
+}
 
 // The same with scales and offsets stored as fp16 (their bits as uint16).
 extern "C" int quant_linear_q8_f16(const float* x, const uint8_t* codes, const uint16_t* scales,
                                    const uint16_t* offsets, const float* bias, float* y, int64_t m, int64_t n,
                                    int64_t k, int64_t bits, int64_t group_size) {
-    if (m < 1 || n < 1 || !quant_linear_q8_supported(bits, group_size, k)) return 1;
-#if QUANT_LINEAR_Q8
-    linear(x, codes, scales, offsets, bias, y, m, n, k, group_size);
-    return 0;
-#else
-    (void)x, (void)codes, (void)scales, (void)offsets, (void)bias, (void)y;
-    return 1;
-#endif
+    return checked_linear(x, codes, scales, offsets, bias, y, m, n, k, bits, group_size);
 }
