@@ -46,6 +46,7 @@ class GcClock:
         self.num_long = 0
         self._started = 0.0
         gc.callbacks.append(self._callback)
+        atexit.register(self.close)  # the collections at exit are no stall, and logging may be closed by then
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):

@@ -163,6 +163,13 @@ class ShardGroup:
         self._wait(self.process_group.allreduce([flag], options))
         return bool(flag.item())
 
+    def close(self) -> None:
+        """Release the process group and the store now, while the interpreter runs. Left alive to the
+        process's exit, their native threads could be torn down unjoined there, which aborts the
+        process (`terminate called without an active exception`) after its work is done."""
+        for name in ("process_group", "store"):  # the group first: it holds the store too
+            self.__dict__.pop(name, None)
+
     def abort(self) -> None:
         """A shard is known to be gone: every pending and later shared-memory collective fails at once."""
         if self.shm is not None:

@@ -91,6 +91,7 @@ class ShardedRunner:
         self.runner.close()
         if self._on_close is not None:
             self._on_close()
+        self.group.close()
 
     def _send(self, message: StepMessage) -> None:
         if self.lost is not None:
