@@ -38,8 +38,9 @@ def test_freed_blocks_are_reused_not_faulted_in_again():
     pages = num_bytes // resource.getpagesize()
     counts = faults_per_round(num_bytes, rounds=8)
     # Without it every round faults in about every page (a fresh mmap per block); with it the
-    # heap grows to the rounds' size once and later rounds touch only pages they already have.
-    assert max(counts[-3:]) < pages // 20, counts
+    # heap grows to the rounds' size once and later rounds touch only pages they already have. The
+    # count is the process's: one round may catch another thread's allocation (or a trim), not three.
+    assert sum(count < pages // 20 for count in counts[-4:]) >= 3, counts
 
 
 def test_no_mallopt_leaves_the_c_library_alone(monkeypatch):
