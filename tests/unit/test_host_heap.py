@@ -36,10 +36,11 @@ def test_freed_blocks_are_reused_not_faulted_in_again():
     assert host_heap.keep_freed_memory()  # once per process; a second call is a no-op that says so
     num_bytes = 96 << 20
     pages = num_bytes // resource.getpagesize()
-    counts = faults_per_round(num_bytes, rounds=8)
+    counts = faults_per_round(num_bytes, rounds=12)
     # Without it every round faults in about every page (a fresh mmap per block); with it the
     # heap grows to the rounds' size once and later rounds touch only pages they already have. The
-    # count is the process's: one round may catch another thread's allocation (or a trim), not three.
+    # count is the process's, and the heap can take a few rounds to settle under load (4 here):
+    # one of the last rounds may still fault, not three.
     assert sum(count < pages // 20 for count in counts[-4:]) >= 3, counts
 
 
