@@ -23,6 +23,7 @@ from inference_service.sample.grammar import (
     grammar_spec_from_tgi,
     prefetch_masks,
 )
+from inference_service.sample.heap_usage import heap_in_use
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
@@ -87,6 +88,18 @@ def test_a_spec_compiles_once_and_the_cache_is_bounded(byte_tokenizer):
     assert compiler.compile(GrammarSpec("regex", "a+")) is first
     compiler.compile(GrammarSpec("regex", "b+"))  # evicted: compiled again
     assert compiler.num_compiled == 4
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="the C library does not report its heap (not glibc)")
+def test_the_cache_is_bounded_in_bytes_too(byte_tokenizer):
+    # `a{20000}` is 8 bytes of spec and megabytes of lexer: a count bound alone let 256 of them in.
+    compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [1], max_cache_bytes=2 * 2**20)
+    big = compiler.compile(GrammarSpec("regex", "a{20000}"))
+    assert compiler.cache_bytes > 2 * 2**20  # the newest entry stays, whatever it holds
+    small = compiler.compile(GrammarSpec("regex", "b+"))
+    assert compiler.cache_bytes < 2 * 2**20  # the big one went for it
+    assert compiler.compile(GrammarSpec("regex", "b+")) is small and compiler.num_compiled == 2
+    assert compiler.compile(GrammarSpec("regex", "a{20000}")) is not big and compiler.num_compiled == 3
 
 
 def test_concurrent_compiles_of_one_spec_compile_once(byte_tokenizer):
