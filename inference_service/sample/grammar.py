@@ -199,9 +199,12 @@ class GrammarCompiler:
             else:
                 job.started.wait()  # it started just as the wait ended
         try:
-            return job.done.result(timeout=max(0.0, job.started_at + timeout - time.monotonic()))
+            error = job.done.exception(timeout=max(0.0, job.started_at + timeout - time.monotonic()))
         except FutureTimeout:
             raise self._over_budget() from None
+        if error is not None:
+            raise _without_frames(error)  # a fresh one: the cached one must not keep this caller's frames
+        return job.done.result()
 
     def _over_budget(self) -> GrammarTooComplex:
         return GrammarTooComplex(f"compiling it takes longer than {self.budget.compile_timeout_s * 1000:.0f} ms")
@@ -239,6 +242,9 @@ class GrammarCompiler:
         try:
             compiled = self._compile(spec, deadline=time.thread_time() + self.budget.compile_timeout_s)
         except BaseException as error:
+            # Kept in the cache (as a too-complex verdict) or handed to waiters: without its traceback,
+            # whose frames hold the compilation's matcher (170 MiB for `((a{100}){100}){100}`).
+            error = _without_frames(error)
             if isinstance(error, GrammarTooComplex):
                 self._charge(spec, job, None)  # kept as its error: the spec's bytes
             else:
@@ -294,6 +300,14 @@ class GrammarCompiler:
         allowed[self._eos_ids] = 0
         ids = np.flatnonzero(allowed)
         return int(ids[0]) if len(ids) else None
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """A copy of `error` (its class, arguments and attributes) with no traceback, cause or context."""
+    copy = error.__class__.__new__(error.__class__)
+    copy.args = error.args
+    copy.__dict__.update(error.__dict__)
+    return copy
 
 
 def _lower_priority(niceness: int) -> None:

@@ -102,6 +102,22 @@ def test_the_cache_is_bounded_in_bytes_too(byte_tokenizer):
     assert compiler.compile(GrammarSpec("regex", "a{20000}")) is not big and compiler.num_compiled == 3
 
 
+@pytest.mark.skipif(heap_in_use() is None, reason="the C library does not report its heap (not glibc)")
+def test_a_cached_too_complex_verdict_holds_none_of_its_compilation(byte_tokenizer):
+    # Its traceback's frames held the matcher: 170 MiB a verdict for this one on the demo tokenizer.
+    budget = GrammarBudget(compile_timeout_s=0.5, max_lexer_states=50_000)
+    compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [1], budget=budget)
+    spec = GrammarSpec("regex", "((a{100}){100}){100}")
+    before = heap_in_use()
+    for _ in range(2):  # the second is the cached verdict, raised again
+        with pytest.raises(GrammarTooComplex):
+            compiler.compile(spec)
+    while compiler.num_running:
+        time.sleep(0.01)
+    assert compiler.num_compiled == 1
+    assert heap_in_use() - before < 16 * 2**20
+
+
 def test_concurrent_compiles_of_one_spec_compile_once(byte_tokenizer):
     compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [1])
     spec = GrammarSpec("json", json.dumps({"type": "array", "items": SCHEMA}))
