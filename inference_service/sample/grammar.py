@@ -59,7 +59,7 @@ DEFAULT_CACHE_SIZE = 256
 # What the cached grammars may hold, all together. A grammar's lexer is native memory, and a short
 # spec can hold a lot of it: `a{20000}` (8 bytes) holds 9 MiB, so 256 distinct ones held 2.3 GiB in
 # each process that validates or runs grammars. Typical tool schemas hold 0.1-1.5 MiB.
-DEFAULT_CACHE_BYTES = 128 * 2**20
+DEFAULT_CACHE_BYTES = 64 * 2**20
 MIN_CHARGE = 16 * 2**10  # an entry's least charge (its spec, its matcher's own objects)
 
 
