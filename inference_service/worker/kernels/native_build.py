@@ -35,6 +35,7 @@ SOURCES = (
     CSRC / "bf16_linear.cpp",
     CSRC / "bf16_glue.cpp",
     CSRC / "bf16_layers.cpp",
+    CSRC / "decode_layers.cpp",
 )
 # Included by the sources: part of the cache key.
 HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h", CSRC / "row_blocks.h")

@@ -85,7 +85,7 @@ class StepAdder:
 
     def __init__(self, layers: list[list[_Projection]], plan: NativePlan | None):
         self.layers = layers
-        self._plan = plan  # keeps the tables the bound addresses point into alive
+        self.plan = plan  # keeps the tables the bound addresses point into alive
         self.native = plan is not None
         self._call: Any = None  # the kernel's ctypes function and the step's arguments after x, y's
         self._row: Any = None  # one row, one adapter: the fused kernel and the adapter's table
