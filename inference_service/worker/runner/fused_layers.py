@@ -68,6 +68,10 @@ class FusedLayers:
             for name, module in zip(PROJECTIONS, modules, strict=True):
                 for field, value in _projection_words(cast(PanelledLinear | QuantLinear, module)).items():
                     row[_COLUMN[f"{name}.{field}"]] = value
+        # The few-rows calls whose tensors (int8-activation kernels: fp16 copies of the factors) the table
+        # points into: kept alive here should a module re-resolve its kernels.
+        self._kept = [m.native_calls()[1] for modules in self.modules for m in modules if isinstance(m, QuantLinear)]
+        self.weight_bytes = sum(_weight_bytes(m) for modules in self.modules for m in modules)
         self._cache_of_table: tuple[object, int] | None = None  # the KV cache whose pointers the table holds
         self._lora_of_table: object = None  # the LoRA sites whose parts the table holds
         self._lora_functions: tuple[object, tuple[int, int, int]] | None = None
@@ -172,6 +176,11 @@ def _projection_words(module: PanelledLinear | QuantLinear) -> dict[str, int]:
     words |= {"kind": PACKED, "few_rows": function_address(few_rows.fn), "weight": codes}
     words |= {"scales": scales, "offsets": offsets, "max_rows": few_rows.max_elements // module.in_features}
     return words | {"wide_scales": module.scales.data_ptr(), "wide_offsets": module.offsets.data_ptr()}
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes of weights a step streams through the projection."""
+    return sum(t.numel() * t.element_size() for t in module.buffers() if t is not module.bias)
 
 
 def int64(tensor: torch.Tensor) -> torch.Tensor:
