@@ -96,6 +96,8 @@ def lora_row(args) -> None:
                 switch(engine, fused, mode)
                 rates[case, mode].append(lora_bench._decode_rate(engine, workload.prompts, adapters, args.tokens))
     for case in cases:
+        rounds = "  ".join(f"{b:.0f}/{a:.0f}" for b, a in zip(*(rates[case, m] for m in MODES), strict=True))
+        print(f"lora   {case:10} per round, op-by-op/fused tok/s: {rounds}")
         before, after = (statistics.median(rates[case, m]) for m in MODES)
         print(
             f"lora   {args.streams} streams, {case:10} tok/s op-by-op {before:7.1f}  fused {after:7.1f}  "

@@ -14,6 +14,9 @@ steps through this plan instead. It is the same math in fewer calls:
   RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each, and in bf16 too
   (kernels.bf16_glue, rounding where transformers' bf16 ops round); elsewhere they are the torch ops
   transformers runs, in its order, and the logits are bitwise those of the transformers path.
+On CPU a decode-only step runs all its layers in one native call where it can (runner/
+fused_layers.py in fp32 and over packed codes, LoRA updates included; runner/bf16_layers.py in bf16):
+the same kernels in the same order, without the Python between them.
 On CPU, steps holding prompt chunks (prefill, and prefill beside decodes) run through the same
 plan: the chunks attend through the paged functions transformers' path calls (attention/paged.py's
 attend_mixed), and a vision-language model's merged image embeddings stand in for the ids'. What it

@@ -20,8 +20,8 @@
 // or another kv_types.h dtype (written by kv_write, int8 with its scales).
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
 
 extern "C" int add_rms_norm_f32(float* hidden, const float* delta, const float* weight, float* out, int64_t rows,
                                 int64_t dim, float eps);
@@ -141,6 +141,21 @@ int project(const Projection& p, const float* x, float* y, int64_t rows, const L
                                                         p.lora_count, lora->max_rank);
 }
 
+// Activations aligned as torch's CPU allocator aligns the tensors the op-by-op plan passes (64 bytes),
+// so the kernels' loads split cache lines no more often than there.
+class Scratch {
+   public:
+    explicit Scratch(int64_t count)
+        : data_(static_cast<float*>(std::aligned_alloc(64, ((count * sizeof(float) + 63) / 64) * 64))) {}
+    ~Scratch() { std::free(data_); }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    float* data() const { return data_; }
+
+   private:
+    float* data_;
+};
+
 constexpr int64_t kF32Cache = 0;  // kv_types.h's KVDtype for fp32
 
 }  // namespace
@@ -157,9 +172,8 @@ extern "C" int fp32_decode_layers(const int64_t* table, int64_t layers, float* h
     const Layer* all = reinterpret_cast<const Layer*>(table);
     const Lora* lora = reinterpret_cast<const Lora*>(lora_words);
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
-    std::vector<float> normed(rows * dim), qkv(rows * qkv_width), q(rows * q_width), attended(rows * q_width);
-    std::vector<float> projected(rows * dim), gate_up(rows * 2 * intermediate), act(rows * intermediate);
-    std::vector<float> delta(rows * dim);
+    Scratch normed(rows * dim), qkv(rows * qkv_width), q(rows * q_width), attended(rows * q_width);
+    Scratch projected(rows * dim), gate_up(rows * 2 * intermediate), act(rows * intermediate), delta(rows * dim);
     const bool direct = kv_dtype == kF32Cache;
     int status = 0;
     for (int64_t l = 0; l < layers && status == 0; ++l) {
@@ -190,6 +204,6 @@ extern "C" int fp32_decode_layers(const int64_t* table, int64_t layers, float* h
         status |= project(layer.down, act.data(), delta.data(), rows, lora);
     }
     if (status == 0 && layers > 0)
-        for (int64_t i = 0; i < rows * dim; ++i) hidden[i] += delta[i];
+        for (int64_t i = 0; i < rows * dim; ++i) hidden[i] += delta.data()[i];
     return status;
 }
