@@ -80,3 +80,15 @@ def counted(step: DecodeStep) -> CountingRuns:
     counting = CountingRuns(step.fused.kernel)
     step.fused.kernel = counting  # type: ignore[assignment]
     return counting
+
+
+def assert_same_caches(ours: PagedKVCache, theirs: PagedKVCache) -> None:
+    """The two caches hold bitwise the same K/V rows (and int8 scales)."""
+    for mine, other in zip(ours.keys + ours.values, theirs.keys + theirs.values, strict=True):
+        assert torch.equal(mine, other), "the new K/V rows differ"
+    for mine, other in zip(
+        (ours.key_scales or []) + (ours.value_scales or []),
+        (theirs.key_scales or []) + (theirs.value_scales or []),
+        strict=True,
+    ):
+        assert torch.equal(mine, other), "the new int8 scales differ"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_steps import cache_for, counted
+from decode_steps import assert_same_caches, cache_for, counted
 from decode_steps import forward as _forward
 from tiny_models import tiny_model
 
@@ -53,8 +53,7 @@ def test_fused_layers_equal_the_op_by_op_plan_bitwise(model_type, context_lens):
     one_by_one = _forward(step, plain_cache, context_lens)
     assert together.dtype == torch.float32 and together.shape == (len(context_lens), step.lm_head.out_features)
     assert torch.equal(together, one_by_one), f"max |diff| {(together - one_by_one).abs().max():.3g}"
-    for ours, theirs in zip(fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True):
-        assert torch.equal(ours, theirs), "the new K/V rows differ"
+    assert_same_caches(fused_cache, plain_cache)
     assert not torch.equal(fused_cache.keys[0], _cache(step).keys[0]), "the step wrote no K/V row"
 
 

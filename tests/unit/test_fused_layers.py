@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_steps import cache_for, counted, forward
+from decode_steps import assert_same_caches, cache_for, counted, forward
 from tiny_models import tiny_model
 
 from inference_service.worker.kernels import bindings
@@ -64,10 +64,7 @@ def _equal_fused_and_op_by_op(step: DecodeStep, context_lens: list[int], kv_dtyp
     step.fused = fused
     assert together.shape == (len(context_lens), step.lm_head.out_features)
     assert torch.equal(together, one_by_one), f"max |diff| {(together - one_by_one).abs().max():.3g}"
-    for ours, theirs in zip(fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True):
-        assert torch.equal(ours, theirs), "the new K/V rows differ"
-    for ours, theirs in zip(fused_cache.key_scales or [], plain_cache.key_scales or [], strict=True):
-        assert torch.equal(ours, theirs), "the new int8 scales differ"
+    assert_same_caches(fused_cache, plain_cache)
     assert not torch.equal(fused_cache.keys[0], cache_for(step, torch.float32, kv_dtype).keys[0]), "no K/V written"
     return together
 
@@ -157,8 +154,7 @@ def test_adapter_rows_run_inside_the_call_bitwise(bits, rows, groups):
         one_by_one = forward(step, plain_cache, _context_lens(rows))
     step.fused = fused
     assert torch.equal(together, one_by_one), f"max |diff| {(together - one_by_one).abs().max():.3g}"
-    for ours, theirs in zip(fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True):
-        assert torch.equal(ours, theirs), "the new K/V rows differ"
+    assert_same_caches(fused_cache, plain_cache)
     adapted = sorted(row for group in groups for row in group)
     for row in range(rows):
         assert torch.equal(together[row], without[row]) != (row in adapted), f"row {row}'s adapter"

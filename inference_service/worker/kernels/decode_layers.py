@@ -4,7 +4,6 @@ updates included: the same kernels as the op-by-op plan, in the same order, with
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -113,13 +112,6 @@ class FP32Layers:
         status = self._fn(*args, kv_dtype, *eps, scale, None if lora is None else lora.data_ptr())
         if status != 0:
             raise RuntimeError(f"fused fp32 layers refused a step of {hidden.shape[0]} rows")
-
-
-def function_address(fn: Any) -> int:
-    """A bound ctypes function's address, for the fused call to call it."""
-    address = ctypes.cast(fn, ctypes.c_void_p).value
-    assert address is not None
-    return address
 
 
 def load_fp32_layers() -> FP32Layers | None:

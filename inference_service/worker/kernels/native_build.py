@@ -54,6 +54,14 @@ def bind(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
     return function
 
 
+def native_address(function: Callable[..., int]) -> int:
+    """A bound library function's address, for native code that calls it."""
+    address = ctypes.cast(function, ctypes.c_void_p).value  # type: ignore[arg-type]
+    if address is None:
+        raise ValueError("a null function pointer")
+    return address
+
+
 def pointer(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr() if tensor is not None else None
 

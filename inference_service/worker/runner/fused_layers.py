@@ -27,9 +27,9 @@ from inference_service.worker.kernels.decode_layers import (
     PANELS,
     PROJECTIONS,
     FP32Layers,
-    function_address,
     load_fp32_layers,
 )
+from inference_service.worker.kernels.native_build import native_address
 from inference_service.worker.linears.panelled import PanelledLinear
 from inference_service.worker.linears.quant import QuantLinear
 from inference_service.worker.lora.decode import StepAdder
@@ -74,7 +74,6 @@ class FusedLayers:
         self.weight_bytes = sum(_weight_bytes(m) for modules in self.modules for m in modules)
         self._cache_of_table: tuple[object, int] | None = None  # the KV cache whose pointers the table holds
         self._lora_of_table: object = None  # the LoRA sites whose parts the table holds
-        self._lora_functions: tuple[object, tuple[int, int, int]] | None = None
 
     def takes(self, meta: StepMetadata, hidden: torch.Tensor) -> bool:
         cache = meta.kv_cache
@@ -143,10 +142,6 @@ class FusedLayers:
                     row[_COLUMN[f"{name}.lora_parts"]] = site.native.address
                     row[_COLUMN[f"{name}.lora_count"]] = site.native.count
             self._lora_of_table = adder.layers
-        if self._lora_functions is None or self._lora_functions[0] is not plan.kernel:
-            functions = (plan.kernel.sgmv_raw, plan.kernel.bgmv_raw, plan.kernel.panel_row_raw)
-            self._lora_functions = (plan.kernel, tuple(function_address(f) for f in functions))  # type: ignore[assignment]
-        assert self._lora_functions is not None
         single = plan.single
         words = {
             "single": int(single is not None),
@@ -157,7 +152,7 @@ class FusedLayers:
             "num_groups": plan.groups.shape[0],
             "max_rank": plan.max_rank,
         }
-        words |= dict(zip(("sgmv", "bgmv", "panel_row"), self._lora_functions[1], strict=True))
+        words |= dict(zip(("sgmv", "bgmv", "panel_row"), plan.kernel.addresses, strict=True))
         return torch.tensor([words[name] for name in LORA_FIELDS], dtype=torch.int64)
 
 
@@ -173,7 +168,7 @@ def _projection_words(module: PanelledLinear | QuantLinear) -> dict[str, int]:
         words |= {"kind": CODE_PANELS, "weight": module.codes.data_ptr()}
         return words | {"scales": module.scales.data_ptr(), "offsets": module.offsets.data_ptr()}
     codes, scales, offsets, _ = few_rows.pointers
-    words |= {"kind": PACKED, "few_rows": function_address(few_rows.fn), "weight": codes}
+    words |= {"kind": PACKED, "few_rows": native_address(few_rows.fn), "weight": codes}
     words |= {"scales": scales, "offsets": offsets, "max_rows": few_rows.max_elements // module.in_features}
     return words | {"wide_scales": module.scales.data_ptr(), "wide_offsets": module.offsets.data_ptr()}
 
