@@ -3,12 +3,13 @@ on the same engine in one run, the two alternating each round.
 
 Rows, all with `--threads` threads (2), prefix caching off:
 - **f32** and **q4_1** (`--quantize gguf`): one greedy stream of the demo model, a `--context`-token
-  prompt, fp16 KV (as peer_bench's rows); per mode the median decode step's wall ms and the main
-  thread's CPU ms (what a busy machine's clock hides);
+  prompt, fp16 KV (as peer_bench's rows);
 - **lora**: `--streams` streams over `--adapters` adapters (rank 16, all seven projections) on an fp32
-  LoRA engine, and the same streams without adapters on it: decode tokens/s per mode.
-The op-by-op mode is the same engine with its plan's fused call taken away (`decode_step.fused = None`).
-Ratios < 1 (ms) or > 1 (tok/s) mean the fused call is faster.
+  LoRA engine, and the same streams without adapters on it.
+The mode flips every decode step (op by op: the same engine with its plan's fused call taken away,
+`decode_step.fused = None`), so both modes see the same contexts and the same load on a busy machine;
+per mode the median decode step's wall ms and main-thread CPU ms over `--rounds` runs. Ratios < 1
+mean the fused call is faster.
 
     python benchmarks/fused_layers.py                               # f32, q4_1 and lora
     python benchmarks/fused_layers.py --rows f32 --tokens 64 --rounds 5
@@ -38,41 +39,51 @@ MODES = ("op-by-op", "fused")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def one_stream(engine, prompt: list[int], tokens: int) -> tuple[list[float], list[float]]:
-    """Each decode step's wall ms and main-thread CPU ms (the prefill steps left out)."""
-    engine.add_request(f"bench-{time.monotonic_ns()}", common.validated(prompt, tokens))
-    walls, cpus, produced = [], [], 0
+def decode_steps(engine, requests: list, modes: dict[str, list[tuple[float, float, int]]]) -> None:
+    """Runs the requests to the end, the mode flipping every step (both see the same contexts and the
+    same machine); per decode-only step (wall ms, main-thread CPU ms, tokens) into its mode's list."""
+    fused = engine.runner.decode_step.fused
+    for request in requests:
+        engine.add_request(f"bench-{time.monotonic_ns()}", request)
+    observed: list = []
+    engine.step_observer = observed.append
+    index = 0
     while engine.has_unfinished():
+        mode = MODES[index % 2]
+        engine.runner.decode_step.fused = fused if mode == "fused" else None
+        observed.clear()
         wall, cpu = time.perf_counter(), time.thread_time()
         outputs = engine.step()
         wall, cpu = 1000 * (time.perf_counter() - wall), 1000 * (time.thread_time() - cpu)
-        if produced:
-            walls.append(wall)
-            cpus.append(cpu)
-        produced += sum(len(output.tokens) for output in outputs)
-    return walls, cpus
+        for output in outputs:
+            if output.error is not None:
+                raise RuntimeError(str(output.error))
+        if observed and observed[0].num_prefill_requests == 0:  # a decode-only step
+            modes[mode].append((wall, cpu, observed[0].num_decode_tokens))
+            index += 1
+    engine.step_observer = None
+    engine.runner.decode_step.fused = fused
 
 
-def switch(engine, fused, mode: str) -> None:
-    engine.runner.decode_step.fused = fused if mode == "fused" else None
+def report(label: str, modes: dict[str, list[tuple[float, float, int]]]) -> None:
+    for column, name in ((0, "wall ms/step"), (1, "main-thread CPU ms/step")):
+        before, after = (statistics.median(step[column] for step in modes[m]) for m in MODES)
+        print(f"{label:24} {name:24} op-by-op {before:7.2f}  fused {after:7.2f}  fused/op-by-op {after / before:.3f}")
+    rows = statistics.median(step[2] for step in modes["fused"])
+    before, after = (statistics.median(step[0] for step in modes[m]) for m in MODES)
+    print(
+        f"{label:24} {'tok/s (median step)':24} op-by-op {1000 * rows / before:7.1f}  fused {1000 * rows / after:7.1f}"
+    )
 
 
 def stream_row(fmt: str, args) -> None:
     engine = serve_overhead.build_engine(DEMO_MODEL_ID, fmt, args.context, args.tokens, args.threads)
-    fused = engine.runner.decode_step.fused
-    assert fused is not None, f"{fmt}: the engine's decode plan has no fused call"
+    assert engine.runner.decode_step.fused is not None, f"{fmt}: the engine's decode plan has no fused call"
     prompt = serve_overhead.prompt_ids(engine.tokenizer, args.context)
-    walls: dict[str, list[float]] = {m: [] for m in MODES}
-    cpus: dict[str, list[float]] = {m: [] for m in MODES}
-    for round_ in range(args.rounds):
-        for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-            switch(engine, fused, mode)
-            wall, cpu = one_stream(engine, prompt, args.tokens)
-            walls[mode] += wall
-            cpus[mode] += cpu
-    for name, values in (("wall ms/step", walls), ("main-thread CPU ms/step", cpus)):
-        before, after = (statistics.median(values[m]) for m in MODES)
-        print(f"{fmt:6} {name:24} op-by-op {before:7.2f}  fused {after:7.2f}  fused/op-by-op {after / before:.3f}")
+    modes: dict[str, list[tuple[float, float, int]]] = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        decode_steps(engine, [common.validated(prompt, args.tokens)], modes)
+    report(f"{fmt} one stream", modes)
     engine.close()
 
 
@@ -85,24 +96,18 @@ def lora_row(args) -> None:
         for i, name in enumerate(names)
     )
     engine = lora_bench._engine(DEMO_MODEL_ID, spec)
-    fused = engine.runner.decode_step.fused
-    assert fused is not None, "lora: the engine's decode plan has no fused call"
+    assert engine.runner.decode_step.fused is not None, "lora: the engine's decode plan has no fused call"
     workload = common.make_workload(args.streams, (args.context,) * 2, (args.tokens,) * 2, engine.info.vocab_size)
     cases = {"mixed": [names[i % len(names)] for i in range(args.streams)], "no adapter": [None] * args.streams}
-    rates: dict[tuple[str, str], list[float]] = {(c, m): [] for c in cases for m in MODES}
-    for round_ in range(args.rounds):
-        for case, adapters in cases.items():
-            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-                switch(engine, fused, mode)
-                rates[case, mode].append(lora_bench._decode_rate(engine, workload.prompts, adapters, args.tokens))
-    for case in cases:
-        rounds = "  ".join(f"{b:.0f}/{a:.0f}" for b, a in zip(*(rates[case, m] for m in MODES), strict=True))
-        print(f"lora   {case:10} per round, op-by-op/fused tok/s: {rounds}")
-        before, after = (statistics.median(rates[case, m]) for m in MODES)
-        print(
-            f"lora   {args.streams} streams, {case:10} tok/s op-by-op {before:7.1f}  fused {after:7.1f}  "
-            f"fused/op-by-op {after / before:.3f}"
-        )
+    for case, adapters in cases.items():
+        modes: dict[str, list[tuple[float, float, int]]] = {m: [] for m in MODES}
+        for _ in range(args.rounds):
+            requests = [
+                lora_bench._with_adapter(common.validated(prompt, args.tokens), adapter)
+                for prompt, adapter in zip(workload.prompts, adapters, strict=True)
+            ]
+            decode_steps(engine, requests, modes)
+        report(f"lora {args.streams} streams {case}", modes)
     engine.close()
 
 
