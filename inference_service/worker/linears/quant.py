@@ -45,26 +45,26 @@ class _FewRows:
     ):
         self.packed, self.bias = packed, bias
         self.max_elements = max_rows * packed.in_features
-        self._fn = kernel._fn  # the kernels' C entry points take the same arguments
+        self.fn = kernel._fn  # the kernels' C entry points take the same arguments
         self.factors = packed.scales, packed.offsets
         if isinstance(kernel, int8_activations.Int8ActivationLinear):
             compact = kernel.compact_factors(packed)
             if compact is not None:
-                self._fn, self.factors = kernel.fn_f16, compact
-        self._weight = (
+                self.fn, self.factors = kernel.fn_f16, compact
+        self.pointers = (
             packed.codes.data_ptr(),
             self.factors[0].data_ptr(),
             self.factors[1].data_ptr(),
             bias.data_ptr() if bias is not None else None,
         )
-        self._sizes = (packed.out_features, packed.in_features, packed.bits, packed.group_size)
+        self.sizes = (packed.out_features, packed.in_features, packed.bits, packed.group_size)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self._sizes[0], self._sizes[1]
+        n, k = self.sizes[0], self.sizes[1]
         x = x.contiguous()
         rows = x.numel() // k
         out = x.new_empty(*x.shape[:-1], n)
-        if rows and self._fn(x.data_ptr(), *self._weight, out.data_ptr(), rows, n, k, *self._sizes[2:]) != 0:
+        if rows and self.fn(x.data_ptr(), *self.pointers, out.data_ptr(), rows, n, k, *self.sizes[2:]) != 0:
             raise RuntimeError(f"the packed-weight kernel refused x {list(x.shape)} for {self.packed.bits}-bit codes")
         return out
 
@@ -192,6 +192,13 @@ class QuantLinear(torch.nn.Module):
             if panel.takes(self.in_features):
                 return panel.quant(x, self.packed, self.bias)
         return dequantized_linear(x, self.packed, self.bias, kernel)
+
+    def native_calls(self) -> tuple[bool, _FewRows | None]:
+        """Whether forward computes fp32 CPU rows natively (the panel GEMM is there), and its bound
+        few-rows call (None: the panel GEMM takes every row count), for the fused decode layers
+        (runner/fused_layers.py), which call the same kernels."""
+        _, _, panel, few_rows = self._native_kernels()
+        return panel is not None, few_rows
 
     def _native_kernels(self) -> _Kernels:
         """The native library's packed-weight kernel (None: torch only), whether it takes these
