@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -56,6 +57,7 @@ from tests.e2e.soak_attribution import (
     Span,
     kinds_beside_slow_runs,
     runs_beside_stalls,
+    server_share_of_slow_runs,
     server_stalls,
     slowest_runs,
 )
@@ -213,8 +215,9 @@ def chat_stream(server: Server) -> tuple:
     return response.status, content, finish, events[-1] if events else None
 
 
-def tgi_generate(server: Server) -> tuple:
-    """A greedy /generate through Envoy: its token ids and text."""
+def tgi_generate(server: Server) -> Timed:
+    """A greedy /generate through Envoy: its token ids and text, and the server's own account of its
+    time (TGI's timing headers)."""
     import http.client
 
     body = {"inputs": "birds sing", "parameters": {"max_new_tokens": 30, "details": True}}
@@ -225,7 +228,20 @@ def tgi_generate(server: Server) -> tuple:
         answer = json.loads(response.read())
     finally:
         connection.close()
-    return response.status, answer.get("generated_text"), [t["id"] for t in answer["details"]["tokens"]]
+    output = (response.status, answer.get("generated_text"), [t["id"] for t in answer["details"]["tokens"]])
+    times = {name: int(response.getheader(f"x-{name}-time") or -1) / 1000 for name in SERVER_TIMES}
+    return Timed(output, times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """An innocent request's output, with the server's account of where its time went (seconds)."""
+
+    output: tuple
+    server_s: dict[str, float]
+
+
+SERVER_TIMES = ("total", "validation", "queue", "inference")
 
 
 def grpc_stream(server: Server) -> tuple:
@@ -234,7 +250,7 @@ def grpc_stream(server: Server) -> tuple:
     return tuple(message.token.id for message in server.stub.GenerateStream(request, timeout=60))
 
 
-BYSTANDERS: dict[str, Callable[[Server], tuple]] = {
+BYSTANDERS: dict[str, Callable[[Server], tuple | Timed]] = {
     "chat_stream": chat_stream,
     "tgi_generate": tgi_generate,
     "grpc_stream": grpc_stream,
@@ -244,12 +260,16 @@ BYSTANDERS: dict[str, Callable[[Server], tuple]] = {
 @pytest.fixture(scope="module")
 def alone(server) -> dict[str, tuple]:
     """Each innocent request's output with nothing else running."""
-    outputs = {name: run(server) for name, run in BYSTANDERS.items()}
+    outputs = {name: untimed(run(server)) for name, run in BYSTANDERS.items()}
     status, content, finish, last = outputs["chat_stream"]
     assert (status, finish, last) == (200, ["length"], "data: [DONE]") and content
     assert outputs["tgi_generate"][0] == 200 and len(outputs["tgi_generate"][2]) == 30
     assert len(outputs["grpc_stream"]) == 40
     return outputs
+
+
+def untimed(output: tuple | Timed) -> tuple:
+    return output.output if isinstance(output, Timed) else output
 
 
 class Bystanders:
@@ -260,6 +280,7 @@ class Bystanders:
         self.server, self.alone = server, alone
         self.latencies: dict[str, list[float]] = {name: [] for name in BYSTANDERS}
         self.runs: dict[str, list[tuple[float, float]]] = {name: [] for name in BYSTANDERS}  # (start, end)
+        self.server_s: dict[tuple[str, float], dict[str, float]] = {}  # (name, start) → the server's account
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(name,), daemon=True) for name in BYSTANDERS]
@@ -285,6 +306,9 @@ class Bystanders:
                 ended = time.monotonic()
                 self.latencies[name].append(ended - started)
                 self.runs[name].append((started, ended))
+                if isinstance(output, Timed):
+                    self.server_s[(name, started)] = output.server_s
+                output = untimed(output)
                 if output != self.alone[name]:
                     self.failures.append(f"{name}: {str(output)[:300]} != alone {str(self.alone[name])[:300]}")
             if self._stop.is_set():  # the run that was going when stopped overlapped to the end
@@ -523,8 +547,11 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         # The same ratios of the idle runs themselves: the machine's own spread, the floor of the above.
         "idle_latency_ratio_to_idle": latency_ratios(idle_latencies, idle_latencies),
         "started_at_unix": round(started_at, 3),  # the slowest runs' times count from here
-        "slowest_bystander_runs": slowest_runs(loaded_runs, idle_medians, hostile, stalls, started),
+        "slowest_bystander_runs": slowest_runs(
+            loaded_runs, idle_medians, hostile, stalls, started, bystanders.server_s
+        ),
         "slow_runs_beside_a_stall": runs_beside_stalls(loaded_runs, idle_medians, stalls),
+        "where_slow_runs_went": server_share_of_slow_runs(loaded_runs, idle_medians, bystanders.server_s),
         "stalls": len(stalls.spans),
         "hostile_kinds_beside_slow_runs": kinds_beside_slow_runs(bystanders.runs, idle_medians, hostile),
         "kv_blocks_free_before": f"{before.num_free_blocks}/{before.num_total_blocks}",
@@ -595,14 +622,23 @@ def attribution_markdown(results: dict) -> list[str]:
         f"{results['stalls']}; innocent runs over {SLOW_RATIO}x idle: {stalls['slow_runs']}, "
         f"of which {stalls['beside_a_stall']} overlapped a stall report.",
         "",
-        "| innocent run | start (s) | latency (s) | ÷ idle | hostile cases in flight | stalls |",
-        "|---|---|---|---|---|---|",
+        "Where the /generate runs' latency went (median shares, from TGI's timing headers), all loaded runs "
+        f"against those over {SLOW_RATIO}x idle: {results['where_slow_runs_went']}",
+        "",
+        "The server's own account (TGI's timing headers, /generate only): its total, the engine queue and "
+        "inference within it, and what lay outside the server (Envoy, the connection, the client).",
+        "",
+        "| innocent run | start (s) | latency (s) | ÷ idle | server: total / queue / inference (s) | outside (s) "
+        "| hostile cases in flight | stalls |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in results["slowest_bystander_runs"]:
         hostile = ", ".join(f"{what} ×{count}" for what, count in run["hostile_in_flight"].items()) or "none"
+        times = run.get("server_s")
+        server = f"{times['total']} / {times['queue']} / {times['inference']}" if times else "–"
         lines.append(
-            f"| {run['name']} | {run['start_s']} | {run['latency_s']} | {run['ratio_to_idle']} | {hostile} "
-            f"| {'; '.join(run['stalls']) or 'none'} |"
+            f"| {run['name']} | {run['start_s']} | {run['latency_s']} | {run['ratio_to_idle']} | {server} "
+            f"| {run.get('outside_server_s', '–')} | {hostile} | {'; '.join(run['stalls']) or 'none'} |"
         )
     lines += [
         "",
