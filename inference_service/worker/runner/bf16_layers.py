@@ -20,7 +20,7 @@ from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels.bf16_layers import FIELDS, BF16Layers, load_bf16_layers
 from inference_service.worker.kernels.bindings import MAX_BF16_LINEAR_ROWS
 from inference_service.worker.linears.bf16 import BF16NativeLinear
-from inference_service.worker.runner.fused_layers import int64, projections, same_shapes
+from inference_service.worker.runner.fused_layers import int64, point_at_cache, projections, same_shapes
 
 # decode_step._Layer (not imported: decode_step imports this module)
 _Layer = Any
@@ -75,12 +75,7 @@ class FusedBF16Layers:
         """hidden [S, D] bf16 → the residual stream after every layer (the last MLP's output added)."""
         cache = meta.kv_cache
         assert cache is not None and meta.decode_block_table is not None and meta.decode_context_lens is not None
-        stored = (cache, cache.keys[0].data_ptr())  # the cache's tensors are allocated once, with it
-        if self._cache_of_table != stored:
-            for row, layer in zip(self.table, self.layers, strict=True):
-                keys, values = cache.layer(layer.index)
-                row[_COLUMN["key_cache"]], row[_COLUMN["value_cache"]] = keys.data_ptr(), values.data_ptr()
-            self._cache_of_table = stored
+        self._cache_of_table = point_at_cache(self.table, _COLUMN, self.layers, cache, self._cache_of_table)
         hidden = hidden.contiguous()
         self.kernel.run(
             self.table,

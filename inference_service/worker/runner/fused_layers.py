@@ -111,15 +111,7 @@ class FusedLayers:
         """hidden [S, D] fp32 → the residual stream after every layer (the last MLP's output added)."""
         cache = meta.kv_cache
         assert cache is not None and meta.decode_block_table is not None and meta.decode_context_lens is not None
-        stored = (cache, cache.keys[0].data_ptr())  # the cache's tensors are allocated once, with it
-        if self._cache_of_table != stored:
-            for row, layer in zip(self.table, self.layers, strict=True):
-                keys, values = cache.layer(layer.index)
-                scales = cache.scales(layer.index)
-                row[_COLUMN["key_cache"]], row[_COLUMN["value_cache"]] = keys.data_ptr(), values.data_ptr()
-                row[_COLUMN["key_scales"]] = scales[0].data_ptr() if scales is not None else 0
-                row[_COLUMN["value_scales"]] = scales[1].data_ptr() if scales is not None else 0
-            self._cache_of_table = stored
+        self._cache_of_table = point_at_cache(self.table, _COLUMN, self.layers, cache, self._cache_of_table)
         hidden = hidden.contiguous()
         self.kernel.run(
             self.table,
@@ -182,6 +174,23 @@ def _projection_words(module: PanelledLinear | QuantLinear) -> dict[str, int]:
 def _weight_bytes(module: torch.nn.Module) -> int:
     """The bytes of weights a step streams through the projection."""
     return sum(t.numel() * t.element_size() for t in module.buffers() if t is not module.bias)
+
+
+def point_at_cache(table: torch.Tensor, column: dict[str, int], layers: list[_Layer], cache: Any, pointed: Any) -> Any:
+    """Each layer's K/V cache pointers written into its row of `table` (and its scales', where the table
+    has columns for them), unless `pointed` (what the last call returned) says they are there already:
+    the cache's tensors are allocated once, with it. Returns what the table points at now."""
+    now = (cache, cache.keys[0].data_ptr())
+    if pointed == now:
+        return now
+    for row, layer in zip(table, layers, strict=True):
+        keys, values = cache.layer(layer.index)
+        row[column["key_cache"]], row[column["value_cache"]] = keys.data_ptr(), values.data_ptr()
+        if "key_scales" in column:
+            scales = cache.scales(layer.index)
+            row[column["key_scales"]] = scales[0].data_ptr() if scales is not None else 0
+            row[column["value_scales"]] = scales[1].data_ptr() if scales is not None else 0
+    return now
 
 
 def int64(tensor: torch.Tensor) -> torch.Tensor:
