@@ -3,7 +3,8 @@
 The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
 engine's memory accounting see them; `.packed` gives them as a PackedWeight. 8-bit codes whose rows
 fill panels are stored in the panel layout (kernels/panels.py) and, on CPU in fp32 with the native
-library, computed by the panel GEMM at every row count. Other codes keep the canonical layout: up
+library, computed by the panel GEMM, up to MAX_FEW_PANEL_ROWS rows by its few-row kernel (a GGUF's
+Q8_0 head in decode steps). Other codes keep the canonical layout: up
 to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the packed-weight kernel, which reads
 the codes directly, and more (prefill, large batches) to the panel GEMM, which widens each panel of
 codes as it packs it. Other dtypes or devices, or no native library: the weight is dequantized to
@@ -19,7 +20,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from inference_service.worker.kernels import bindings, int8_activations, panels
+from inference_service.worker.kernels import bindings, int8_activations, linear_bindings, panels
 from inference_service.worker.kernels.packed import PackedWeight
 
 # fp32 weight elements dequantized at once: 4 MiB, a whole projection of the demo model (one GEMM
@@ -69,7 +70,12 @@ class _FewRows:
         return out
 
 
-_Kernels = tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None, _FewRows | None]
+_Kernels = tuple[
+    bindings.QuantLinearKernel | None,
+    bool,
+    bindings.PanelLinear | None,
+    _FewRows | linear_bindings.PanelCodesFewRows | None,
+]
 
 
 class QuantLinear(torch.nn.Module):
@@ -206,10 +212,12 @@ class QuantLinear(torch.nn.Module):
             bias_ok = self.bias is None or (self.bias.dtype == torch.float32 and self.bias.is_contiguous())
             panel = bindings.panel_kernel_for(device, self.scales.dtype) if kernel is not None and bias_ok else None
             fits = kernel is not None and bias_ok and not self.panelled and kernel.supports(self.packed)
-            few_rows = None
+            few_rows: _FewRows | linear_bindings.PanelCodesFewRows | None = None
             if fits and kernel is not None and panel is not None and self.input_perm is None:
                 chosen = int8_activations.kernel_for(self.packed, device, self.scales.dtype) or kernel
                 few_rows = _FewRows(chosen, self.packed, self.bias, bindings.MAX_QUANT_ROWS[self.bits])
+            elif self.panelled and panel is not None and self.input_perm is None:
+                few_rows = panel.few_rows(self.codes, self.scales, self.offsets, self.bias, self.group_size)
             self._kernel = kernel, fits, panel, few_rows
         return cast(_Kernels, self._kernel)
 
