@@ -106,7 +106,8 @@ class DecodeStep:
             hidden = self._layers(meta, hidden, cos[0], sin[0])
         if len(keep_rows) != hidden.shape[0]:
             hidden = hidden[keep_rows]
-        return self.lm_head(self.final_norm(hidden)).float()
+        _, normed = self.ops.add_norm(hidden, None, self.final_norm)  # native where the layers' ops are
+        return self.lm_head(normed).float()
 
     def _layers(
         self,
