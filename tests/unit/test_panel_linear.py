@@ -170,7 +170,7 @@ def test_panelled_codes_at_every_row_count(panel, rows, out_features, in_feature
     )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("factors", ["fp32", "fp16", "q8_0"])
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"), [(64, 96, 32), (96, 100, 32), (32, 17, 5)])
 def test_few_rows_of_panelled_codes_read_compact_factors(panel, rows, factors, out_features, in_features, group_size):

@@ -24,7 +24,7 @@ MAX_BF16_LINEAR_ROWS = 32
 MAX_QUANT_ROWS = {4: 8, 8: 16}
 # Up to this many rows, 8-bit codes stored in panels go to the few-row kernel
 # (csrc/panel_codes_few_rows.cpp; its kMaxRows), above it to the panel GEMM's tiles.
-MAX_FEW_PANEL_ROWS = 4
+MAX_FEW_PANEL_ROWS = 8
 # Above those row counts the panel GEMM computes, for inputs up to this wide (its panel of 32 columns,
 # K x 128 bytes, then still sits in L2). Measured on the demo model's projections, 2 threads, against
 # torch's fp32 GEMM: 1.3x at 33-256 rows, 1.07x at 512, 1.05x at 1024.

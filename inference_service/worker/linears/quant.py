@@ -3,8 +3,8 @@
 The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
 engine's memory accounting see them; `.packed` gives them as a PackedWeight. 8-bit codes whose rows
 fill panels are stored in the panel layout (kernels/panels.py) and, on CPU in fp32 with the native
-library, computed by the panel GEMM, up to MAX_FEW_PANEL_ROWS rows by its few-row kernel (a GGUF's
-Q8_0 head in decode steps). Other codes keep the canonical layout: up
+library, computed by the panel GEMM, up to MAX_FEW_PANEL_ROWS rows by a few-row kernel that reads
+them about twice as fast (a GGUF's Q8_0 head in decode steps). Other codes keep the canonical layout: up
 to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the packed-weight kernel, which reads
 the codes directly, and more (prefill, large batches) to the panel GEMM, which widens each panel of
 codes as it packs it. Other dtypes or devices, or no native library: the weight is dequantized to
