@@ -203,7 +203,8 @@ class PanelCodesFewRows:
     panel layout (csrc/panel_codes_few_rows.cpp), bound to one weight. It reads fp16 copies of the
     scales and offsets where every value survives the round trip, and no offsets where each is -128
     times its scale (GGUF's Q8_0): a decode step of one stream reads the head's bytes once, and fp32
-    factors were a fifth of them. It keeps the tensors it points at."""
+    factors were a fifth of them. It keeps the tensors it points at (the fp16 copies: 2 or 4 bytes per
+    group of 32 codes, besides the module's fp32 factors)."""
 
     def __init__(
         self,
@@ -224,9 +225,9 @@ class PanelCodesFewRows:
             self.factor_dtype, scales, offsets = torch.float16, half_scales, half_offsets
         symbol = "panel_codes_few_rows_f16" if self.factor_dtype == torch.float16 else "panel_codes_few_rows_f32"
         self._fn = native_build.bind(library, symbol, [POINTER] * 6 + [I64] * 4)
-        self._tensors = codes, scales, offsets, bias  # alive while the pointers are used
-        offsets_pointer = None if self.symmetric else offsets.data_ptr()
-        self._weight = (codes.data_ptr(), scales.data_ptr(), offsets_pointer, pointer(bias))
+        kept_offsets = None if self.symmetric else offsets
+        self._tensors = codes, scales, kept_offsets, bias  # alive while the pointers are used
+        self._weight = (codes.data_ptr(), scales.data_ptr(), pointer(kept_offsets), pointer(bias))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, self.in_features
