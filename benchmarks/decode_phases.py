@@ -4,11 +4,13 @@ Each phase's native or torch call is wrapped with a timer (about a microsecond p
 per step): the projections by shape (fused q|k|v, o, gate|up, down, the head), the glue between them
 (norms, rotary + KV write, SiLU·mul), attention, and what is left of the model's forward (Python,
 module calls, embedding, rotary tables, final norm); then the rest of the engine's step (scheduler,
-sampler). Each projection's bytes per token over its time give the bandwidth it streams its weights
-at. The engines' runs alternate, and per phase the median over the fastest run's steps counts.
+sampler). A step whose layers run in one native call (runner/bf16_layers.py, runner/fused_layers.py)
+counts them as one phase; `--op-by-op` takes that call away to split them. Each projection's bytes
+per token over its time give the bandwidth it streams its weights at. The engines' runs alternate,
+and per phase the median over the fastest run's steps counts.
 
 Usage: python benchmarks/decode_phases.py [--dtypes float32 bfloat16] [--tokens 32] [--rounds 2]
-                                          [--num-threads 2] [--cpu-time]
+                                          [--num-threads 2] [--cpu-time] [--op-by-op]
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def panel_name(vocab: int, width: int):
 def instrument(phases: Phases, vocab: int, width: int) -> None:
     """Wrap the kernels' and the plan's calls (class attributes: every engine's instances)."""
     from inference_service.worker.kernels import bindings
-    from inference_service.worker.runner import bf16_layers, decode_step
+    from inference_service.worker.runner import bf16_layers, decode_step, fused_layers
 
     name = projection_name(vocab, width)
     for cls in (bindings.SmallBatchLinear, bindings.BF16Linear):
@@ -89,8 +91,8 @@ def instrument(phases: Phases, vocab: int, width: int) -> None:
         setattr(bindings.DecodeGlue, op, phases.timed(op, getattr(bindings.DecodeGlue, op)))
     decode_step.attend_decode = phases.timed("attention", decode_step.attend_decode)
     decode_step.DecodeStep.forward = phases.timed("forward", decode_step.DecodeStep.forward)
-    fused = bf16_layers.FusedBF16Layers
-    fused.run = phases.timed("layers in one call", fused.run, lambda fused, *_: fused.weight_bytes)
+    for fused in (bf16_layers.FusedBF16Layers, fused_layers.FusedLayers):
+        fused.run = phases.timed("layers in one call", fused.run, lambda fused, *_: fused.weight_bytes)
 
 
 def build(dtype: str, model_id: str):
@@ -132,10 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--model-id", default=DEMO_MODEL_ID)
     parser.add_argument("--cpu-time", action="store_true", help="the process's CPU time instead of wall time")
+    parser.add_argument("--op-by-op", action="store_true", help="the decode plan's layers op by op, not in one call")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     phases = Phases(time.process_time if args.cpu_time else time.perf_counter)
     engines = {dtype: build(dtype, args.model_id) for dtype in args.dtypes}
+    for engine in engines.values():
+        if args.op_by_op and engine.runner.decode_step is not None:
+            engine.runner.decode_step.fused = None
     config = next(iter(engines.values())).runner.model.config
     instrument(phases, config.vocab_size, config.hidden_size)
     prompt = next(iter(engines.values())).tokenizer(PROMPT)["input_ids"]

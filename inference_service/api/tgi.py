@@ -15,6 +15,7 @@ from inference_service.api import convert
 from inference_service.api.backend import Backend
 from inference_service.api.errors import unary_errors
 from inference_service.api.streaming import engine_events, stream_errors
+from inference_service.api.timing_headers import timing_headers
 from inference_service.frontend.tgi import wants_details
 from inference_service.outputs import GenerateResult
 from textgen.v1 import generate_pb2 as pb
@@ -54,6 +55,7 @@ class TgiRoutes:
             validated = await front_end.generate(request, stream=False, compat_route=compat_route)
             call.validated(validated.engine_request)
             result = call.finished(best_of(await engine.generate_all(front_end.best_of_variants(validated))))
+            await context.send_initial_metadata(timing_headers(call.trace, result, len(request.inputs)))
             return convert.generate_response_to_pb(result, details=wants_details(request))
 
     @unary_errors

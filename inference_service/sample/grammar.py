@@ -38,6 +38,7 @@ from inference_service.errors import OverloadedError, ValidationError
 from inference_service.sample.grammar_spec import JSON_OPTIONS, KINDS, GrammarSpec, grammar_spec_from_tgi, lark_json
 from inference_service.sample.grammar_state import GrammarState, fill_bitmasks, prefetch_masks
 from inference_service.sample.grammar_state import short_error as _short
+from inference_service.sample.heap_usage import heap_in_use
 
 __all__ = [
     "JSON_OPTIONS",
@@ -55,6 +56,11 @@ __all__ = [
 ]
 
 DEFAULT_CACHE_SIZE = 256
+# What the cached grammars may hold, all together. A grammar's lexer is native memory, and a short
+# spec can hold a lot of it: `a{20000}` (8 bytes) holds 9 MiB, so 256 distinct ones held 2.3 GiB in
+# each process that validates or runs grammars. Typical tool schemas hold 0.1-1.5 MiB.
+DEFAULT_CACHE_BYTES = 64 * 2**20
+MIN_CHARGE = 16 * 2**10  # an entry's least charge (its spec, its matcher's own objects)
 
 
 @dataclass(frozen=True)
@@ -113,15 +119,22 @@ class _Compilation:
         self.started_at = 0.0  # time.monotonic() once `started` is set
         self.done: Future[CompiledGrammar] = Future()
         self.task: Future[None] | None = None  # the compiler pool's task, cancelled while still queued
+        self.charge = 0  # bytes the cache counts for it, once its compilation ended
 
 
 class GrammarCompiler:
-    """Compiles grammar specs for one engine's tokenizer; thread-safe, with a bounded LRU cache.
+    """Compiles grammar specs for one engine's tokenizer; thread-safe, with an LRU cache bounded in
+    entries and in bytes.
 
     `vocab_size` is the model's logits width, which may exceed the tokenizer's: the extra ids are
     never allowed. `eos_token_ids` are all the ids that end generation (generation config and
     tokenizer); each one is allowed once the grammar is complete. Compilations run on the
     compiler's own threads under `budget`; the caller waits at most the budget for one.
+
+    Each cached grammar is charged the C heap's growth across its compilation (heap_usage.py: the
+    lexer and matcher llguidance built) plus its spec's length; the oldest entries go while the
+    charges pass `max_cache_bytes`. Two compilations at once, or the engine's own allocations meanwhile,
+    blur a charge either way; the count bound stays the backstop.
     """
 
     def __init__(
@@ -131,12 +144,15 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         max_cache_size: int = DEFAULT_CACHE_SIZE,
         budget: GrammarBudget | None = None,
+        max_cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
         eos_ids = sorted(set(eos_token_ids))
         if not eos_ids:
             raise ValueError("grammar support needs at least one EOS token id")
         self.vocab_size = vocab_size
         self.max_cache_size = max_cache_size
+        self.max_cache_bytes = max_cache_bytes
+        self.cache_bytes = 0  # the charges of the cached entries
         self.budget = budget or GrammarBudget()
         self._eos_ids = [i for i in eos_ids if i < vocab_size]
         self._limits = self.budget.limits()
@@ -165,8 +181,7 @@ class GrammarCompiler:
             if job is None:
                 job = self._cache[spec] = _Compilation()
                 self.num_compiled += 1
-                while len(self._cache) > self.max_cache_size:
-                    self._cache.popitem(last=False)
+                self._evict()
                 job.task = self._pool.submit(self._run, spec, job)
             else:
                 self._cache.move_to_end(spec)
@@ -184,9 +199,12 @@ class GrammarCompiler:
             else:
                 job.started.wait()  # it started just as the wait ended
         try:
-            return job.done.result(timeout=max(0.0, job.started_at + timeout - time.monotonic()))
+            error = job.done.exception(timeout=max(0.0, job.started_at + timeout - time.monotonic()))
         except FutureTimeout:
             raise self._over_budget() from None
+        if error is not None:
+            raise _without_frames(error)  # a fresh one: the cached one must not keep this caller's frames
+        return job.done.result()
 
     def _over_budget(self) -> GrammarTooComplex:
         return GrammarTooComplex(f"compiling it takes longer than {self.budget.compile_timeout_s * 1000:.0f} ms")
@@ -195,19 +213,45 @@ class GrammarCompiler:
         with self._lock:
             if self._cache.get(spec) is job:
                 del self._cache[spec]
+                self.cache_bytes -= job.charge
+
+    def _charge(self, spec: GrammarSpec, job: _Compilation, heap_before: int | None) -> None:
+        """Count what the ended compilation holds against the cache's bytes (see the class)."""
+        heap_after = heap_in_use()
+        grown = heap_after - heap_before if heap_after is not None and heap_before is not None else 0
+        with self._lock:
+            if self._cache.get(spec) is job:
+                job.charge = max(MIN_CHARGE, grown) + len(spec.value)
+                self.cache_bytes += job.charge
+                self._evict()
+
+    def _evict(self) -> None:
+        """The oldest entries out while over either bound; the newest stays (under the lock)."""
+        while len(self._cache) > self.max_cache_size or (
+            self.cache_bytes > self.max_cache_bytes and len(self._cache) > 1
+        ):
+            _, evicted = self._cache.popitem(last=False)
+            self.cache_bytes -= evicted.charge
 
     def _run(self, spec: GrammarSpec, job: _Compilation) -> None:
         job.started_at = time.monotonic()
         job.started.set()
         with self._lock:
             self.num_running += 1
+        heap_before = heap_in_use()
         try:
             compiled = self._compile(spec, deadline=time.thread_time() + self.budget.compile_timeout_s)
         except BaseException as error:
-            if not isinstance(error, GrammarTooComplex):
+            # Kept in the cache (as a too-complex verdict) or handed to waiters: without its traceback,
+            # whose frames hold the compilation's matcher (170 MiB for `((a{100}){100}){100}`).
+            error = _without_frames(error)
+            if isinstance(error, GrammarTooComplex):
+                self._charge(spec, job, None)  # kept as its error: the spec's bytes
+            else:
                 self._forget(spec, job)  # invalid specs are not kept: the cache holds grammars
             job.done.set_exception(error)
         else:
+            self._charge(spec, job, heap_before)
             job.done.set_result(compiled)
         finally:
             with self._lock:
@@ -256,6 +300,14 @@ class GrammarCompiler:
         allowed[self._eos_ids] = 0
         ids = np.flatnonzero(allowed)
         return int(ids[0]) if len(ids) else None
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """A copy of `error` (its class, arguments and attributes) with no traceback, cause or context."""
+    copy = error.__class__.__new__(error.__class__)
+    copy.args = error.args
+    copy.__dict__.update(error.__dict__)
+    return copy
 
 
 def _lower_priority(niceness: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import gc
 import re
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -96,10 +97,13 @@ def slowest_runs(
     hostile: Overlaps,
     stalls: Overlaps,
     origin: float,
+    server_s: dict[tuple[str, float], dict[str, float]] | None = None,
     count: int = 10,
 ) -> list[dict]:
     """The `count` innocent runs slowest against their idle median, when they started (seconds after
-    `origin`), and what overlapped each: hostile cases by kind and transport, the server's stalls."""
+    `origin`), and what overlapped each: hostile cases by kind and transport, the server's stalls;
+    and for a run the server gave its times for (`server_s`, by name and start: TGI's timing
+    headers), those, and what lay outside them (Envoy, the connection, the client)."""
     spans = sorted(
         ((end - start) / idle_medians[name], name, start, end) for name, each in runs.items() for start, end in each
     )[::-1][:count]
@@ -114,9 +118,16 @@ def slowest_runs(
                 f"{span.what} {span.end - span.start:.3f} s at {span.start - origin:.3f} {span.detail}".strip()
                 for span in stalls.over(start, end)
             ],
+            **_server_split((server_s or {}).get((name, start)), end - start),
         }
         for ratio, name, start, end in spans
     ]
+
+
+def _server_split(times: dict[str, float] | None, latency: float) -> dict:
+    if times is None:
+        return {}
+    return {"server_s": times, "outside_server_s": round(latency - times["total"], 4)}
 
 
 def kinds_beside_slow_runs(
@@ -157,3 +168,32 @@ def runs_beside_stalls(runs: dict[str, list[tuple[float, float]]], idle_medians:
         if (end - start) / idle_medians[name] > SLOW_RATIO
     ]
     return {"slow_runs": len(slow), "beside_a_stall": sum(bool(stalls.over(start, end)) for start, end in slow)}
+
+
+def server_share_of_slow_runs(
+    runs: dict[str, list[tuple[float, float]]],
+    idle_medians: dict[str, float],
+    server_s: dict[tuple[str, float], dict[str, float]],
+) -> dict[str, dict[str, float]]:
+    """For the runs over SLOW_RATIO x idle that the server gave its times for: where their latency went,
+    as medians of each part's share (the engine queue, inference, the rest of the server's total, and
+    outside the server), against the same for every such run: did the slow ones lose their time in
+    the engine, or before and after it?"""
+
+    def shares(spans: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+        parts = {"queue": [], "inference": [], "rest_of_server": [], "outside_server": []}
+        for latency, times in spans:
+            parts["queue"].append(times["queue"] / latency)
+            parts["inference"].append(times["inference"] / latency)
+            parts["rest_of_server"].append((times["total"] - times["queue"] - times["inference"]) / latency)
+            parts["outside_server"].append((latency - times["total"]) / latency)
+        return {"runs": len(spans), **{k: round(statistics.median(v), 3) for k, v in parts.items() if v}}
+
+    timed = [
+        (name, end - start, server_s[(name, start)])
+        for name, each in runs.items()
+        for start, end in each
+        if (name, start) in server_s
+    ]
+    slow = [(latency, times) for name, latency, times in timed if latency / idle_medians[name] > SLOW_RATIO]
+    return {"all": shares([(latency, times) for _, latency, times in timed]), "slow": shares(slow)}

@@ -18,6 +18,20 @@ def test_generate(gateway, validate):
     assert set(body) == {"generated_text"}  # no details unless asked
 
 
+def test_generate_answers_with_tgis_timing_headers(gateway):
+    raw = gateway.curl("/generate", "-i", body={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
+    head, _, body = raw.replace("\r\n", "\n").partition("\n\n")
+    headers = dict(line.lower().split(": ", 1) for line in head.split("\n")[1:])
+    assert json.loads(body)["generated_text"]
+    assert int(headers["x-generated-tokens"]) == 4 and int(headers["x-prompt-tokens"]) > 0
+    assert headers["x-compute-characters"] == str(len(PROMPT))
+    times = {name: int(headers[f"x-{name}-time"]) for name in ("total", "validation", "queue", "inference")}
+    assert times["validation"] + times["queue"] + times["inference"] <= times["total"] + 2  # ms rounding
+    assert int(headers["x-time-per-token"]) <= times["inference"]
+    assert float(headers["x-compute-time"]) * 1000 >= times["total"] - 1
+    assert headers["x-compute-type"]
+
+
 def test_generate_with_details(gateway, validate):
     parameters = {
         "max_new_tokens": 5,

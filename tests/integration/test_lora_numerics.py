@@ -182,20 +182,22 @@ def test_a_quantized_base_plus_the_float_adapter(tiny_model_dir, adapters):
 
 def test_one_stream_at_a_time_equals_peft(tiny_model_dir, adapters, references, monkeypatch):
     """Requests one after another: each decode step is one row of one adapter, whose projections and
-    updates run as single kernel calls (lora_panel_row_f32), still peft's tokens and logprobs."""
+    updates run as single kernel calls (lora_panel_row_f32) inside the layers' one native call
+    (runner/fused_layers.py), still peft's tokens and logprobs."""
     from inference_service.worker.kernels.lora_bindings import load_lora_kernel
+    from inference_service.worker.runner.fused_layers import FusedLayers
 
-    kernel = load_lora_kernel()
-    if kernel is None:
+    if load_lora_kernel() is None:
         pytest.skip("no C++ compiler for the native kernel")
-    fused = kernel.panel_row_raw
+    run = FusedLayers.run
     calls = []
 
-    def counted(*args):
-        calls.append(1)
-        return fused(*args)
+    def counted(self, meta, hidden, cos, sin, lora=None):
+        if lora is not None and lora.plan is not None and lora.plan.single is not None:
+            calls.append(1)  # one row of one adapter: the panel_row kernel's plan
+        return run(self, meta, hidden, cos, sin, lora)
 
-    monkeypatch.setattr(kernel, "panel_row_raw", counted)  # the real kernel, its calls counted
+    monkeypatch.setattr(FusedLayers, "run", counted)  # the real call, its one-row adapter steps counted
     engine = AsyncEngine.from_config(_config(tiny_model_dir, adapters))
     engine.start()
 
@@ -211,4 +213,4 @@ def test_one_stream_at_a_time_equals_peft(tiny_model_dir, adapters, references, 
 
     runs = asyncio.run(main())
     _check_against_peft(runs, references)
-    assert calls  # the one-row steps took the fused call
+    assert calls  # the one-row adapter steps took the layers' one call

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_steps import assert_same_caches, cache_for, counted
+from decode_steps import forward as _forward
 from tiny_models import tiny_model
 
-from inference_service.worker.attention.kv_cache import LayerShape, PagedKVCache
-from inference_service.worker.attention.step_metadata import StepMetadata
+from inference_service.worker.attention.kv_cache import PagedKVCache
 from inference_service.worker.kernels import bindings
 from inference_service.worker.kernels.bf16_glue import load_bf16_decode_glue
 from inference_service.worker.linears import bf16 as bf16_linear
 from inference_service.worker.runner.decode_step import DecodeStep, decode_step_for
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 40
 WINDOW = 5
 CONFIGS = {
     "llama": {},
@@ -39,63 +38,14 @@ def _step(model_type: str) -> DecodeStep:
 
 
 def _cache(step: DecodeStep, kv_dtype: torch.dtype = torch.bfloat16) -> PagedKVCache:
-    shapes = [LayerShape(layer.num_kv_heads, layer.head_dim) for layer in step.layers]
-    cache = PagedKVCache(shapes, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"), kv_dtype=kv_dtype)
-    generator = torch.Generator().manual_seed(3)
-    for stored in cache.keys + cache.values:  # earlier tokens' K/V
-        stored.copy_(torch.randn(stored.shape, generator=generator).to(kv_dtype))
-    return cache
-
-
-def _meta(cache: PagedKVCache, context_lens: list[int]) -> StepMetadata:
-    """A decode step of one new token per sequence, its blocks drawn shuffled from the pool."""
-    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5)).tolist()
-    width = max(-(-n // BLOCK_SIZE) for n in context_lens)
-    table = torch.zeros(len(context_lens), width, dtype=torch.int64)
-    for row, n in enumerate(context_lens):
-        for column in range(-(-n // BLOCK_SIZE)):
-            table[row, column] = blocks.pop()
-    slots = torch.tensor(
-        [
-            int(table[row, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-            for row, n in enumerate(context_lens)
-        ]
-    )
-    return StepMetadata(
-        kv_cache=cache,
-        num_tokens=len(context_lens),
-        slot_mapping=slots,
-        decode_block_table=table,
-        decode_context_lens=torch.tensor(context_lens),
-        decode_only=True,
-        decode_kernel=bindings.load_paged_decode(),
-    )
-
-
-def _forward(step: DecodeStep, cache: PagedKVCache, context_lens: list[int]) -> torch.Tensor:
-    ids = torch.arange(3, 3 + len(context_lens)).unsqueeze(0) * 7
-    positions = torch.tensor(context_lens).unsqueeze(0) - 1
-    with torch.inference_mode():
-        return step.forward(_meta(cache, context_lens), ids, positions, list(range(len(context_lens))))
-
-
-class CountingRuns:
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
-
-    def run(self, *args, **kwargs):
-        self.calls += 1
-        return self.kernel.run(*args, **kwargs)
+    return cache_for(step, torch.bfloat16, kv_dtype)
 
 
 @pytest.mark.parametrize("context_lens", [[9], [1, 14, 6], [23, 2, 11, 8, 17]], ids=lambda n: f"{len(n)}rows")
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_fused_layers_equal_the_op_by_op_plan_bitwise(model_type, context_lens):
     step = _step(model_type)
-    fused = step.fused
-    assert fused is not None
-    counting = CountingRuns(fused.kernel)
-    fused.kernel = counting  # type: ignore[assignment]
+    counting = counted(step)
     fused_cache, plain_cache = _cache(step), _cache(step)
     together = _forward(step, fused_cache, context_lens)
     assert counting.calls == 1, "the fused call did not run"
@@ -103,18 +53,14 @@ def test_fused_layers_equal_the_op_by_op_plan_bitwise(model_type, context_lens):
     one_by_one = _forward(step, plain_cache, context_lens)
     assert together.dtype == torch.float32 and together.shape == (len(context_lens), step.lm_head.out_features)
     assert torch.equal(together, one_by_one), f"max |diff| {(together - one_by_one).abs().max():.3g}"
-    for ours, theirs in zip(fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True):
-        assert torch.equal(ours, theirs), "the new K/V rows differ"
+    assert_same_caches(fused_cache, plain_cache)
     assert not torch.equal(fused_cache.keys[0], _cache(step).keys[0]), "the step wrote no K/V row"
 
 
 def test_a_wrapped_projection_runs_op_by_op():
     """LoRA replaces a layer's fused projection by its own module: the fused call must not skip it."""
     step = _step("llama")
-    fused = step.fused
-    assert fused is not None
-    counting = CountingRuns(fused.kernel)
-    fused.kernel = counting  # type: ignore[assignment]
+    counting = counted(step)
     before = _forward(step, _cache(step), [5, 9])
     original = step.layers[1].down
     step.layers[1].down = torch.nn.Sequential(original, torch.nn.Identity())  # computes the same
@@ -125,10 +71,7 @@ def test_a_wrapped_projection_runs_op_by_op():
 
 def test_another_kv_dtype_runs_op_by_op():
     step = _step("llama")
-    fused = step.fused
-    assert fused is not None
-    counting = CountingRuns(fused.kernel)
-    fused.kernel = counting  # type: ignore[assignment]
+    counting = counted(step)
     logits = _forward(step, _cache(step, torch.float16), [5, 9])
     assert counting.calls == 0 and bool(torch.isfinite(logits).all())
 
@@ -141,10 +84,7 @@ def test_lora_steps_without_an_adapter_keep_the_fused_call():
     from inference_service.worker.lora.weights import TARGETS, AdapterWeights, LoraPair
 
     step = _step("llama")
-    fused = step.fused
-    assert fused is not None
-    counting = CountingRuns(fused.kernel)
-    fused.kernel = counting  # type: ignore[assignment]
+    counting = counted(step)
     before = _forward(step, _cache(step), [5, 9])
     first = step.layers[0]
     hidden, attention = first.o_proj.out_features, first.num_heads * first.head_dim

@@ -23,6 +23,7 @@ from inference_service.sample.grammar import (
     grammar_spec_from_tgi,
     prefetch_masks,
 )
+from inference_service.sample.heap_usage import heap_in_use
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
@@ -87,6 +88,34 @@ def test_a_spec_compiles_once_and_the_cache_is_bounded(byte_tokenizer):
     assert compiler.compile(GrammarSpec("regex", "a+")) is first
     compiler.compile(GrammarSpec("regex", "b+"))  # evicted: compiled again
     assert compiler.num_compiled == 4
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="the C library does not report its heap (not glibc)")
+def test_the_cache_is_bounded_in_bytes_too(byte_tokenizer):
+    # `a{20000}` is 8 bytes of spec and megabytes of lexer: a count bound alone let 256 of them in.
+    compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [1], max_cache_bytes=2 * 2**20)
+    big = compiler.compile(GrammarSpec("regex", "a{20000}"))
+    assert compiler.cache_bytes > 2 * 2**20  # the newest entry stays, whatever it holds
+    small = compiler.compile(GrammarSpec("regex", "b+"))
+    assert compiler.cache_bytes < 2 * 2**20  # the big one went for it
+    assert compiler.compile(GrammarSpec("regex", "b+")) is small and compiler.num_compiled == 2
+    assert compiler.compile(GrammarSpec("regex", "a{20000}")) is not big and compiler.num_compiled == 3
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="the C library does not report its heap (not glibc)")
+def test_a_cached_too_complex_verdict_holds_none_of_its_compilation(byte_tokenizer):
+    # Its traceback's frames held the matcher: 170 MiB a verdict for this one on the demo tokenizer.
+    budget = GrammarBudget(compile_timeout_s=0.5, max_lexer_states=50_000)
+    compiler = GrammarCompiler(byte_tokenizer, len(byte_tokenizer), [1], budget=budget)
+    spec = GrammarSpec("regex", "((a{100}){100}){100}")
+    before = heap_in_use()
+    for _ in range(2):  # the second is the cached verdict, raised again
+        with pytest.raises(GrammarTooComplex):
+            compiler.compile(spec)
+    while compiler.num_running:
+        time.sleep(0.01)
+    assert compiler.num_compiled == 1
+    assert heap_in_use() - before < 16 * 2**20
 
 
 def test_concurrent_compiles_of_one_spec_compile_once(byte_tokenizer):

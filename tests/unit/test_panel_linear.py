@@ -174,7 +174,7 @@ def test_panelled_codes_at_every_row_count(panel, rows, out_features, in_feature
 @pytest.mark.parametrize("factors", ["fp32", "fp16", "q8_0"])
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"), [(64, 96, 32), (96, 100, 32), (32, 17, 5)])
 def test_few_rows_of_panelled_codes_read_compact_factors(panel, rows, factors, out_features, in_features, group_size):
-    """Up to MAX_FEW_PANEL_ROWS rows go to the few-row kernel, which reads fp16 factors where they
+    """An LM head's: up to MAX_FEW_PANEL_ROWS rows go to the few-row kernel, which reads fp16 factors where they
     are exact and no offsets where each is -128 * its scale (Q8_0); more rows to the tiles. Groups that
     do not divide K and groups of odd size included."""
     generator = torch.Generator().manual_seed(rows * 13 + out_features)
@@ -187,8 +187,11 @@ def test_few_rows_of_panelled_codes_read_compact_factors(panel, rows, factors, o
     x = torch.randn(rows, in_features, generator=generator)
     for module_bias in (None, bias):
         module = QuantLinear.from_packed(packed, module_bias)
+        assert module._native_kernels()[3] is None  # a layer's panels: the tiles, as the fused layers
+        module.use_few_row_panels()  # an LM head's
         few_rows = module._native_kernels()[3]
         assert isinstance(few_rows, cpu_kernels.PanelCodesFewRows)
+        assert module.native_calls()[1] is None
         assert few_rows.factor_dtype == (torch.float32 if factors == "fp32" else torch.float16)
         assert few_rows.symmetric == (factors == "q8_0")
         with torch.no_grad():

@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from inference_service.worker.kernels import bindings
+from inference_service.worker.kernels.decode_layers import step_args
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # A layer's entries in the table (csrc/bf16_layers.cpp's Field, in its order).
@@ -55,29 +56,10 @@ class BF16Layers:
     ) -> None:
         """hidden [S, D] in place; cos, sin [S, Dh] bf16; slots [S], block_table [S, NB] and context_lens
         [S] int64; shape (heads, KV heads, head size, MLP width); all contiguous."""
-        heads, kv_heads, head_dim, intermediate = shape
-        status = self._fn(
-            table.data_ptr(),
-            table.shape[0],
-            hidden.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slots.data_ptr(),
-            block_table.data_ptr(),
-            context_lens.data_ptr(),
-            hidden.shape[0],
-            block_table.shape[1],
-            block_size,
-            hidden.shape[1],
-            heads,
-            kv_heads,
-            head_dim,
-            intermediate,
-            norm_eps,
-            qk_eps,
-            scale,
-        )
+        args = step_args(table, hidden, cos, sin, slots, block_table, context_lens, block_size, shape)
+        status = self._fn(*args, norm_eps, qk_eps, scale)
         if status != 0:
+            heads, kv_heads, head_dim, _ = shape
             raise RuntimeError(f"fused bf16 layers refused {heads} heads over {kv_heads} KV heads of size {head_dim}")
 
 

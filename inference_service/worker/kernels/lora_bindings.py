@@ -19,6 +19,7 @@ import subprocess
 import torch
 
 from inference_service.worker.kernels import bindings
+from inference_service.worker.kernels.native_build import native_address
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class LoraKernel:
         # The ctypes functions themselves, for a caller that binds a step's arguments once and checks
         # the status itself (lora/decode.py: four calls per layer of every decode step).
         self.sgmv_raw, self.bgmv_raw, self.panel_row_raw = self._sgmv, self._bgmv, self._panel_row
+        # Their addresses, for native code that calls them (kernels/decode_layers.py's fused layers).
+        self.addresses = tuple(native_address(f) for f in (self._sgmv, self._bgmv, self._panel_row))
         self._force_threads = bindings._bind(library, "lora_force_threads", [ctypes.c_int])
 
     def force_threads(self, mode: int) -> int:

@@ -35,6 +35,7 @@ SOURCES = (
     CSRC / "bf16_linear.cpp",
     CSRC / "bf16_glue.cpp",
     CSRC / "bf16_layers.cpp",
+    CSRC / "decode_layers.cpp",
     CSRC / "logits_rows.cpp",
     CSRC / "panel_codes_few_rows.cpp",
 )
@@ -53,6 +54,14 @@ def bind(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
     function = getattr(library, name)
     function.restype, function.argtypes = ctypes.c_int, argtypes
     return function
+
+
+def native_address(function: Callable[..., int]) -> int:
+    """A bound library function's address, for native code that calls it."""
+    address = ctypes.cast(function, ctypes.c_void_p).value  # type: ignore[arg-type]
+    if address is None:
+        raise ValueError("a null function pointer")
+    return address
 
 
 def pointer(tensor: torch.Tensor | None) -> int | None:

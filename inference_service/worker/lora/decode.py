@@ -7,7 +7,9 @@ module the bf16 one-call layer plan (runner/bf16_layers.py) checks for, so a LoR
 its base-only steps slower than the base engine. Here a step with no adapter row runs the plan exactly
 as the base engine does; a step with one adds one kernel call per projection (fused q|k|v and gate|up
 parts in one call), its arguments read once per step, and a one-row step (one stream) computes each
-panelled projection and its update in a single call (StepAdder.project).
+panelled projection and its update in a single call (StepAdder.project). An fp32 decode step whose
+layers run in one native call (runner/fused_layers.py) takes the adder's plan into that call, which
+makes the same kernel calls in the same order.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class StepAdder:
 
     def __init__(self, layers: list[list[_Projection]], plan: NativePlan | None):
         self.layers = layers
-        self._plan = plan  # keeps the tables the bound addresses point into alive
+        self.plan = plan  # keeps the tables the bound addresses point into alive
         self.native = plan is not None
         self._call: Any = None  # the kernel's ctypes function and the step's arguments after x, y's
         self._row: Any = None  # one row, one adapter: the fused kernel and the adapter's table

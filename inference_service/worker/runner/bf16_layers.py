@@ -18,8 +18,9 @@ import torch
 
 from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels.bf16_layers import FIELDS, BF16Layers, load_bf16_layers
-from inference_service.worker.kernels.bindings import MAX_BF16_LINEAR_ROWS, MAX_GROUPS
+from inference_service.worker.kernels.bindings import MAX_BF16_LINEAR_ROWS
 from inference_service.worker.linears.bf16 import BF16NativeLinear
+from inference_service.worker.runner.fused_layers import int64, projections, same_shapes
 
 # decode_step._Layer (not imported: decode_step imports this module)
 _Layer = Any
@@ -34,7 +35,7 @@ class FusedBF16Layers:
         first = layers[0]
         self.kernel = kernel
         self.layers = layers
-        self.modules = [_projections(layer) for layer in layers]
+        self.modules = [projections(layer) for layer in layers]
         linears = [cast(tuple[BF16NativeLinear, ...], modules) for modules in self.modules]  # _fusable checked
         self.shape = (first.num_heads, first.num_kv_heads, first.head_dim, linears[0][3].in_features)
         self.norm_eps = first.input_norm.eps
@@ -67,7 +68,7 @@ class FusedBF16Layers:
             and hidden.dtype == torch.bfloat16
             and hidden.device.type == "cpu"
             and 0 < hidden.shape[0] <= MAX_BF16_LINEAR_ROWS
-            and all(_projections(layer) == modules for layer, modules in zip(self.layers, self.modules, strict=True))
+            and all(projections(layer) == modules for layer, modules in zip(self.layers, self.modules, strict=True))
         )
 
     def run(self, meta: StepMetadata, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,9 +87,9 @@ class FusedBF16Layers:
             hidden,
             cos.to(torch.bfloat16).contiguous(),
             sin.to(torch.bfloat16).contiguous(),
-            _int64(meta.slot_mapping),
-            _int64(meta.decode_block_table),
-            _int64(meta.decode_context_lens),
+            int64(meta.slot_mapping),
+            int64(meta.decode_block_table),
+            int64(meta.decode_context_lens),
             cache.block_size,
             self.shape,
             self.norm_eps,
@@ -96,10 +97,6 @@ class FusedBF16Layers:
             self.scale,
         )
         return hidden
-
-
-def _int64(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.dtype == torch.int64 and tensor.is_contiguous() else tensor.to(torch.int64).contiguous()
 
 
 def fused_bf16_layers_for(layers: list[_Layer]) -> FusedBF16Layers | None:
@@ -111,31 +108,13 @@ def fused_bf16_layers_for(layers: list[_Layer]) -> FusedBF16Layers | None:
     return FusedBF16Layers(layers, kernel) if kernel is not None else None
 
 
-def _projections(layer: _Layer) -> tuple[torch.nn.Module, ...]:
-    return layer.qkv, layer.o_proj, layer.gate_up, layer.down
-
-
 def _fusable(layer: _Layer, first: _Layer) -> bool:
-    if not all(type(m) is BF16NativeLinear for m in _projections(layer) + _projections(first)):
+    if not all(type(m) is BF16NativeLinear for m in projections(layer)):
         return False
-    qkv, o, gate_up, down = cast(tuple[BF16NativeLinear, ...], _projections(layer))
-    first_down = cast(BF16NativeLinear, first.down)
-    if qkv.weight.device.type != "cpu":
-        return False
+    qkv = cast(BF16NativeLinear, layer.qkv)
     norms = [layer.input_norm, layer.post_norm] + [n for n in (layer.q_norm, layer.k_norm) if n is not None]
-    if not all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms):
-        return False
-    qk_eps = {n.eps for n in (layer.q_norm, layer.k_norm, first.q_norm, first.k_norm) if n is not None}
     return (
-        (layer.q_norm is None) == (layer.k_norm is None) == (first.q_norm is None)
-        and len(qk_eps) <= 1
-        and layer.num_heads % layer.num_kv_heads == 0
-        and layer.num_heads // layer.num_kv_heads <= MAX_GROUPS
-        and (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
-        == (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
-        and o.in_features == layer.num_heads * layer.head_dim
-        and qkv.out_features == (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim
-        and gate_up.out_features == 2 * down.in_features == 2 * first_down.in_features
-        and layer.input_norm.eps == layer.post_norm.eps == first.input_norm.eps
-        and layer.head_dim % 8 == 0
+        qkv.weight.device.type == "cpu"
+        and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms)
+        and same_shapes(layer, first)
     )

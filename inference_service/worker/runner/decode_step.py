@@ -14,6 +14,9 @@ steps through this plan instead. It is the same math in fewer calls:
   RMSNorm, Q/K norm + rotary + KV write, SiLU·mul), one call each, and in bf16 too
   (kernels.bf16_glue, rounding where transformers' bf16 ops round); elsewhere they are the torch ops
   transformers runs, in its order, and the logits are bitwise those of the transformers path.
+On CPU a decode-only step runs all its layers in one native call where it can (runner/
+fused_layers.py in fp32 and over packed codes, LoRA updates included; runner/bf16_layers.py in bf16):
+the same kernels in the same order, without the Python between them.
 On CPU, steps holding prompt chunks (prefill, and prefill beside decodes) run through the same
 plan: the chunks attend through the paged functions transformers' path calls (attention/paged.py's
 attend_mixed), and a vision-language model's merged image embeddings stand in for the ids'. What it
@@ -36,9 +39,11 @@ from inference_service.worker.attention.paged import attend_decode, attend_mixed
 from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.bindings import DecodeGlue
+from inference_service.worker.linears.quant import QuantLinear
 from inference_service.worker.lora.batch import current_step
 from inference_service.worker.lora.decode import DOWN, GATE_UP, O_PROJ, QKV, DecodeLora, StepAdder
-from inference_service.worker.runner.bf16_layers import fused_bf16_layers_for
+from inference_service.worker.runner.bf16_layers import FusedBF16Layers, fused_bf16_layers_for
+from inference_service.worker.runner.fused_layers import FusedLayers, fused_layers_for
 from inference_service.worker.runner.fused_projections import fuse_projections
 
 logger = logging.getLogger(__name__)
@@ -57,11 +62,18 @@ class DecodeStep:
         self.rotary = body.rotary_emb
         self.final_norm = _Norm(body.norm)
         self.lm_head: torch.nn.Module = model.lm_head
+        if isinstance(self.lm_head, QuantLinear):  # no fused layer's: few rows may take its own kernel
+            self.lm_head.use_few_row_panels()
         window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.layers = [_Layer(layer, window) for layer in body.layers]
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
-        # bf16 on CPU: every layer in one native call where the step allows (runner/bf16_layers.py)
-        self.fused = fused_bf16_layers_for(self.layers) if isinstance(glue, BF16DecodeGlue) else None
+        # On CPU: every layer in one native call where the step allows (runner/bf16_layers.py in bf16,
+        # runner/fused_layers.py in fp32, LoRA updates included)
+        self.fused: FusedBF16Layers | FusedLayers | None = None
+        if isinstance(glue, BF16DecodeGlue):
+            self.fused = fused_bf16_layers_for(self.layers)
+        elif glue is not None and glue.cache_dtype == torch.float32:
+            self.fused = fused_layers_for(self.layers)
         # LoRA adapters enabled (lora/install.py): a step with adapter rows adds their updates after
         # each projection; a step without runs exactly as without adapters
         self.lora: DecodeLora | None = None
@@ -69,7 +81,8 @@ class DecodeStep:
     def __str__(self) -> str:
         """How decode steps run, for the startup log."""
         if self.fused is not None:
-            return "fused projections, all layers in one native bf16 call"
+            kind = "bf16" if isinstance(self.fused, FusedBF16Layers) else "fp32"
+            return f"fused projections, all layers in one native {kind} call"
         return f"fused projections, {'native' if isinstance(self.ops, _NativeOps) else 'torch'} ops between them"
 
     def takes(self, meta: StepMetadata, position_ids: torch.Tensor) -> bool:
@@ -97,11 +110,16 @@ class DecodeStep:
         hidden = self.embed(input_ids[0]) if inputs_embeds is None else inputs_embeds[0]  # [S, D]
         cos, sin = self.rotary(hidden, position_ids)  # [1, S, Dh]
         step = current_step() if self.lora is not None else None
+        fused = self.fused if self.fused is not None and meta.decode_only and self.fused.takes(meta, hidden) else None
         if step is not None:
             assert self.lora is not None
-            hidden = self._layers(meta, hidden, cos[0], sin[0], self.lora.adder(step, hidden))
-        elif self.fused is not None and meta.decode_only and self.fused.takes(meta, hidden):
-            hidden = self.fused.run(meta, hidden, cos[0], sin[0])
+            adder = self.lora.adder(step, hidden)
+            if isinstance(fused, FusedLayers) and fused.takes_lora(adder):
+                hidden = fused.run(meta, hidden, cos[0], sin[0], adder)
+            else:
+                hidden = self._layers(meta, hidden, cos[0], sin[0], adder)
+        elif fused is not None:
+            hidden = fused.run(meta, hidden, cos[0], sin[0])
         else:
             hidden = self._layers(meta, hidden, cos[0], sin[0])
         if len(keep_rows) != hidden.shape[0]:
