@@ -38,6 +38,7 @@ from inference_service.worker.kernels.bindings import (
     panel_kernel_for,
 )
 from inference_service.worker.kernels.decode_glue import decode_glue_for
+from inference_service.worker.kernels.logits_bindings import logits_row_stats_for
 from inference_service.worker.linears import bf16 as bf16_linear
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
@@ -107,7 +108,12 @@ def build_from(
     adapters = enable_lora(config, loaded, runner) if config.model.lora_enabled else None
     phase.update()
     info = make_info(config, loaded, num_blocks)
-    sampler = Sampler(info.vocab_size, config.limits.watermark_gamma, config.limits.watermark_delta)
+    sampler = Sampler(
+        info.vocab_size,
+        config.limits.watermark_gamma,
+        config.limits.watermark_delta,
+        row_stats=logits_row_stats_for(loaded.device),
+    )
     grammar_compiler = (
         None if config.limits.disable_grammar_support else make_grammar_compiler(loaded.tokenizer, info, config.limits)
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -127,6 +128,15 @@ class SamplingState:
         return self.token_counts.gather(0, token_ids)
 
 
+class RowStats(Protocol):
+    """Per row of fp32 logits [B, V]: (first argmax [B] int64, max [B], log(sum(exp(x - max))) [B]), as
+    torch.max and log_softmax give them (the engine hands in worker/kernels' native pass)."""
+
+    def takes(self, logits: Tensor) -> bool: ...
+
+    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
 @dataclass
 class SamplerOutput:
     """Per row: the chosen token, its raw logprob, and the raw top-n (empty lists unless asked)."""
@@ -146,10 +156,12 @@ class Sampler:
         watermark_gamma: float = 0.5,
         watermark_delta: float = 2.0,
         candidate_tiers: tuple[int, ...] = ops.CANDIDATE_TIERS,
+        row_stats: RowStats | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.watermark = Watermark(vocab_size, watermark_gamma, watermark_delta)
         self.candidate_tiers = candidate_tiers  # () = always the full sort
+        self.row_stats = row_stats  # a native pass the engine hands in (CPU); None: torch's ops
 
     def __call__(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row.
@@ -165,8 +177,16 @@ class Sampler:
         logits = logits.float()  # [B, V]
         params = [s.params for s in states]
         allowed = self.apply_grammars(logits, states)  # [B, V]; logprobs stay those of the raw logits
+        # Each raw row's argmax, max and log-sum-exp, where a native pass gives them and no row asks for
+        # its top-n: the chosen tokens' raw logprobs are then x - max - log_sum, log_softmax's formula.
+        stats = None
+        if self.row_stats is not None and self.row_stats.takes(logits) and not any(p.top_n_tokens for p in params):
+            stats = self.row_stats(logits)
         if all(p.is_greedy and not p.changes_logits for p in params):
-            chosen_logits, token_ids = allowed.max(dim=-1)  # [B] each: the argmax and its logit, one op
+            if stats is not None and allowed is logits:
+                token_ids, chosen_logits = stats[0], stats[1]  # [B] each
+            else:
+                chosen_logits, token_ids = allowed.max(dim=-1)  # [B] each: the argmax and its logit, one op
         else:
             chosen_from = self.process(allowed, states)
             token_ids = self._choose(chosen_from, states)  # [B]
@@ -175,7 +195,7 @@ class Sampler:
         if forced:  # after the draw, so a seeded request's random stream is the same either way
             rows, ids = zip(*forced, strict=True)
             token_ids[list(rows)] = torch.tensor(ids, dtype=token_ids.dtype, device=token_ids.device)
-        output, unchosen = _gather_output(logits, token_ids, chosen_logits, params)
+        output, unchosen = _gather_output(logits, token_ids, chosen_logits, params, stats)
         # A chosen logit at -inf (every token was) or NaN (the model's logits were): nothing to choose.
         # Read with the step's one transfer; a forced token is chosen whatever its logit.
         if unchosen and any(row not in dict(forced) for row in unchosen):
@@ -325,12 +345,21 @@ def _update_rows(x: Tensor, rows: list[int], fn: Callable[[Tensor], Tensor]) -> 
 
 
 def _gather_output(
-    logits: Tensor, token_ids: Tensor, chosen_logits: Tensor, params: Sequence[SamplingParams]
+    logits: Tensor,
+    token_ids: Tensor,
+    chosen_logits: Tensor,
+    params: Sequence[SamplingParams],
+    stats: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[SamplerOutput, list[int]]:
     """Raw logprobs of the chosen tokens and the top-n, read back to the host in one transfer with
-    the logits the tokens were chosen at; and the rows whose chosen logit is -inf or NaN."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+    the logits the tokens were chosen at; and the rows whose chosen logit is -inf or NaN. With the
+    rows' `stats` (no top-n asked), the logprobs come from them, not from a whole log_softmax."""
+    if stats is not None:
+        _, maxes, log_sums = stats
+        logprobs = (logits.gather(1, token_ids[:, None]).squeeze(1) - maxes) - log_sums  # [B]
+    else:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
     top_rows = _rows(params, lambda p: p.top_n_tokens > 0)
     width = min(max((params[i].top_n_tokens for i in top_rows), default=0), logits.shape[-1])
     # One float64 vector (cat promotes the float32 parts itself): ids are exact below 2**53.

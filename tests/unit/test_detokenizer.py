@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -16,6 +17,7 @@ from inference_service.engine.detokenizer import (
     IncrementalDetokenizer,
     StopChecker,
     TextState,
+    _direct_backend,
     decode,
     special_token_ids,
 )
@@ -80,6 +82,34 @@ def run_text_state(state: TextState, token_ids: list[int], specials: frozenset[i
 
 
 # --- special tokens ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_decode_skips_transformers_wrapper_with_the_same_text(byte_tokenizer, sp_tokenizer, skip_special_tokens):
+    """Both fast tokenizers take the direct route, and it gives what `tokenizer.decode` gives, on any
+    ids (specials and byte pieces included)."""
+    rng = random.Random(1)
+    for tokenizer in (byte_tokenizer, sp_tokenizer):
+        assert _direct_backend(tokenizer) is tokenizer._tokenizer
+        specials = sorted(special_token_ids(tokenizer))
+        for _ in range(300):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 8))] + rng.sample(specials, 1)
+            rng.shuffle(ids)
+            skip = skip_special_tokens
+            expected = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert decode(tokenizer, ids, skip_special_tokens=skip) == expected
+
+
+def test_a_tokenizer_overriding_decode_keeps_its_own(byte_tokenizer):
+    class Shouting(type(byte_tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(byte_tokenizer)
+    shouting.__class__ = Shouting
+    assert _direct_backend(shouting) is None
+    ids = encode(byte_tokenizer, "quiet words")
+    assert decode(shouting, ids, skip_special_tokens=False) == "QUIET WORDS"
 
 
 def test_special_token_ids_are_the_named_and_added_special_tokens(byte_tokenizer):

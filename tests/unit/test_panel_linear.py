@@ -170,6 +170,36 @@ def test_panelled_codes_at_every_row_count(panel, rows, out_features, in_feature
     )
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("factors", ["fp32", "fp16", "q8_0"])
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"), [(64, 96, 32), (96, 100, 32), (32, 17, 5)])
+def test_few_rows_of_panelled_codes_read_compact_factors(panel, rows, factors, out_features, in_features, group_size):
+    """An LM head's: up to MAX_FEW_PANEL_ROWS rows go to the few-row kernel, which reads fp16 factors where they
+    are exact and no offsets where each is -128 * its scale (Q8_0); more rows to the tiles. Groups that
+    do not divide K and groups of odd size included."""
+    generator = torch.Generator().manual_seed(rows * 13 + out_features)
+    packed = quantize_rtn(torch.randn(out_features, in_features, generator=generator), 8, group_size)
+    if factors != "fp32":
+        scales = packed.scales.half().float()
+        offsets = scales * -128 if factors == "q8_0" else packed.offsets.half().float()
+        packed = PackedWeight(8, packed.codes, scales, offsets, group_size, in_features)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    for module_bias in (None, bias):
+        module = QuantLinear.from_packed(packed, module_bias)
+        assert module._native_kernels()[3] is None  # a layer's panels: the tiles, as the fused layers
+        module.use_few_row_panels()  # an LM head's
+        few_rows = module._native_kernels()[3]
+        assert isinstance(few_rows, cpu_kernels.PanelCodesFewRows)
+        assert module.native_calls()[1] is None
+        assert few_rows.factor_dtype == (torch.float32 if factors == "fp32" else torch.float16)
+        assert few_rows.symmetric == (factors == "q8_0")
+        with torch.no_grad():
+            assert_close(module(x), expected(x, packed.dequantize(), module_bias))
+            if rows <= cpu_kernels.MAX_FEW_PANEL_ROWS:
+                assert_close(few_rows(x), expected(x, packed.dequantize(), module_bias))
+
+
 def test_panelled_codes_without_the_native_library_take_torchs_path(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
     packed = quantize_rtn(torch.randn(64, 40), 8, 8)

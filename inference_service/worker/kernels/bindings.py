@@ -32,10 +32,12 @@ from inference_service.worker.kernels.attention_bindings import (
 from inference_service.worker.kernels.fp32_glue import DecodeGlue
 from inference_service.worker.kernels.linear_bindings import (
     MAX_BF16_LINEAR_ROWS,
+    MAX_FEW_PANEL_ROWS,
     MAX_LINEAR_ROWS,
     MAX_PANEL_K,
     MAX_QUANT_ROWS,
     BF16Linear,
+    PanelCodesFewRows,
     PanelLinear,
     QuantLinearKernel,
     SmallBatchLinear,
@@ -63,6 +65,7 @@ __all__ = [
     "KV_DTYPE_CODES",
     "LINK_FLAGS",
     "MAX_BF16_LINEAR_ROWS",
+    "MAX_FEW_PANEL_ROWS",
     "MAX_GROUPS",
     "MAX_LINEAR_ROWS",
     "MAX_PANEL_K",
@@ -72,6 +75,7 @@ __all__ = [
     "DecodeGlue",
     "KVWriter",
     "PagedDecodeKernel",
+    "PanelCodesFewRows",
     "PanelLinear",
     "QuantLinearKernel",
     "SmallBatchLinear",

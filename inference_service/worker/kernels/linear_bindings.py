@@ -22,6 +22,9 @@ MAX_BF16_LINEAR_ROWS = 32
 # panel GEMM. Measured over the demo model's projections, 2 threads (benchmarks/quant_kernels.py):
 # 4-bit codes pack cheaper than they compute in the kernel from 8-12 rows, 8-bit ones from 16.
 MAX_QUANT_ROWS = {4: 8, 8: 16}
+# Up to this many rows, 8-bit codes stored in panels go to the few-row kernel
+# (csrc/panel_codes_few_rows.cpp; its kMaxRows), above it to the panel GEMM's tiles.
+MAX_FEW_PANEL_ROWS = 8
 # Above those row counts the panel GEMM computes, for inputs up to this wide (its panel of 32 columns,
 # K x 128 bytes, then still sits in L2). Measured on the demo model's projections, 2 threads, against
 # torch's fp32 GEMM: 1.3x at 33-256 rows, 1.07x at 512, 1.05x at 1024.
@@ -84,6 +87,7 @@ class PanelLinear:
         self._quant = native_build.bind(library, "panel_quant_linear_f32", [POINTER] * 6 + [I64] * 5)
         self._codes = native_build.bind(library, "panel_codes_linear_f32", [POINTER] * 6 + [I64] * 4)
         self._panels = native_build.bind(library, "panel_weights_linear_f32", [POINTER] * 4 + [I64] * 3)
+        self._library = library
 
     @staticmethod
     def takes(in_features: int) -> bool:
@@ -172,6 +176,17 @@ class PanelLinear:
             self._check(self._panels(x.data_ptr(), panels.data_ptr(), pointer(bias), out.data_ptr(), rows, n, k), k)
         return out
 
+    def few_rows(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int,
+    ) -> PanelCodesFewRows:
+        """The few-row kernel bound to 8-bit codes in the panel layout (as `codes` takes them)."""
+        return PanelCodesFewRows(self._library, codes, scales, offsets, bias, group_size)
+
     @staticmethod
     def _operands(x: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """x contiguous, the output [..., n], and the number of rows."""
@@ -181,6 +196,47 @@ class PanelLinear:
     def _check(status: int, k: int) -> None:
         if status != 0:
             raise RuntimeError(f"panel linear kernel refused an input of {k} features")
+
+
+class PanelCodesFewRows:
+    """x [..., K] · Wᵀ (+ bias) → [..., N] for at most MAX_FEW_PANEL_ROWS rows, W 8-bit codes in the
+    panel layout (csrc/panel_codes_few_rows.cpp), bound to one weight. It reads fp16 copies of the
+    scales and offsets where every value survives the round trip, and no offsets where each is -128
+    times its scale (GGUF's Q8_0): a decode step of one stream reads the head's bytes once, and fp32
+    factors were a fifth of them. It keeps the tensors it points at (the fp16 copies: 2 or 4 bytes per
+    group of 32 codes, besides the module's fp32 factors)."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int,
+    ):
+        panel_count, k, width = codes.shape
+        self.out_features, self.in_features, self.group_size = panel_count * width, k, group_size
+        self.max_elements = MAX_FEW_PANEL_ROWS * k
+        self.symmetric = torch.equal(offsets, scales * -128)  # offsets not read
+        half_scales, half_offsets = scales.half(), offsets.half()
+        self.factor_dtype = torch.float32
+        if torch.equal(half_scales.float(), scales) and torch.equal(half_offsets.float(), offsets):
+            self.factor_dtype, scales, offsets = torch.float16, half_scales, half_offsets
+        symbol = "panel_codes_few_rows_f16" if self.factor_dtype == torch.float16 else "panel_codes_few_rows_f32"
+        self._fn = native_build.bind(library, symbol, [POINTER] * 6 + [I64] * 4)
+        kept_offsets = None if self.symmetric else offsets
+        self._tensors = codes, scales, kept_offsets, bias  # alive while the pointers are used
+        self._weight = (codes.data_ptr(), scales.data_ptr(), pointer(kept_offsets), pointer(bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        x = x.contiguous()
+        rows = x.numel() // k
+        out = x.new_empty(*x.shape[:-1], n)
+        if rows and self._fn(x.data_ptr(), *self._weight, out.data_ptr(), rows, n, k, self.group_size) != 0:
+            raise RuntimeError(f"the few-row panel kernel refused x {list(x.shape)}")
+        return out
 
 
 class QuantLinearKernel:

@@ -36,6 +36,8 @@ SOURCES = (
     CSRC / "bf16_glue.cpp",
     CSRC / "bf16_layers.cpp",
     CSRC / "decode_layers.cpp",
+    CSRC / "logits_rows.cpp",
+    CSRC / "panel_codes_few_rows.cpp",
 )
 # Included by the sources: part of the cache key.
 HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h", CSRC / "row_blocks.h")

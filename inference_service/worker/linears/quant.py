@@ -3,13 +3,15 @@
 The packed tensors are buffers (`codes`, `scales`, `offsets`), so `.to()`, `state_dict()` and the
 engine's memory accounting see them; `.packed` gives them as a PackedWeight. 8-bit codes whose rows
 fill panels are stored in the panel layout (kernels/panels.py) and, on CPU in fp32 with the native
-library, computed by the panel GEMM at every row count. Other codes keep the canonical layout: up
-to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the packed-weight kernel, which reads
-the codes directly, and more (prefill, large batches) to the panel GEMM, which widens each panel of
-codes as it packs it. Other dtypes or devices, or no native library: the weight is dequantized to
-x's dtype in slices of output rows and multiplied by torch's GEMM, which keeps the temporary fp32
-weight small. With `INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8` the few-row path of 4-bit codes rounds
-x to int8 and uses integer dot products instead (kernels/int8_activations.py; opt-in: numerics change).
+library, computed by the panel GEMM; an LM head's (a GGUF's Q8_0 head) up to MAX_FEW_PANEL_ROWS rows
+by a few-row kernel that reads them about twice as fast (`use_few_row_panels`). Other codes keep the
+canonical layout: up to MAX_QUANT_ROWS rows (decode steps; 8 or 16 by bits) go to the packed-weight
+kernel, which reads the codes directly, and more (prefill, large batches) to the panel GEMM, which
+widens each panel of codes as it packs it. Other dtypes or devices, or no native library: the weight
+is dequantized to x's dtype in slices of output rows and multiplied by torch's GEMM, which keeps the
+temporary fp32 weight small. With `INFERENCE_SERVICE_QUANT_ACTIVATIONS=int8` the few-row path of
+4-bit codes rounds x to int8 and uses integer dot products instead (kernels/int8_activations.py;
+opt-in: numerics change).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from inference_service.worker.kernels import bindings, int8_activations, panels
+from inference_service.worker.kernels import bindings, int8_activations, linear_bindings, panels
 from inference_service.worker.kernels.packed import PackedWeight
 
 # fp32 weight elements dequantized at once: 4 MiB, a whole projection of the demo model (one GEMM
@@ -69,7 +71,12 @@ class _FewRows:
         return out
 
 
-_Kernels = tuple[bindings.QuantLinearKernel | None, bool, bindings.PanelLinear | None, _FewRows | None]
+_Kernels = tuple[
+    bindings.QuantLinearKernel | None,
+    bool,
+    bindings.PanelLinear | None,
+    _FewRows | linear_bindings.PanelCodesFewRows | None,
+]
 
 
 class QuantLinear(torch.nn.Module):
@@ -78,6 +85,8 @@ class QuantLinear(torch.nn.Module):
     8-bit codes whose output size is a multiple of panels.PANEL are stored in the panel layout
     (`panelled`; see panels.py); others in the canonical one.
     """
+
+    few_row_panels = False  # use_few_row_panels()
 
     # Buffers (register_buffer in __init__), declared for the type checker: nn.Module's
     # __getattr__ types them as `Tensor | Module`.
@@ -193,12 +202,20 @@ class QuantLinear(torch.nn.Module):
                 return panel.quant(x, self.packed, self.bias)
         return dequantized_linear(x, self.packed, self.bias, kernel)
 
+    def use_few_row_panels(self) -> None:
+        """Send up to MAX_FEW_PANEL_ROWS rows of codes in panels to their few-row kernel (an LM head).
+        Off by default: the fused decode layers call the panels' tiles, and a layer computes op by op
+        what they compute, to the bit."""
+        self.few_row_panels = True
+        self._kernel = _UNRESOLVED
+
     def native_calls(self) -> tuple[bool, _FewRows | None]:
         """Whether forward computes fp32 CPU rows natively (the panel GEMM is there), and its bound
-        few-rows call (None: the panel GEMM takes every row count), for the fused decode layers
+        few-rows call over canonical codes (None: the panel GEMM takes every row count; codes in
+        panels, whose few-row kernel only forward calls), for the fused decode layers
         (runner/fused_layers.py), which call the same kernels."""
         _, _, panel, few_rows = self._native_kernels()
-        return panel is not None, few_rows
+        return panel is not None, few_rows if isinstance(few_rows, _FewRows) else None
 
     def _native_kernels(self) -> _Kernels:
         """The native library's packed-weight kernel (None: torch only), whether it takes these
@@ -213,10 +230,12 @@ class QuantLinear(torch.nn.Module):
             bias_ok = self.bias is None or (self.bias.dtype == torch.float32 and self.bias.is_contiguous())
             panel = bindings.panel_kernel_for(device, self.scales.dtype) if kernel is not None and bias_ok else None
             fits = kernel is not None and bias_ok and not self.panelled and kernel.supports(self.packed)
-            few_rows = None
+            few_rows: _FewRows | linear_bindings.PanelCodesFewRows | None = None
             if fits and kernel is not None and panel is not None and self.input_perm is None:
                 chosen = int8_activations.kernel_for(self.packed, device, self.scales.dtype) or kernel
                 few_rows = _FewRows(chosen, self.packed, self.bias, bindings.MAX_QUANT_ROWS[self.bits])
+            elif self.panelled and self.few_row_panels and panel is not None and self.input_perm is None:
+                few_rows = panel.few_rows(self.codes, self.scales, self.offsets, self.bias, self.group_size)
             self._kernel = kernel, fits, panel, few_rows
         return cast(_Kernels, self._kernel)
 

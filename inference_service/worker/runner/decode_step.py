@@ -39,6 +39,7 @@ from inference_service.worker.attention.paged import attend_decode, attend_mixed
 from inference_service.worker.attention.step_metadata import StepMetadata
 from inference_service.worker.kernels.bf16_glue import BF16DecodeGlue
 from inference_service.worker.kernels.bindings import DecodeGlue
+from inference_service.worker.linears.quant import QuantLinear
 from inference_service.worker.lora.batch import current_step
 from inference_service.worker.lora.decode import DOWN, GATE_UP, O_PROJ, QKV, DecodeLora, StepAdder
 from inference_service.worker.runner.bf16_layers import FusedBF16Layers, fused_bf16_layers_for
@@ -61,6 +62,8 @@ class DecodeStep:
         self.rotary = body.rotary_emb
         self.final_norm = _Norm(body.norm)
         self.lm_head: torch.nn.Module = model.lm_head
+        if isinstance(self.lm_head, QuantLinear):  # no fused layer's: few rows may take its own kernel
+            self.lm_head.use_few_row_panels()
         window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         self.layers = [_Layer(layer, window) for layer in body.layers]
         self.ops = _NativeOps(glue) if glue is not None else _TorchOps()
@@ -121,7 +124,8 @@ class DecodeStep:
             hidden = self._layers(meta, hidden, cos[0], sin[0])
         if len(keep_rows) != hidden.shape[0]:
             hidden = hidden[keep_rows]
-        return self.lm_head(self.final_norm(hidden)).float()
+        _, normed = self.ops.add_norm(hidden, None, self.final_norm)  # native where the layers' ops are
+        return self.lm_head(normed).float()
 
     def _layers(
         self,
