@@ -642,14 +642,17 @@ def mixed_specs(count: int, seed: int = 0) -> list[tuple[str, int]]:
     return [(rng.choice(names), rng.getrandbits(32)) for _ in range(count)]
 
 
-def send_spec(spec: tuple[str, int], target: Target) -> tuple[str, str, Answer, float, float]:
-    """Make and send one case (in a worker process: the caller's own threads stay free);
-    (its name, its kind, its answer, and when it was sent and answered: `time.monotonic()`, one
-    clock for the machine's processes)."""
+def send_spec(spec: tuple[str, int], target: Target) -> tuple[str, str, str, int | str, list[str], float, float]:
+    """Make and send one case, and judge its answer, in a worker process: the caller's process (where
+    the innocent requests' clients run) neither unpickles nor parses answer bodies of up to megabytes,
+    which held its GIL and so its clients. (Its name, its kind, its transport, its status, what was
+    wrong with it, and when it was sent and answered: `time.monotonic()`, one clock for the machine's
+    processes.)"""
     made = case(spec)
     started = time.monotonic()
     answer = made.send(target)
-    return str(made), made.kind, answer, started, time.monotonic()
+    ended = time.monotonic()
+    return str(made), made.kind, answer.via, answer.status, problems(answer), started, ended
 
 
 def grpc_stub(target: Target) -> generate_pb2_grpc.TextGenerationStub:
