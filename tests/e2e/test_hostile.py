@@ -19,40 +19,38 @@ tests/e2e/soak_attribution.py), each hostile kind's share of the overlaps with r
 against its share of all overlaps, where the server's CPU went, the KV blocks free and the server's and
 Envoy's memory after each part. It asserts every answer and output, no KV block held,
 and no memory growth over the second half beyond a stated bound; latency is reported, not asserted.
+
+Here the fixtures and the tests; beside them the server's handle and its processes' CPU and memory
+(hostile_server.py), the innocent requests (bystanders.py), the sending (hostile_sending.py) and
+the soak's report (soak_report.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
 import json
 import os
 import socket
 import statistics
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import pytest
 
 from inference_service.engine.gc_pauses import freeze_loaded_objects
-from inference_service.sample.grammar import DEFAULT_CACHE_BYTES
-from tests.e2e.hostile_cases import (
-    JSON,
-    KINDS,
-    SERVER_FAULT_CODES,
-    Target,
-    cases,
-    mixed_specs,
-    problems,
-    send_spec,
+from tests.e2e.bystanders import BYSTANDERS, Bystanders, split_runs, untimed, wait_alone
+from tests.e2e.hostile_cases import KINDS, cases, mixed_specs
+from tests.e2e.hostile_sending import (
+    SOAK_CASES,
+    SOAK_PARTS,
+    SOAK_WORKERS,
+    fill_grammar_caches,
+    send_all,
+    send_in_processes,
 )
+from tests.e2e.hostile_server import Server, cpu_by_thread, cpu_of, descendants, rss_bytes
 from tests.e2e.soak_attribution import (
-    SLOW_RATIO,
     ClientCollections,
     Overlaps,
     Span,
@@ -62,18 +60,11 @@ from tests.e2e.soak_attribution import (
     server_stalls,
     slowest_runs,
 )
+from tests.e2e.soak_report import latency_ratios, markdown, server_errors, summary, summary_line
 from tests.launched import Launched
-from textgen.v1 import generate_pb2 as pb
-from textgen.v1 import generate_pb2_grpc
 
 SEEDS_PER_KIND = 6
-SOAK_CASES = int(os.environ.get("HOSTILE_SOAK_CASES", "3000"))
-SOAK_WORKERS = 4
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
-READY = r"ready: TGI REST API on http://127\.0\.0\.1:(\d+), gRPC API on port (\d+)"
-SOAK_PARTS = 8  # RSS is sampled after each part; an idle window of the innocent requests precedes each
-IDLE_WINDOW_S = 2.0  # at least; until each innocent request ran IDLE_RUNS_PER_WINDOW times alone (at most 30 s)
-IDLE_RUNS_PER_WINDOW = 10
 # RSS growth allowed per part, the second half's median over the first's: allocator slack, not a leak
 # per request. Both processes that compile grammars (the API's validation, the engine core) once
 # grew ~16 MiB per 150 hostile grammars without end in sight: their caches were bounded in entries
@@ -84,101 +75,6 @@ IDLE_RUNS_PER_WINDOW = 10
 MEMORY_GROWTH_MIB_PER_PART = 8.0
 HEAVY_KINDS = ("echoed_input", "huge_limits", "deep_json", "invalid_utf8")
 HEAVY_WARMUP = 40  # cases of each, before memory is first sampled
-
-
-class Server:
-    """`inference-service launch` on the tiny model with a chat template, and its two ports."""
-
-    def __init__(self, run: Launched):
-        self.run = run
-        ready = run.wait_for(READY)
-        self.target = Target(gateway_port=int(ready.group(1)), grpc_port=int(ready.group(2)))
-        self.envoy_pid = int(run.wait_for(r"Envoy (\d+): REST on port").group(1))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.target.grpc_port}")
-        self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
-
-    def stats(self):
-        return self.stub.Info(pb.InfoRequest(), timeout=10).stats
-
-    def wait_idle(self, timeout: float = 30):
-        """Engine stats once nothing runs or waits and every KV block is free (or the timeout)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks):
-                return stats
-            if time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
-
-    def health(self) -> int:
-        import http.client
-
-        connection = http.client.HTTPConnection("127.0.0.1", self.target.gateway_port, timeout=30)
-        try:
-            connection.request("GET", "/health")
-            return connection.getresponse().status
-        finally:
-            connection.close()
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time the processes (all their threads) have used so far."""
-    ticks = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_by_thread(pids: list[int], api_pid: int) -> Counter:
-    """CPU seconds used so far by the threads of the server's API process and its children (the engine
-    core), by name (Python's own threads all bear the process's name, so the main one, the engine
-    core's step loop, is told apart): where the server's time goes."""
-    used: Counter = Counter()
-    for pid in pids:
-        process = "api" if pid == api_pid else f"child {Path(f'/proc/{pid}/cmdline').read_text()[-40:]!r}"
-        if "resource_tracker" in process:
-            continue
-        process = "engine core" if process.startswith("child") and "forkserver" not in process else process
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                name = (task / "comm").read_text().strip().rstrip("0123456789_-")
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                niced = " (niced)" if int(fields[16]) > 0 else ""  # grammar compiles (sample/grammar.py)
-                name = "main thread" if task.name == str(pid) else f"other {name}{niced}"
-                used[f"{process}/{name}"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return used
-
-
-def cpu_of(groups: dict[str, list[int]]) -> dict[str, float]:
-    return {name: cpu_seconds(pids) for name, pids in groups.items()}
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process under it."""
-    found = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            found += descendants(int(child))
-    return found
-
-
-def wait_alone(bystanders: Bystanders, since: float) -> None:
-    """Until each innocent request has run IDLE_RUNS_PER_WINDOW times since `since` (its whole run
-    after it), and IDLE_WINDOW_S has passed; 30 s at most."""
-    while time.monotonic() < since + 30:
-        done = min(sum(start >= since for start, _ in runs) for runs in list(bystanders.runs.values()))
-        if done >= IDLE_RUNS_PER_WINDOW and time.monotonic() >= since + IDLE_WINDOW_S:
-            return
-        time.sleep(0.05)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -194,73 +90,6 @@ def server(tiny_model_dir, envoy_installed, tmp_path_factory):
         run.stop()
 
 
-# -- the innocent requests ---------------------------------------------------------------------------
-def chat_stream(server: Server) -> tuple:
-    """A greedy chat stream through Envoy: its content, finish reason and that it ended with [DONE]."""
-    import http.client
-
-    body = {
-        "messages": [{"role": "user", "content": "the quick brown fox"}],
-        "max_tokens": 40,
-        "temperature": 0,
-        "stream": True,
-    }
-    connection = http.client.HTTPConnection("127.0.0.1", server.target.gateway_port, timeout=60)
-    try:
-        connection.request("POST", "/v1/chat/completions", json.dumps(body), JSON)
-        response = connection.getresponse()
-        text = response.read().decode()
-    finally:
-        connection.close()
-    events = text.split("\n\n")[:-1]
-    chunks = [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
-    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
-    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
-    return response.status, content, finish, events[-1] if events else None
-
-
-def tgi_generate(server: Server) -> Timed:
-    """A greedy /generate through Envoy: its token ids and text, and the server's own account of its
-    time (TGI's timing headers)."""
-    import http.client
-
-    body = {"inputs": "birds sing", "parameters": {"max_new_tokens": 30, "details": True}}
-    connection = http.client.HTTPConnection("127.0.0.1", server.target.gateway_port, timeout=60)
-    try:
-        connection.request("POST", "/generate", json.dumps(body), JSON)
-        response = connection.getresponse()
-        answer = json.loads(response.read())
-    finally:
-        connection.close()
-    output = (response.status, answer.get("generated_text"), [t["id"] for t in answer["details"]["tokens"]])
-    times = {name: int(response.getheader(f"x-{name}-time") or -1) / 1000 for name in SERVER_TIMES}
-    return Timed(output, times)
-
-
-@dataclasses.dataclass(frozen=True)
-class Timed:
-    """An innocent request's output, with the server's account of where its time went (seconds)."""
-
-    output: tuple
-    server_s: dict[str, float]
-
-
-SERVER_TIMES = ("total", "validation", "queue", "inference")
-
-
-def grpc_stream(server: Server) -> tuple:
-    """A greedy GenerateStream to the engine directly: its token ids."""
-    request = pb.GenerateRequest(inputs="a", parameters=pb.GenerateParameters(max_new_tokens=40))
-    return tuple(message.token.id for message in server.stub.GenerateStream(request, timeout=60))
-
-
-BYSTANDERS: dict[str, Callable[[Server], tuple | Timed]] = {
-    "chat_stream": chat_stream,
-    "tgi_generate": tgi_generate,
-    "grpc_stream": grpc_stream,
-}
-
-
 @pytest.fixture(scope="module")
 def alone(server) -> dict[str, tuple]:
     """Each innocent request's output with nothing else running."""
@@ -270,93 +99,6 @@ def alone(server) -> dict[str, tuple]:
     assert outputs["tgi_generate"][0] == 200 and len(outputs["tgi_generate"][2]) == 30
     assert len(outputs["grpc_stream"]) == 40
     return outputs
-
-
-def untimed(output: tuple | Timed) -> tuple:
-    return output.output if isinstance(output, Timed) else output
-
-
-class Bystanders:
-    """The innocent requests, each in a loop on its own thread until stopped: every output is
-    compared with its output alone, and every run's latency kept."""
-
-    def __init__(self, server: Server, alone: dict[str, tuple]):
-        self.server, self.alone = server, alone
-        self.latencies: dict[str, list[float]] = {name: [] for name in BYSTANDERS}
-        self.runs: dict[str, list[tuple[float, float]]] = {name: [] for name in BYSTANDERS}  # (start, end)
-        self.server_s: dict[tuple[str, float], dict[str, float]] = {}  # (name, start) → the server's account
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(name,), daemon=True) for name in BYSTANDERS]
-
-    def __enter__(self) -> Bystanders:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(120)
-
-    def _loop(self, name: str) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                output = BYSTANDERS[name](self.server)
-            except Exception as error:  # noqa: BLE001 - a bystander's failure is what this records
-                self.failures.append(f"{name}: {type(error).__name__}: {str(error)[:300]}")
-            else:
-                ended = time.monotonic()
-                self.latencies[name].append(ended - started)
-                self.runs[name].append((started, ended))
-                if isinstance(output, Timed):
-                    self.server_s[(name, started)] = output.server_s
-                output = untimed(output)
-                if output != self.alone[name]:
-                    self.failures.append(f"{name}: {str(output)[:300]} != alone {str(self.alone[name])[:300]}")
-            if self._stop.is_set():  # the run that was going when stopped overlapped to the end
-                return
-
-    def check(self) -> None:
-        assert self.failures == [], self.failures[:5]
-        assert all(self.latencies.values()), "a bystander never completed a run"
-
-
-def send_all(server: Server, batch, workers: int) -> tuple[Counter, list[str]]:
-    """Send the cases `workers` at a time; (count of answers by status, what was wrong)."""
-    statuses: Counter = Counter()
-    wrong: list[str] = []
-
-    def send(case):
-        answer = case.send(server.target)
-        return case, answer
-
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for case, answer in pool.map(send, batch):
-            statuses[f"{case.kind} {answer.via} {answer.status}"] += 1
-            wrong += [f"{case}: {problem}" for problem in problems(answer)]
-    return statuses, wrong
-
-
-def fill_grammar_caches(server: Server) -> None:
-    """Distinct grammars of ~9 MiB of lexer each, past what the API's and the engine core's grammar
-    caches hold (sample/grammar.py): from here on a cache only replaces what it evicts, so the soak's
-    memory check sees growth beyond the caches' bounds, not the caches filling."""
-    import http.client
-
-    count = 2 * DEFAULT_CACHE_BYTES // (9 * 2**20)
-    for index in range(count):
-        body = {
-            "inputs": "a",
-            "parameters": {"max_new_tokens": 1, "grammar": {"type": "regex", "value": f"a{{{20000 + index}}}"}},
-        }
-        connection = http.client.HTTPConnection("127.0.0.1", server.target.gateway_port, timeout=60)
-        try:
-            connection.request("POST", "/generate", json.dumps(body), JSON)
-            assert connection.getresponse().status == 200
-        finally:
-            connection.close()
 
 
 def assert_nothing_held(server: Server) -> None:
@@ -402,97 +144,6 @@ def test_idle_and_slow_connections_beside_innocent_ones(server, alone):
 
 
 # -- the soak -------------------------------------------------------------------------------------
-def p95(values: list[float]) -> float:
-    return sorted(values)[int(0.95 * (len(values) - 1))]
-
-
-def summary(latencies: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    return {
-        name: {
-            "runs": len(values),
-            "median_s": round(statistics.median(values), 4),
-            "p95_s": round(p95(values), 4),
-            "max_s": round(max(values), 4),
-        }
-        for name, values in latencies.items()
-    }
-
-
-def latency_ratios(loaded: dict[str, list[float]], idle: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """Each innocent run's latency beside the hostile requests ÷ that request's idle median: the
-    median, p95 and max of those ratios (the issue's goal: within 2× idle)."""
-    ratios = {}
-    for name, values in loaded.items():
-        base = statistics.median(idle[name])
-        each = [value / base for value in values]
-        ratios[name] = {
-            "median": round(statistics.median(each), 2),
-            "p95": round(p95(each), 2),
-            "max": round(max(each), 2),
-        }
-    return ratios
-
-
-def server_errors(statuses: Counter) -> int:
-    """Answers meaning the server failed (an HTTP 5xx, a gRPC status reserved for server faults):
-    overload is documented as a 429 (RESOURCE_EXHAUSTED over gRPC), so none is expected."""
-    count = 0
-    for key, number in statuses.items():
-        status = key.rsplit(" ", 1)[1]
-        if status in SERVER_FAULT_CODES or (status.isdigit() and int(status) >= 500):
-            count += number
-    return count
-
-
-def summary_line(results: dict) -> str:
-    """One line a rerun can be quoted by."""
-    worst, floor = results["latency_ratio_to_idle"], results["idle_latency_ratio_to_idle"]
-    return (
-        f"hostile soak: {results['cases']} cases in {results['seconds']} s, "
-        f"{results['server_errors']} 5xx/server-fault answers, {results['wrong_answers']} wrong answers, "
-        f"{results['bystander_failures']} bystander failures in {results['bystander_runs']} runs, "
-        f"bystander latency ÷ idle median: median {max(r['median'] for r in worst.values())}, "
-        f"p95 {max(r['p95'] for r in worst.values())}, max {max(r['max'] for r in worst.values())} "
-        f"(idle runs themselves: p95 {max(r['p95'] for r in floor.values())}, "
-        f"max {max(r['max'] for r in floor.values())}); "
-        f"KV blocks free before {results['kv_blocks_free_before']}, after {results['kv_blocks_free_after']}; "
-        f"RSS MiB before→after: "
-        + ", ".join(
-            f"{name} {points[0]}→{points[-1]}"
-            for name, points in results["rss_mib_after_warmup_then_each_part"].items()
-        )
-    )
-
-
-def send_in_processes(server: Server, specs, pool, sent: list[Span] | None = None) -> tuple[Counter, list[str]]:
-    """`send_all`, with the cases made and sent by worker processes; each case's span (kind and
-    transport, sent, answered) appended to `sent`."""
-    statuses: Counter = Counter()
-    wrong: list[str] = []
-    for name, kind, via, status, found, start, end in pool.map(
-        send_spec, specs, [server.target] * len(specs), chunksize=8
-    ):
-        statuses[f"{kind} {via} {status}"] += 1
-        wrong += [f"{name}: {problem}" for problem in found]
-        if sent is not None:
-            sent.append(Span(f"{kind} {via}", start, end))
-    return statuses, wrong
-
-
-def split_runs(
-    runs: dict[str, list[tuple[float, float]]], idle_windows: list[tuple[float, float]]
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(idle, loaded) latencies: a run wholly inside an idle window is idle, any other is loaded
-    (it overlapped hostile requests)."""
-    idle: dict[str, list[float]] = {name: [] for name in runs}
-    loaded: dict[str, list[float]] = {name: [] for name in runs}
-    for name, spans in runs.items():
-        for started, ended in spans:
-            inside = any(low <= started and ended <= high for low, high in idle_windows)
-            (idle if inside else loaded)[name].append(ended - started)
-    return idle, loaded
-
-
 @pytest.mark.soak
 def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
     import multiprocessing
@@ -606,85 +257,6 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         first, second = points[1 : 1 + SOAK_PARTS // 2], points[1 + SOAK_PARTS // 2 :]
         limit = MEMORY_GROWTH_MIB_PER_PART * len(second)
         assert statistics.median(second) - statistics.median(first) <= limit, (name, rss_mib, limit)
-
-
-def markdown(results: dict) -> str:
-    lines = [
-        "# Hostile-input soak",
-        "",
-        "`pytest -m soak -s tests/e2e/test_hostile.py`: hostile requests of every kind in tests/e2e/hostile_cases.py",
-        f"({SOAK_WORKERS} at a time, from worker processes) beside three innocent request loops (a greedy chat",
-        "stream and a /generate through Envoy, a gRPC stream to the engine), on the tiny model.",
-        "",
-        summary_line(results),
-        "",
-        "Innocent latency: idle is the three loops beside each other alone, in a window before each part of",
-        "the cases (the same machine, the same moment); each run that overlapped hostile requests is divided",
-        "by its request's idle median.",
-        "",
-        "| innocent request | idle median (s) | beside hostile median (s) | p95 (s) | max (s) "
-        "| ÷ idle: median | p95 | max |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, ratio in results["latency_ratio_to_idle"].items():
-        idle, loaded = results["bystander_latency_idle"][name], results["bystander_latency_beside_hostile"][name]
-        lines.append(
-            f"| {name} | {idle['median_s']} | {loaded['median_s']} | {loaded['p95_s']} | {loaded['max_s']} "
-            f"| {ratio['median']} | {ratio['p95']} | {ratio['max']} |"
-        )
-    memory = results["rss_mib_after_warmup_then_each_part"]
-    lines += ["", f"RSS (MiB) once warm, then after each of {SOAK_PARTS} parts of the cases: " + str(memory)]
-    cpu = results["cpu_seconds_during_soak"]
-    lines += ["", "CPU seconds used during the soak (idle windows included): " + str(cpu)]
-    lines += ["", "The server's by process/thread: " + str(results["server_cpu_seconds_by_thread"])]
-    lines += ["", *attribution_markdown(results), ""]
-    lines += ["Answers (kind, transport, status): " + ", ".join(f"{k}: {v}" for k, v in results["answers"].items())]
-    return "\n".join(lines) + "\n"
-
-
-def attribution_markdown(results: dict) -> list[str]:
-    """What ran beside the slowest innocent runs, and which hostile kinds coincide with slow runs."""
-    stalls = results["slow_runs_beside_a_stall"]
-    lines = [
-        "## What the slowest innocent runs beside hostile cases overlapped",
-        "",
-        "Stalls: the server's reports in its log (engine turns that held every stream, late API event loops, "
-        "long garbage collections) and the innocent clients' own garbage collections (client gc) over 10 ms: "
-        f"{results['stalls']}; innocent runs over {SLOW_RATIO}x idle: {stalls['slow_runs']}, "
-        f"of which {stalls['beside_a_stall']} overlapped a stall report.",
-        "",
-        "Where the /generate runs' latency went (median shares, from TGI's timing headers), all loaded runs "
-        f"against those over {SLOW_RATIO}x idle: {results['where_slow_runs_went']}",
-        "",
-        "The server's own account (TGI's timing headers, /generate only): its total, the engine queue and "
-        "inference within it, and what lay outside the server (Envoy, the connection, the client).",
-        "",
-        "| innocent run | start (s) | latency (s) | ÷ idle | server: total / queue / inference (s) | outside (s) "
-        "| hostile cases in flight | stalls |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for run in results["slowest_bystander_runs"]:
-        hostile = ", ".join(f"{what} ×{count}" for what, count in run["hostile_in_flight"].items()) or "none"
-        times = run.get("server_s")
-        server = f"{times['total']} / {times['queue']} / {times['inference']}" if times else "–"
-        lines.append(
-            f"| {run['name']} | {run['start_s']} | {run['latency_s']} | {run['ratio_to_idle']} | {server} "
-            f"| {run.get('outside_server_s', '–')} | {hostile} | {'; '.join(run['stalls']) or 'none'} |"
-        )
-    lines += [
-        "",
-        f"Hostile kinds (and transport) by their share of all overlaps with innocent runs and of the overlaps "
-        f"with runs over {SLOW_RATIO}x idle; lift, the second ÷ the first (a kind well over 1 is a suspect):",
-        "",
-        "| hostile kind | overlaps | beside slow runs | share of overlaps | share beside slow runs | lift |",
-        "|---|---|---|---|---|---|",
-    ]
-    for what, row in results["hostile_kinds_beside_slow_runs"].items():
-        lines.append(
-            f"| {what} | {row['overlaps']} | {row['beside_slow_runs']} | {row['share_of_overlaps']} "
-            f"| {row['share_beside_slow_runs']} | {row['lift']} |"
-        )
-    return lines
 
 
 @pytest.mark.parametrize("path", ["/textgen.v1.TextGeneration/Generate", "/health"])
