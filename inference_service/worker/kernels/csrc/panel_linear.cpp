@@ -132,6 +132,12 @@ void over_row_blocks(int64_t m, Tile tile) {
 
 // y[MR, nr] = x[MR, k] · panel (+ bias), x rows ldx apart, y rows ldy apart. Prefetches two lines of
 // the next task per 8 k, from line `first_line` on.
+// Without a next task to prefetch (weights stored in panels), a tile prefetches its own panel
+// kAheadK k ahead (6 KiB; past the panel's end that is the next panel, which lies right after it).
+// The hardware prefetcher stops at each 4 KiB page, so without this the FMAs and the reads took turns:
+// measured over the demo model's 30 layers of projections on this 2-core Xeon, 2 threads, 16 rows
+// 32.9 -> 20.7 ms, 8 rows 26.5 -> 17.4, one row 15.0 -> 13.7 (8, 16, 32, 64 or 96 k ahead: less).
+constexpr int64_t kAheadK = 48;
 template <int MR>
 void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t k, float* y, int64_t ldy, int nr,
           const float* bias, const Ahead& ahead, int64_t first_line) {
@@ -152,8 +158,13 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t 
             }
             step(c);
         }
-    } else {  // nothing to prefetch: the loop without the test
-        for (int64_t c = 0; c < k; ++c) step(c);
+    } else {
+        for (int64_t c = 0; c < k; ++c) {
+            const char* line = reinterpret_cast<const char*>(panel + (c + kAheadK) * ldp);
+            __builtin_prefetch(line);  // past the whole array's end: harmless
+            __builtin_prefetch(line + 64);
+            step(c);
+        }
     }
     for (int m = 0; m < MR; ++m) store_row(acc[m], y + m * ldy, nr, bias);
 }
