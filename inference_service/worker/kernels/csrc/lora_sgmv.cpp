@@ -60,6 +60,12 @@ const Entry* entry_of(const Group& g, int64_t site) {
     return e->a != nullptr && e->rank > 0 ? e : nullptr;
 }
 
+// The shrink prefetches A kShrinkAhead rows ahead of the pair it reads (A [rank, in] is contiguous):
+// a rank-16 A is 16 short rows, too short for the hardware prefetcher to ramp up on. Measured over
+// 30 demo-model layers, 16 rows over 4 rank-16 adapters, 1 thread (CPU time, busy machine):
+// 6.1-7.4 ms without, 5.1 ms with (4 or 8 rows ahead: about the same).
+constexpr int64_t kShrinkAhead = 6;
+
 // t[m][0..rank) = scale · xs[m] · Aᵀ for M gathered rows xs [M, k] (contiguous).
 template <int M>
 void shrink(const float* xs, const Entry& e, int64_t k, float* t, int64_t ldt) {
@@ -70,6 +76,10 @@ void shrink(const float* xs, const Entry& e, int64_t k, float* t, int64_t ldt) {
         const float* a0 = a + j * k;
         const float* a1 = a0 + k;
         for (int64_t c = 0; c < k; c += 8) {
+            if (c % 16 == 0) {  // one prefetch per line; past A's end: harmless
+                __builtin_prefetch(a0 + kShrinkAhead * k + c);
+                __builtin_prefetch(a1 + kShrinkAhead * k + c);
+            }
             const v8 w0 = load8(a0 + c), w1 = load8(a1 + c);
             for (int m = 0; m < M; ++m) {
                 const v8 xv = load8(xs + m * k + c);
