@@ -11,7 +11,7 @@
 //   positions, computed in parallel and merged at the end (max, rescaled sums). The split does not
 //   depend on the number of threads, so neither do the results; a single long stream uses every
 //   thread, and a batch of ragged lengths balances;
-// - whole rows when there are 4 or more parts per thread: a part takes every KV head of its
+// - whole rows when there are 2 or more parts per thread: a part takes every KV head of its
 //   positions, so a cache block is read as whole rows, and the next block's rows (or the next
 //   part's first block) are prefetched whole, spread over the rows of the block being computed:
 //   from a cold cache, faster than head by head over strided row slices, which the hardware
@@ -228,7 +228,7 @@ std::vector<Part> plan_parts(const Problem& p, std::vector<int64_t>& first_slot)
     };
     int64_t whole_parts = 0;
     for (int64_t s = 0; s < p.num_seqs; ++s) whole_parts += splits_of(s);
-    const bool whole = whole_parts >= 4 * omp_get_max_threads();
+    const bool whole = whole_parts >= 2 * omp_get_max_threads();  // 4: 3-7% slower at 4-7 parts on 2 threads
     std::vector<Part> parts;
     int64_t slots = 0;
     for (int64_t s = 0; s < p.num_seqs; ++s) {
