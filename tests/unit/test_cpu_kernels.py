@@ -97,7 +97,7 @@ class Batch:
 
 
 # Context lengths: 1 token, exact block multiples, one longer than the rest (padding in the table).
-FEW = [1, 8, 13]  # fewer sequences than 4 per thread: the kernel splits work by KV head
+FEW = [1, 8, 13]  # fewer parts than 2 per thread (2+ threads): the kernel splits work by KV head
 MANY = [1, 4, 5, 8, 9, 13, 16, 17, 3, 40, 2, 7]  # whole sequences per work item
 
 
@@ -130,10 +130,10 @@ def num_threads(count: int):
         torch.set_num_threads(before)
 
 
-# The kernel takes whole sequences (every KV head in one work item, cache rows read whole) when no
-# sequence is split along its context and there are at least 4 per thread, and parts of one KV head
-# otherwise; each head's arithmetic is the same in both, so thread counts that pick either agree.
-MANY_WITH_A_LONG_ONE = [*MANY, 300]  # 300 positions are split: one KV head per part for every sequence
+# The kernel's parts take every KV head (cache rows read whole) when there are at least 2 parts per
+# thread, and one KV head otherwise; each head's arithmetic is the same in both, so thread counts
+# that pick either agree.
+MANY_WITH_A_LONG_ONE = [*MANY, 300]  # 300 positions split in two: 14 parts, every KV head up to 7 threads, one at 8
 SIXTEEN_LONG = [256, 255, 250, 241, 240, 200, 193, 180, 177, 160, 150, 129, 128, 100, 99, 64]  # rows enough for threads
 
 

@@ -30,6 +30,11 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 32;               // W rows per scheduling unit
 constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
+// kAheadRows: the blocked paths read R rows side by side, R short streams the hardware prefetcher hardly
+// follows, so each line of them also prefetches the same line of the next R rows. Measured on this Xeon,
+// one thread, 30 layers of 576x576, 1536x576, 576x1536 bf16 weights: 2 rows 14.0 -> 9.3 ms, 4 rows
+// 21.0 -> 12.1, 8 rows 30.7 -> 16.9, 16 rows 44.9 -> 31.3 (two or four groups ahead: no better);
+// the portable path 1 row 20.7 -> 10.8, 2 rows 24.3 -> 13.4.
 
 inline float bf16_to_float(uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -73,6 +78,9 @@ void rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
             const __mmask32 mask = c < full ? static_cast<__mmask32>(~0u) : tail;
             __m512bh xs[M];
             for (int m = 0; m < M; ++m) xs[m] = load_bf16(x + m * k + c, mask);
+            if (j + 2 * R <= n) {  // the next R rows' line now (kAheadRows)
+                for (int r = 0; r < R; ++r) __builtin_prefetch(w + (j + R + r) * k + c);
+            }
             for (int r = 0; r < R; ++r) {
                 const __m512bh wv = load_bf16(w + (j + r) * k + c, mask);
                 for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xs[m]);
@@ -153,6 +161,9 @@ void rows_of(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_
         for (int64_t c = 0; c < k; c += 8) {
             v8 xs[M];
             for (int m = 0; m < M; ++m) xs[m] = load_bf16x8(x + m * k + c);
+            if (c % 32 == 0 && j + 2 * R <= n) {  // the next R rows' line now, once per line (kAheadRows)
+                for (int r = 0; r < R; ++r) __builtin_prefetch(w + (j + R + r) * k + c);
+            }
             for (int r = 0; r < R; ++r) {
                 const v8 wv = load_bf16x8(w + (j + r) * k + c);
                 for (int m = 0; m < M; ++m) acc[r][m] += wv * xs[m];

@@ -11,12 +11,12 @@
 //   positions, computed in parallel and merged at the end (max, rescaled sums). The split does not
 //   depend on the number of threads, so neither do the results; a single long stream uses every
 //   thread, and a batch of ragged lengths balances;
-// - whole sequences when none is split and there are 4 or more per thread (a batch of short
-//   contexts): one part takes every KV head of a sequence, so a cache block is read as whole rows,
-//   and the next block's rows (or the next part's first block) are prefetched whole, spread over
-//   the rows of the block being computed: from a cold cache, faster than head by head over strided
-//   row slices (benchmarks/paged_decode_bench.py). Each head's arithmetic is the same either way,
-//   and so are the results;
+// - whole rows when there are 2 or more parts per thread: a part takes every KV head of its
+//   positions, so a cache block is read as whole rows, and the next block's rows (or the next
+//   part's first block) are prefetched whole, spread over the rows of the block being computed:
+//   from a cold cache, faster than head by head over strided row slices, which the hardware
+//   prefetcher does not follow (benchmarks/paged_decode_bench.py; at 4k-16k tokens of context 1.1x
+//   to 1.3x). Each head's arithmetic is the same either way, and so are the results;
 // - eight fp32 lanes (vec8.h: AVX2 or AVX-512VL with -march=native); keys and values widened from
 //   fp16/bf16/int8 eight at a time as they are read, int8 scales folded into the score and the
 //   weight of each row.
@@ -59,9 +59,9 @@ struct Problem {
 };
 
 // Positions [begin, end) of one sequence for the KV heads [kvh_begin, kvh_end); the partial result
-// of head kvh goes to slot `slot + kvh - kvh_begin`.
+// of head kvh goes to slot `slot + (kvh - kvh_begin) * slot_stride`.
 struct Part {
-    int64_t seq, kvh_begin, kvh_end, begin, end, slot;
+    int64_t seq, kvh_begin, kvh_end, begin, end, slot, slot_stride;
 };
 
 // Partial softmax state of one head's G query heads: running max, sum of weights, values [G][Dv].
@@ -182,7 +182,7 @@ void attend_part(const Problem& p, const Part& part, const Part* following, cons
     // A part of every KV head reads whole cache rows: the next block's rows are prefetched whole.
     const bool whole = part.kvh_end - part.kvh_begin == p.num_kv_heads;
     for (int64_t kvh = part.kvh_begin; kvh < part.kvh_end; ++kvh) {
-        float* slot = partial + (part.slot + kvh - part.kvh_begin) * stride;
+        float* slot = partial + (part.slot + (kvh - part.kvh_begin) * part.slot_stride) * stride;
         for (int g = 0; g < G; ++g) slot[g] = -INFINITY, slot[G + g] = 0.f;
         std::fill(slot + 2 * G, slot + stride, 0.f);
     }
@@ -207,7 +207,7 @@ void attend_part(const Problem& p, const Part& part, const Part* following, cons
         const int64_t k_bytes = next_n * k_row * static_cast<int64_t>(sizeof(KV)) / p.num_kv_heads;
         const int64_t v_bytes = next_n * v_row * static_cast<int64_t>(sizeof(KV)) / p.num_kv_heads;
         for (int64_t kvh = part.kvh_begin; kvh < part.kvh_end; ++kvh) {
-            float* slot = partial + (part.slot + kvh - part.kvh_begin) * stride;
+            float* slot = partial + (part.slot + (kvh - part.kvh_begin) * part.slot_stride) * stride;
             const Ahead ahead{k_next + kvh * k_bytes, whole ? k_bytes : 0, v_next + kvh * v_bytes, whole ? v_bytes : 0};
             attend_block<KV, G>(p, kvh, slot0, n, !whole, has_next ? &next0 : nullptr, ahead, q_scaled + kvh * G * D,
                                 State{slot, slot + G, slot + 2 * G}, scores);
@@ -215,28 +215,33 @@ void attend_part(const Problem& p, const Part& part, const Part* following, cons
     }
 }
 
-// Either one part per sequence with every KV head, when no sequence is split and there are enough
-// sequences to keep every thread busy (each cache row is then read whole, in order); or parts of
-// every (sequence, KV head), each at most kSplitRows positions long, so a single long stream uses
-// every thread and a batch of ragged lengths balances. Each head computes the same in both, so the
-// results do not depend on which (nor on the number of threads). first_slot[seq * KVH + kvh]: the
-// first of that head's partial slots, one per part of it.
+// Each sequence's context is split into parts of at most kSplitRows positions, so a single long
+// stream uses every thread and a batch of ragged lengths balances. A part takes every KV head of its
+// positions where there are enough parts to keep every thread busy (each cache row is then read
+// whole, in order), else one KV head. Each head computes the same in both, so the results do not
+// depend on which (nor on the number of threads). first_slot[seq * KVH + kvh]: the first of that
+// head's partial slots, one per part of its context.
 std::vector<Part> plan_parts(const Problem& p, std::vector<int64_t>& first_slot) {
-    bool whole = p.num_seqs >= 4 * omp_get_max_threads();
-    for (int64_t s = 0; s < p.num_seqs && whole; ++s) {
-        whole = p.context_lens[s] - window_start(p, p.context_lens[s]) <= kSplitRows;
-    }
+    auto splits_of = [&](int64_t s) {
+        const int64_t len = p.context_lens[s], start = window_start(p, len);
+        return std::max<int64_t>(1, (len - start + kSplitRows - 1) / kSplitRows);
+    };
+    int64_t whole_parts = 0;
+    for (int64_t s = 0; s < p.num_seqs; ++s) whole_parts += splits_of(s);
+    const bool whole = whole_parts >= 2 * omp_get_max_threads();  // 4: 3-7% slower at 4-7 parts on 2 threads
     std::vector<Part> parts;
     int64_t slots = 0;
     for (int64_t s = 0; s < p.num_seqs; ++s) {
-        const int64_t len = p.context_lens[s], start = window_start(p, len);
-        const int64_t splits = std::max<int64_t>(1, (len - start + kSplitRows - 1) / kSplitRows);
-        if (whole) parts.push_back({s, 0, p.num_kv_heads, start, len, slots});
+        const int64_t len = p.context_lens[s], start = window_start(p, len), splits = splits_of(s);
+        for (int64_t j = 0; j < splits && whole; ++j) {  // head kvh's slot of part j: slots + kvh * splits + j
+            parts.push_back({s, 0, p.num_kv_heads, start + (len - start) * j / splits,
+                             start + (len - start) * (j + 1) / splits, slots + j, splits});
+        }
         for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
             first_slot.push_back(slots);
             for (int64_t j = 0; j < splits && !whole; ++j) {
                 parts.push_back({s, kvh, kvh + 1, start + (len - start) * j / splits,
-                                 start + (len - start) * (j + 1) / splits, slots + j});
+                                 start + (len - start) * (j + 1) / splits, slots + j, 1});
             }
             slots += splits;
         }
@@ -262,8 +267,10 @@ void run(const Problem& p) {
             const Part& part = parts[i];
             const float* q = p.q + part.seq * p.num_heads * D;
             for (int64_t d = part.kvh_begin * G * D; d < part.kvh_end * G * D; ++d) q_scaled[d] = q[d] * p.scale;
-            // On one thread the next part is this thread's next: its first block is fetched ahead too.
-            const Part* following = !parallel && i + 1 < parts.size() ? &parts[i + 1] : nullptr;
+            // The part this thread likely takes next (one team ahead; on one thread, surely): its first
+            // block is fetched ahead too. From a cold cache, 3-7% less time at 4k-16k tokens of context.
+            const size_t team = static_cast<size_t>(omp_get_num_threads());
+            const Part* following = i + team < parts.size() ? &parts[i + team] : nullptr;
             attend_part<KV, G>(p, part, following, q_scaled.data(), partial.data(), scores.data());
         }
         // Merge the parts of each (sequence, KV head): rescale each to the largest max, then divide.
