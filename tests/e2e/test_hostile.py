@@ -60,7 +60,7 @@ from tests.e2e.soak_attribution import (
     server_stalls,
     slowest_runs,
 )
-from tests.e2e.soak_report import latency_ratios, markdown, server_errors, summary, summary_line
+from tests.e2e.soak_report import latency_ratios, markdown, quantile_ratios, server_errors, summary, summary_line
 from tests.launched import Launched
 
 SEEDS_PER_KIND = 6
@@ -228,6 +228,7 @@ def test_thousands_of_hostile_requests_beside_innocent_ones(server, alone):
         "latency_ratio_to_idle": latency_ratios(loaded_latencies, idle_latencies),
         # The same ratios of the idle runs themselves: the machine's own spread, the floor of the above.
         "idle_latency_ratio_to_idle": latency_ratios(idle_latencies, idle_latencies),
+        "latency_quantile_ratio": quantile_ratios(loaded_latencies, idle_latencies),
         "started_at_unix": round(started_at, 3),  # the slowest runs' times count from here
         "slowest_bystander_runs": slowest_runs(
             loaded_runs, idle_medians, hostile, stalls, started, bystanders.server_s
