@@ -650,7 +650,7 @@ def plot(results: dict, args: argparse.Namespace, out: Path) -> list[str]:
             for name, streams in entry.get("decode", {}).items():
                 series[f"{name}, {fmt.upper()}"] = (args.contexts, [streams[n].decode_ms for n in args.contexts])
         if series:
-            name = f"peers_{model}.png"
+            name = f"peers_{args.tag}_{model}.png" if args.tag else f"peers_{model}.png"  # beside the tag's md
             plots.lines_against(
                 series,
                 out / name,
