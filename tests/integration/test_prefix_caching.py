@@ -197,5 +197,7 @@ async def test_best_of_variants_share_their_prompt(tiny_model_dir):
         await engine.shutdown(timeout_s=1)
     assert len(result.best_of_sequences) == 1
     num_prompt = result.num_prompt_tokens
-    assert stats.num_prefix_hit_tokens == (num_prompt - 1) // 4 * 4  # the second variant reused the first's
+    # The second variant reused the first's: every whole block of the prompt, and where it was admitted
+    # after the first's prefill (a busy machine), the partial last block too, all but the last token.
+    assert (num_prompt - 1) // 4 * 4 <= stats.num_prefix_hit_tokens <= num_prompt - 1
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 from inference_service.config import CacheConfig, EngineConfig, LimitsConfig, ModelConfig, SchedulerConfig
-from inference_service.engine.async_engine import AsyncEngine
+from inference_service.engine.async_engine import STEP_DELAY_ENV, AsyncEngine
 from inference_service.errors import ValidationError
 from tests.engine_calls import generate, idle, seeded_alone_and_among_others
 from tests.tiny_seq2seq import FAMILIES, save_model, seq2seq_config
@@ -82,8 +82,11 @@ def check_against_transformers(reference, request, result, **generate_options):
     assert [t.logprob for t in result.tokens] == pytest.approx(expected, abs=1e-4)
 
 
-async def test_greedy_and_logprobs_equal_transformers(family_dir):
+async def test_greedy_and_logprobs_equal_transformers(family_dir, monkeypatch):
     reference = AutoModelForSeq2SeqLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    # Steps of at least 20 ms: requests sent 10 ms apart overlap even where a busy machine would let a
+    # tiny model's request finish before the next one is added (no batched rows to assert on).
+    monkeypatch.setenv(STEP_DELAY_ENV, "20")
 
     async def calls(engine):
         info = engine.info
