@@ -40,7 +40,13 @@ SOURCES = (
     CSRC / "panel_codes_few_rows.cpp",
 )
 # Included by the sources: part of the cache key.
-HEADERS = (CSRC / "vec8.h", CSRC / "dequant_row.h", CSRC / "kv_types.h", CSRC / "row_blocks.h")
+HEADERS = (
+    CSRC / "vec8.h",
+    CSRC / "dequant_row.h",
+    CSRC / "kv_types.h",
+    CSRC / "row_blocks.h",
+    CSRC / "panel_prefetch.h",
+)
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets
 # flush-to-zero for the whole process (GCC < 13). It lets the exp loop use glibc's vector exp.

@@ -24,6 +24,7 @@
 
 #include <omp.h>
 
+#include "panel_prefetch.h"
 #include "vec8.h"
 
 namespace {
@@ -290,15 +291,12 @@ constexpr int64_t kPanel = 32;  // output columns per panel (kernels/panels.py P
 typedef float v16 __attribute__((vector_size(64)));
 
 // y[0, 32) = x · the panel [k][32] (+ bias): panel_linear.cpp's one-row tile (two 16-float vectors,
-// one FMA each per k, the panel prefetched as far ahead), so the base's share of the output is
-// bitwise what it computes, as fast.
+// one FMA each per k, the panel prefetched as its tiles do: panel_prefetch.h), so the base's share
+// of the output is bitwise what it computes, as fast.
 void panel_row(const float* x, const float* panel, int64_t k, const float* bias, float* y) {
-    constexpr int64_t kAheadK = 48;  // panel_linear.cpp's
     v16 acc0 = {}, acc1 = {}, w0, w1;
     for (int64_t c = 0; c < k; ++c) {
-        const char* line = reinterpret_cast<const char*>(panel + (c + kAheadK) * kPanel);
-        __builtin_prefetch(line);
-        __builtin_prefetch(line + 64);
+        prefetch_panel_ahead(panel, c, kPanel);
         const v16 a = v16{} + x[c];
         std::memcpy(&w0, panel + c * kPanel, sizeof(v16));
         std::memcpy(&w1, panel + c * kPanel + 16, sizeof(v16));

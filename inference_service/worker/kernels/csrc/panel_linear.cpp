@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "dequant_row.h"
+#include "panel_prefetch.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -132,12 +133,8 @@ void over_row_blocks(int64_t m, Tile tile) {
 
 // y[MR, nr] = x[MR, k] · panel (+ bias), x rows ldx apart, y rows ldy apart. Prefetches two lines of
 // the next task per 8 k, from line `first_line` on.
-// Without a next task to prefetch (weights stored in panels), a tile prefetches its own panel
-// kAheadK k ahead (6 KiB; past the panel's end that is the next panel, which lies right after it).
-// The hardware prefetcher stops at each 4 KiB page, so without this the FMAs and the reads took turns:
-// measured over the demo model's 30 layers of projections on this 2-core Xeon, 2 threads, 16 rows
-// 32.9 -> 20.7 ms, 8 rows 26.5 -> 17.4, one row 15.0 -> 13.7 (8, 16, 32, 64 or 96 k ahead: less).
-constexpr int64_t kAheadK = 48;
+// Without a next task to prefetch (weights stored in panels), a tile prefetches its own panel ahead
+// (panel_prefetch.h).
 template <int MR>
 void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t k, float* y, int64_t ldy, int nr,
           const float* bias, const Ahead& ahead, int64_t first_line) {
@@ -160,9 +157,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t 
         }
     } else {
         for (int64_t c = 0; c < k; ++c) {
-            const char* line = reinterpret_cast<const char*>(panel + (c + kAheadK) * ldp);
-            __builtin_prefetch(line);  // past the whole array's end: harmless
-            __builtin_prefetch(line + 64);
+            prefetch_panel_ahead(panel, c, ldp);
             step(c);
         }
     }
@@ -217,9 +212,9 @@ inline vf widen_codes(const uint8_t* p) {
 }
 
 // y[MR, 2 kLanes] = x[MR, k] · the panel's columns from `codes` on (+ bias). The codes are prefetched
-// kCodeAheadK k ahead (6 KiB, as kAheadK for fp32 panels), for the same reason: measured over 120
-// layers of 576x576, 1536x576, 576x1536 codes, one thread, 9 rows 56.2 -> 43.5 ms, 16 rows 73.7 -> 59.8,
-// 48 rows 208 -> 195 (64, 128 or 256 k ahead: no better).
+// kCodeAheadK k ahead (6 KiB, as fp32 panels are: panel_prefetch.h), for the same reason: measured
+// over 120 layers of 576x576, 1536x576, 576x1536 codes, one thread, 9 rows 56.2 -> 43.5 ms, 16 rows
+// 73.7 -> 59.8, 48 rows 208 -> 195 (64, 128 or 256 k ahead: no better).
 constexpr int64_t kCodeAheadK = 192;
 template <int MR>
 void code_tile(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, const float* offsets,
