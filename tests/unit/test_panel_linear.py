@@ -4,10 +4,10 @@ panel layout (worker/kernels/panels.py), 8-bit codes in QuantLinear and fp32 one
 the same at every row count; PanelledLinear replaces exactly the linears it should and leaves a
 model's logits as they were.
 
-Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 6 with
-AVX2), prompt-sized inputs whose rows are packed in several blocks, output sizes with a partial last
-panel, K not a multiple of the 8x8 transpose, group sizes that do not divide K, and enough output
-columns to run both threads.
+Row counts cover whole register tiles and every leftover (the tile is 12 rows with AVX-512, 14 for
+prompt-sized inputs over weights stored in panels, 6 with AVX2), prompt-sized inputs whose rows are
+packed in several blocks, output sizes with a partial last panel, K not a multiple of the 8x8
+transpose, group sizes that do not divide K, and enough output columns to run both threads.
 """
 
 from __future__ import annotations
@@ -227,12 +227,13 @@ def test_panelled_fp32_weights_equal_float64_math(panel, rows, out_features, in_
 
 @pytest.mark.parametrize(
     ("rows", "in_features"),
-    [(47, 576), (48, 576), (61, 576), (1000, 576), (455, 1024), (100, 1025), (60, 1536)],
+    [(47, 576), (48, 576), (61, 576), (69, 576), (1000, 576), (455, 1024), (100, 1025), (60, 1536), (56, 2048)],
 )
 def test_panelled_fp32_prompt_rows_equal_float64_math(panel, rows, in_features):
-    """Prompt-sized inputs: x packed in blocks of rows (one block with a partial last tile at 61 rows;
-    several blocks and a partial last one at 1,000 rows of 576, blocks of 444), at the edges of
-    packing (48 rows, 1,024 columns), and read in place past them."""
+    """Prompt-sized inputs in tiles of 14 rows (AVX-512): x packed in blocks of rows (one block with a
+    partial last tile at 61 and 69 rows; several blocks and a partial last one at 1,000 rows of 576,
+    blocks of 448), at the edges of packing (48 rows, 1,024 columns), and read in place past them
+    (whole tiles at 56 rows)."""
     generator = torch.Generator().manual_seed(rows + in_features)
     linear = torch.nn.Linear(in_features, 96)
     module = PanelledLinear.from_weight(linear.weight, linear.bias, panel)

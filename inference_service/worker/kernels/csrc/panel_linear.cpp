@@ -1,8 +1,8 @@
 // y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias[N]), fp32, CPU, as a GEMM over panels: 32 output columns
 // stored k-major, [K][32], so each k reads one line of outputs.
 //
-// Tiles of kMR rows x 2 vectors of outputs (12 x 32 with AVX-512, 6 x 16 with AVX2) keep their
-// accumulators in registers, with one broadcast of x and two panel loads per k. The panels come
+// Tiles of kMR rows x 2 vectors of outputs (12 x 32 with AVX-512, 14 x 32 for prompts over weights
+// stored in panels, 6 x 16 with AVX2) keep their accumulators in registers, with one broadcast of x and two panel loads per k. The panels come
 // from three places:
 // - weights stored in panels at load (kernels/panels.py): fp32 (panel_weights_linear_f32) or 8-bit
 //   codes, widened to fp32 inside the tiles (panel_codes_linear_f32). Nothing is packed per call,
@@ -40,9 +40,15 @@ namespace {
 #if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 constexpr int kLanes = 16, kMR = 12;  // 32 registers: 24 accumulators, 2 panel vectors, a broadcast
+// Prompt-sized calls on weights stored in panels: 28 accumulators, 2 panel vectors, the broadcast
+// from memory. Measured on this Xeon (2 threads, 2,048 rows): the ~1.5B shape's projections 5-10%
+// more GFLOP/s than 12 rows, the demo model's -2 to +6%; 15 or 16 rows: no better. Decode-sized
+// calls keep 12 (16 rows as 14 + 2: 3% slower than 12 + 4). Each output's sum runs over k in the
+// same order at any tile height, so the results are the same bits.
+constexpr int kPromptMR = 14;
 #else
 typedef float vf __attribute__((vector_size(32)));
-constexpr int kLanes = 8, kMR = 6;  // 16 registers: 12 accumulators, 2 panel vectors, a broadcast
+constexpr int kLanes = 8, kMR = 6, kPromptMR = 6;  // 16 registers: 12 accumulators, 2 panel vectors, a broadcast
 #endif
 constexpr int kNR = 2 * kLanes;  // output columns per task (panel width)
 
@@ -125,7 +131,7 @@ void over_row_blocks(int64_t m, Tile tile) {
     for (; m0 + MR <= m; m0 += MR, ++index) tile(std::integral_constant<int, MR>{}, m0, index);
     switch (m - m0) {
 #define TAIL(R) case R: if constexpr (R < MR) tile(std::integral_constant<int, R>{}, m0, index); break;
-        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13)
 #undef TAIL
         default: break;
     }
@@ -265,14 +271,14 @@ void widen_panel(const uint8_t* codes, const float* scales, const float* offsets
 // of a prefill's rows streaming from memory once per panel.
 inline int64_t rows_per_block(int64_t k) {
     constexpr int64_t kBlockBytes = 1 << 20;
-    return std::max<int64_t>(1, kBlockBytes / (k * static_cast<int64_t>(sizeof(float))) / kMR) * kMR;
+    return std::max<int64_t>(1, kBlockBytes / (k * static_cast<int64_t>(sizeof(float))) / kPromptMR) * kPromptMR;
 }
 
-// Tile `index` of a block of rows (row stride k) packed k-major: its R rows (kMR, or fewer for the
-// last) at xp + index * kMR * k, element (row r, column c) at c * R + r. A tile then reads its x as
-// one sequential stream through one pointer, instead of R rows a row apart.
+// Tile `index` of a block of rows (row stride k) packed k-major: its R rows (kPromptMR, or fewer for
+// the last) at xp + index * kPromptMR * k, element (row r, column c) at c * R + r. A tile then reads
+// its x as one sequential stream through one pointer, instead of R rows a row apart.
 void pack_tile(const float* x, int64_t rows, int64_t k, int64_t index, float* xp) {
-    const int64_t r0 = index * kMR, count = std::min<int64_t>(kMR, rows - r0);
+    const int64_t r0 = index * kPromptMR, count = std::min<int64_t>(kPromptMR, rows - r0);
     float* out = xp + r0 * k;
     for (int64_t r = 0; r < count; ++r) {
         const float* row = x + (r0 + r) * k;
@@ -285,7 +291,7 @@ void pack_tile(const float* x, int64_t rows, int64_t k, int64_t index, float* xp
 // kPackMaxK columns, while a packed tile fits L1 (48 KiB at 1,024): measured on the demo model's
 // shapes (1 thread, 2,048 rows, against reading x in place), k = 576 gained 11-19% (a 27 KiB tile),
 // k = 1,536 lost 14% (72 KiB); k in between is not measured.
-constexpr int64_t kPackRows = 4 * kMR, kPackMaxK = 1024;
+constexpr int64_t kPackRows = 48, kPackMaxK = 1024;
 
 // y[MR, 2 kLanes] (+ bias) = a packed tile [k][MR] · panel [k][ldp].
 template <int MR>
@@ -379,21 +385,26 @@ extern "C" int panel_weights_linear_f32(const float* x, const float* panels, con
     if (m < 1 || n < 1 || k < 1 || n % kCodePanel) return 1;
     const int64_t count = n / kCodePanel;
     if (m < kPackRows || k > kPackMaxK) {  // the tiles read x where it lies, in one parallel region
+        const bool prompt = m >= kPackRows;
 #pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
         for (int64_t p = 0; p < count; ++p) {
             for (int col = 0; col < kCodePanel; col += 2 * kLanes) {
                 const int64_t n0 = p * kCodePanel + col;
-                tiles_of<kMR>(x, m, k, panels + p * k * kCodePanel + col, kCodePanel, y + n0, n, 2 * kLanes,
-                              bias ? bias + n0 : nullptr, Ahead{});
+                const float *panel = panels + p * k * kCodePanel + col, *b = bias ? bias + n0 : nullptr;
+                if (prompt) {
+                    tiles_of<kPromptMR>(x, m, k, panel, kCodePanel, y + n0, n, 2 * kLanes, b, Ahead{});
+                } else {
+                    tiles_of<kMR>(x, m, k, panel, kCodePanel, y + n0, n, 2 * kLanes, b, Ahead{});
+                }
             }
         }
         return 0;
     }
-    // All rows packed first, block by block (tile t of a block at its start + t * kMR * k), behind
+    // All rows packed first, block by block (tile t of a block at its start + t * kPromptMR * k), behind
     // one barrier; then each block's tiles run over every panel, blocks one after another without
     // a barrier between them (they write apart): two barriers a call (a decode-sized call has one;
     // on a busy machine each barrier waits for whichever thread was scheduled out).
-    const int64_t block = std::min(m, rows_per_block(k)), tiles_per_block = (block + kMR - 1) / kMR;
+    const int64_t block = std::min(m, rows_per_block(k)), tiles_per_block = (block + kPromptMR - 1) / kPromptMR;
     const int64_t blocks = (m + block - 1) / block;
     thread_local std::vector<float> packed;  // reused across calls (a prompt step's is megabytes); only grows
     packed.resize(m * k);
@@ -403,7 +414,7 @@ extern "C" int panel_weights_linear_f32(const float* x, const float* panels, con
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < blocks * tiles_per_block; ++t) {
             const int64_t m0 = (t / tiles_per_block) * block;
-            if (m0 + (t % tiles_per_block) * kMR < m) {
+            if (m0 + (t % tiles_per_block) * kPromptMR < m) {
                 pack_tile(x + m0 * k, std::min(block, m - m0), k, t % tiles_per_block, xp + m0 * k);
             }
         }
@@ -414,7 +425,7 @@ extern "C" int panel_weights_linear_f32(const float* x, const float* panels, con
                 for (int col = 0; col < kCodePanel; col += 2 * kLanes) {  // one tile wide with AVX-512, two with AVX2
                     const int64_t n0 = p * kCodePanel + col;
                     const float* b = bias ? bias + n0 : nullptr;
-                    over_row_blocks<kMR>(rows, [&](auto tile_rows, int64_t r0, int64_t) {
+                    over_row_blocks<kPromptMR>(rows, [&](auto tile_rows, int64_t r0, int64_t) {
                         packed_tile<decltype(tile_rows)::value>(xp + (m0 + r0) * k, panels + p * k * kCodePanel + col,
                                                                 kCodePanel, k, y + (m0 + r0) * n + n0, n, b);
                     });
