@@ -42,6 +42,7 @@ from inference_service.worker.kernels.logits_bindings import logits_row_stats_fo
 from inference_service.worker.linears import bf16 as bf16_linear
 from inference_service.worker.linears import native as native_linear
 from inference_service.worker.linears import panelled as panelled_linear
+from inference_service.worker.linears import tied_head
 from inference_service.worker.runner.cuda_graphs import (
     PADDING_BLOCKS,
     StaticDecode,
@@ -162,7 +163,11 @@ def install_native_linears(loaded: LoadedModel) -> int:
     """Route the model's projections through the native kernels where they take them; returns how many."""
     dtype = next(loaded.model.parameters()).dtype
     linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
-    native_linears = panelled_linear.install(loaded.model, panel_kernel) if panel_kernel else 0
+    native_linears = 0
+    if panel_kernel:  # the projections, then a head tied to the embeddings (one table, in panels)
+        native_linears += panelled_linear.install(loaded.model, panel_kernel) + tied_head.install(
+            loaded.model, panel_kernel
+        )
     if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
         native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
     bf16_kernel = bf16_linear_kernel_for(loaded.device, dtype)

@@ -6,7 +6,7 @@ line of outputs and nothing is packed per call: measured over the demo model's p
 (2 threads), 16 rows 35.5 → 25.5 ms, one row 18.4 → 15.9 ms, and prefill without the packing.
 
 `install` replaces each eligible `nn.Linear` (fp32 on CPU, an output size that fills panels, a
-weight no other module shares: a head tied to the embeddings stays an nn.Linear) by a
+weight no other module shares: a head tied to the embeddings is tied_head.py's) by a
 PanelledLinear over the same floats, rearranged once. Its `weight` is then a computed copy, for code
 that inspects weights, not for computing or writing (`copy_weight_` writes).
 """
@@ -78,14 +78,14 @@ def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear and _eligible(module) and uses[id(module.weight)] == 1
+        if type(module) is torch.nn.Linear and eligible(module) and uses[id(module.weight)] == 1
     ]
     for name, module in targets:
         replace_module(model, name, PanelledLinear.from_weight(module.weight, module.bias, kernel))
     return len(targets)
 
 
-def _eligible(module: torch.nn.Linear) -> bool:
+def eligible(module: torch.nn.Linear) -> bool:
     weight, bias = module.weight, module.bias
     return (
         weight.dtype == torch.float32

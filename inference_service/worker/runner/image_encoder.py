@@ -7,6 +7,7 @@ together are encoded in batches within the memory kept for the encoder at startu
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ class ImageEncoder:
         self.device = device
         self.budget = budget  # the memory kept for it: a batch of images never needs more
         self.inner: Any = getattr(model, "model", model)  # the VLM body that has get_image_features
-        self.dtype = model.get_input_embeddings().weight.dtype
+        embed = model.get_input_embeddings()  # its table: a parameter, or a buffer once in panels (tied_head.py)
+        self.dtype = next(itertools.chain(embed.parameters(), embed.buffers())).dtype
 
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
         groups: dict[tuple, list[int]] = {}
