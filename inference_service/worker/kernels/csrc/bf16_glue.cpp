@@ -13,13 +13,16 @@
 //   (caches null: another KV dtype, converted by the caller);
 // - silu_mul: bf16(bf16(silu(gate)) * up).
 //
-// Arrays contiguous bf16 (uint16 bits); rows are few, so no threads.
+// Arrays contiguous bf16 (uint16 bits). A prompt's many rows are split over threads by row, as in
+// decode_glue.cpp; a decode step's few stay on the calling thread.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+constexpr int64_t kParallelElements = 1 << 16;  // below, waking threads costs more than it saves
 
 inline float widen(uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -60,6 +63,7 @@ void rotate(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t dim) 
 
 extern "C" int add_rms_norm_bf16(uint16_t* hidden, const uint16_t* delta, const uint16_t* weight, uint16_t* out,
                                  int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* h = hidden + r * dim;
         if (delta) {
@@ -78,6 +82,7 @@ extern "C" int rope_kv_write_bf16(uint16_t* qkv, const uint16_t* cos, const uint
                                   const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
     if (dim % 2) return 1;
     const int64_t row_width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim;
+#pragma omp parallel for schedule(static) if (rows * row_width >= kParallelElements)  // rows write apart: a slot each
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* row = qkv + r * row_width;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
@@ -96,6 +101,7 @@ extern "C" int rope_kv_write_bf16(uint16_t* qkv, const uint16_t* cos, const uint
 
 // gate_up [rows, 2 * width] (gate | up) → out [rows, width].
 extern "C" int silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t width) {
+#pragma omp parallel for schedule(static) if (rows * width >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* gate = gate_up + r * 2 * width;
         const uint16_t* up = gate + width;

@@ -9,7 +9,10 @@
 //   kv_write.cpp converts the rows);
 // - silu_mul: out = silu(gate) * up, from the fused gate|up projection.
 //
-// Arrays contiguous fp32; rows are few, so no threads.
+// Arrays contiguous fp32. A decode step's few rows run on the calling thread; a prompt's many rows
+// (the same calls prefill through) are split over threads by row: single-threaded, silu_mul,
+// add_rms_norm and rope_kv_write took ~10% of a 2,048-token prompt step of the demo model while the
+// other core waited. Each row's math is unchanged, so the results are the same bits.
 
 #include <cmath>
 #include <cstdint>
@@ -18,6 +21,8 @@
 #include "vec8.h"
 
 namespace {
+
+constexpr int64_t kParallelElements = 1 << 16;  // below, waking threads costs more than it saves
 
 // weight * x / sqrt(mean(x^2) + eps), over n floats (out may be x).
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
@@ -67,6 +72,7 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
 
 extern "C" int add_rms_norm_f32(float* hidden, const float* delta, const float* weight, float* out, int64_t rows,
                                 int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         float* h = hidden + r * dim;
         if (delta) {
@@ -85,6 +91,7 @@ extern "C" int rope_kv_write_f32(float* qkv, const float* cos, const float* sin,
                                  const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
     if (dim % 2) return 1;
     const int64_t row_width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim;
+#pragma omp parallel for schedule(static) if (rows * row_width >= kParallelElements)  // rows write apart: a slot each
     for (int64_t r = 0; r < rows; ++r) {
         float* row = qkv + r * row_width;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
@@ -103,6 +110,7 @@ extern "C" int rope_kv_write_f32(float* qkv, const float* cos, const float* sin,
 
 // gate_up [rows, 2 * width] (gate | up) → out [rows, width].
 extern "C" int silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t width) {
+#pragma omp parallel for schedule(static) if (rows * width >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const float* gate = gate_up + r * 2 * width;
         const float* up = gate + width;
