@@ -165,10 +165,9 @@ def install_native_linears(loaded: LoadedModel) -> int:
     linear_kernel, panel_kernel = linear_kernel_for(loaded.device, dtype), panel_kernel_for(loaded.device, dtype)
     native_linears = 0
     if panel_kernel:  # the projections, then a head tied to the embeddings (one table, in panels)
-        native_linears += panelled_linear.install(loaded.model, panel_kernel) + tied_head.install(
-            loaded.model, panel_kernel
-        )
-    if linear_kernel:  # what stays an nn.Linear: a head tied to the embeddings, sizes that do not fill panels
+        native_linears += panelled_linear.install(loaded.model, panel_kernel)
+        native_linears += tied_head.install(loaded.model, panel_kernel)
+    if linear_kernel:  # what stays an nn.Linear: sizes that do not fill panels, a tied head tied_head leaves
         native_linears += native_linear.install(loaded.model, linear_kernel, panel_kernel)
     bf16_kernel = bf16_linear_kernel_for(loaded.device, dtype)
     if bf16_kernel:  # decode steps of a bf16 model: bf16 weights, fp32 accumulation

@@ -10,9 +10,10 @@
 // - silu_mul: out = silu(gate) * up, from the fused gate|up projection.
 //
 // Arrays contiguous fp32. A decode step's few rows run on the calling thread; a prompt's many rows
-// (the same calls prefill through) are split over threads by row: single-threaded, silu_mul,
-// add_rms_norm and rope_kv_write took ~10% of a 2,048-token prompt step of the demo model while the
-// other core waited. Each row's math is unchanged, so the results are the same bits.
+// (the same calls prefill through) are split over threads by row: single-threaded, these and
+// kv_write.cpp took ~10% of a 2,048-token prompt step of the demo model (profiled) while the other
+// core waited; split, silu_mul at 2,048 x 1,536 takes 2.3 -> 1.3 ms, add_rms_norm at 2,048 x 576
+// 0.87 -> 0.36 ms. Each row's math is unchanged, so the results are the same bits.
 
 #include <cmath>
 #include <cstdint>

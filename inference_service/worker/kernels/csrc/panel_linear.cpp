@@ -2,8 +2,8 @@
 // stored k-major, [K][32], so each k reads one line of outputs.
 //
 // Tiles of kMR rows x 2 vectors of outputs (12 x 32 with AVX-512, 14 x 32 for prompts over weights
-// stored in panels, 6 x 16 with AVX2) keep their accumulators in registers, with one broadcast of x and two panel loads per k. The panels come
-// from three places:
+// stored in panels, 6 x 16 with AVX2) keep their accumulators in registers, with one broadcast of x
+// and two panel loads per k. The panels come from three places:
 // - weights stored in panels at load (kernels/panels.py): fp32 (panel_weights_linear_f32) or 8-bit
 //   codes, widened to fp32 inside the tiles (panel_codes_linear_f32). Nothing is packed per call,
 //   so these serve every row count, decode steps included: each panel streams once per step.
