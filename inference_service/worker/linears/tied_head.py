@@ -14,6 +14,7 @@ is the same floats, held once.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -49,10 +50,11 @@ def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     """Store a plain embedding and the head tied to it once, in panels; returns 1 if it did, else 0.
     Subclasses (scaled embeddings), vocabulary-parallel shards and a table a third module also uses
     stay as they are."""
-    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if get_input is None or get_output is None:
+    transformers_model: Any = model  # its embedding accessors, which nn.Module does not declare
+    names = ("get_input_embeddings", "get_output_embeddings", "set_input_embeddings", "set_output_embeddings")
+    if not all(hasattr(transformers_model, name) for name in names):
         return 0
-    embed, head = get_input(), get_output()
+    embed, head = transformers_model.get_input_embeddings(), transformers_model.get_output_embeddings()
     if type(embed) is not torch.nn.Embedding or type(head) is not torch.nn.Linear:
         return 0
     if head.weight is not embed.weight or embed.max_norm is not None or not eligible(head):
@@ -61,6 +63,6 @@ def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     if uses[id(embed.weight)] != 2:
         return 0
     table = panels.panelled(embed.weight.detach())
-    model.set_input_embeddings(PanelledEmbedding(table))
-    model.set_output_embeddings(PanelledLinear(table, head.bias, kernel))
+    transformers_model.set_input_embeddings(PanelledEmbedding(table))
+    transformers_model.set_output_embeddings(PanelledLinear(table, head.bias, kernel))
     return 1
