@@ -46,6 +46,7 @@ HEADERS = (
     CSRC / "kv_types.h",
     CSRC / "row_blocks.h",
     CSRC / "panel_prefetch.h",
+    CSRC / "parallel_threshold.h",
 )
 ENV_SWITCH = "INFERENCE_SERVICE_CPU_KERNELS"
 # -ffast-math only when compiling: linking with it would pull in crtfastmath.o, which sets

@@ -20,9 +20,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
+#include "parallel_threshold.h"
 
-constexpr int64_t kParallelElements = 1 << 16;  // below, waking threads costs more than it saves
+namespace {
 
 inline float widen(uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -63,7 +63,7 @@ void rotate(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t dim) 
 
 extern "C" int add_rms_norm_bf16(uint16_t* hidden, const uint16_t* delta, const uint16_t* weight, uint16_t* out,
                                  int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows * dim >= kParallelElements)
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* h = hidden + r * dim;
         if (delta) {
@@ -82,7 +82,7 @@ extern "C" int rope_kv_write_bf16(uint16_t* qkv, const uint16_t* cos, const uint
                                   const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
     if (dim % 2) return 1;
     const int64_t row_width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim;
-#pragma omp parallel for schedule(static) if (rows * row_width >= kParallelElements)  // rows write apart: a slot each
+#pragma omp parallel for schedule(static) if (rows * row_width >= kMinParallelElements)  // rows write apart: a slot each
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* row = qkv + r * row_width;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
@@ -101,7 +101,7 @@ extern "C" int rope_kv_write_bf16(uint16_t* qkv, const uint16_t* cos, const uint
 
 // gate_up [rows, 2 * width] (gate | up) → out [rows, width].
 extern "C" int silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t width) {
-#pragma omp parallel for schedule(static) if (rows * width >= kParallelElements)
+#pragma omp parallel for schedule(static) if (rows * width >= kMinParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* gate = gate_up + r * 2 * width;
         const uint16_t* up = gate + width;

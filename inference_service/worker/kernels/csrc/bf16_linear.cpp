@@ -17,6 +17,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "parallel_threshold.h"
+
 // BF16_PORTABLE forces the portable path (its tests build it so on CPUs with the dot product too).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(BF16_PORTABLE)
 #include <immintrin.h>
@@ -29,7 +31,6 @@
 namespace {
 
 constexpr int64_t kRowsPerTask = 32;               // W rows per scheduling unit
-constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
 // kAheadRows: the blocked paths read R rows side by side, R short streams the hardware prefetcher hardly
 // follows, so each line of them also prefetches the same line of the next R rows. Measured on this Xeon,
 // one thread, 30 layers of 576x576, 1536x576, 576x1536 bf16 weights: 2 rows 14.0 -> 9.3 ms, 4 rows

@@ -19,11 +19,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "parallel_threshold.h"
 #include "vec8.h"
 
 namespace {
-
-constexpr int64_t kParallelElements = 1 << 16;  // below, waking threads costs more than it saves
 
 // weight * x / sqrt(mean(x^2) + eps), over n floats (out may be x).
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
@@ -73,7 +72,7 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
 
 extern "C" int add_rms_norm_f32(float* hidden, const float* delta, const float* weight, float* out, int64_t rows,
                                 int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows * dim >= kParallelElements)
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         float* h = hidden + r * dim;
         if (delta) {
@@ -92,7 +91,7 @@ extern "C" int rope_kv_write_f32(float* qkv, const float* cos, const float* sin,
                                  const int64_t* slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
     if (dim % 2) return 1;
     const int64_t row_width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim;
-#pragma omp parallel for schedule(static) if (rows * row_width >= kParallelElements)  // rows write apart: a slot each
+#pragma omp parallel for schedule(static) if (rows * row_width >= kMinParallelElements)  // rows write apart: a slot each
     for (int64_t r = 0; r < rows; ++r) {
         float* row = qkv + r * row_width;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
@@ -111,7 +110,7 @@ extern "C" int rope_kv_write_f32(float* qkv, const float* cos, const float* sin,
 
 // gate_up [rows, 2 * width] (gate | up) → out [rows, width].
 extern "C" int silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t width) {
-#pragma omp parallel for schedule(static) if (rows * width >= kParallelElements)
+#pragma omp parallel for schedule(static) if (rows * width >= kMinParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const float* gate = gate_up + r * 2 * width;
         const float* up = gate + width;

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "kv_types.h"
+#include "parallel_threshold.h"
 
 namespace {
 
@@ -56,7 +57,7 @@ extern "C" int kv_write(const float* k, int64_t k_stride, const float* v, int64_
                         int64_t kv_heads, int64_t head_dim, int64_t head_dim_v, int64_t kv_dtype) {
     if (kv_dtype < kKVF32 || kv_dtype > kKVI8 || (kv_dtype == kKVI8 && !(k_scales && v_scales))) return 1;
     // A prompt's rows over threads (each its own slot, so they write apart); a decode step's few here.
-#pragma omp parallel for schedule(static) if (rows * kv_heads * (head_dim + head_dim_v) >= (1 << 16))
+#pragma omp parallel for schedule(static) if (rows * kv_heads * (head_dim + head_dim_v) >= kMinParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         write_row(k + r * k_stride, k_cache, k_scales, slots[r], kv_heads, head_dim, kv_dtype);
         write_row(v + r * v_stride, v_cache, v_scales, slots[r], kv_heads, head_dim_v, kv_dtype);

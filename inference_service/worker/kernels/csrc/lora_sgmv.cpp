@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include "panel_prefetch.h"
+#include "parallel_threshold.h"
 #include "vec8.h"
 
 namespace {
@@ -351,7 +352,7 @@ extern "C" int lora_panel_row_f32(const float* x, int64_t k, const float* panels
         if (parts[p].col < 0 || parts[p].width < 0 || parts[p].col + parts[p].width > n) return 1;
     }
     const int64_t count = n / kPanel;
-#pragma omp parallel if (n * k >= (1 << 16))  // panel_weights_linear_f32's rule
+#pragma omp parallel if (n * k >= kMinParallelElements)  // panel_weights_linear_f32's rule
     {
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = count * me / team, end = count * (me + 1) / team;

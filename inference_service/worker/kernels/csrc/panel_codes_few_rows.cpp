@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "dequant_row.h"
+#include "parallel_threshold.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -76,7 +77,6 @@ inline void store_vf(float* p, vf v) { store8(p, v); }
 
 constexpr int64_t kPanel = 32;                      // output columns per panel (panels.PANEL)
 constexpr int kVectors = kPanel / kLanes;           // vectors per panel line
-constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
 constexpr int64_t kPrefetchBytes = 4096;            // codes fetched this far ahead
 constexpr int64_t kPrefetchGroups = 4;              // scales fetched this many groups ahead
 constexpr int64_t kRowsPerPass = 4;                 // rows of x per pass over a panel (accumulators in registers)

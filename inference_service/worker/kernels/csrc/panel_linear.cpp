@@ -30,6 +30,7 @@
 
 #include "dequant_row.h"
 #include "panel_prefetch.h"
+#include "parallel_threshold.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -353,7 +354,7 @@ extern "C" int panel_codes_linear_f32(const float* x, const uint8_t* codes, cons
     constexpr int64_t kWidenOnceRows = 64;  // measured: tiles widening as they go win up to here
     const int64_t panels = n / kCodePanel, groups = (k + group_size - 1) / group_size;
     const bool widen_once = m > kWidenOnceRows;
-#pragma omp parallel if (n * k >= (1 << 16))
+#pragma omp parallel if (n * k >= kMinParallelElements)
     {
         std::vector<float> wide(widen_once ? k * kCodePanel : 0);
 #pragma omp for schedule(static)
@@ -386,7 +387,7 @@ extern "C" int panel_weights_linear_f32(const float* x, const float* panels, con
     const int64_t count = n / kCodePanel;
     if (m < kPackRows || k > kPackMaxK) {  // the tiles read x where it lies, in one parallel region
         const bool prompt = m >= kPackRows;
-#pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
+#pragma omp parallel for schedule(static) if (n * k >= kMinParallelElements)
         for (int64_t p = 0; p < count; ++p) {
             for (int col = 0; col < kCodePanel; col += 2 * kLanes) {
                 const int64_t n0 = p * kCodePanel + col;
@@ -409,7 +410,7 @@ extern "C" int panel_weights_linear_f32(const float* x, const float* panels, con
     thread_local std::vector<float> packed;  // reused across calls (a prompt step's is megabytes); only grows
     packed.resize(m * k);
     float* xp = packed.data();
-#pragma omp parallel if (n * k >= (1 << 16))
+#pragma omp parallel if (n * k >= kMinParallelElements)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < blocks * tiles_per_block; ++t) {

@@ -8,8 +8,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel_threshold.h"
+
 constexpr int64_t kRowsPerTask = 32;               // W rows per scheduling unit (2 threads split 576 evenly)
-constexpr int64_t kMinParallelElements = 1 << 16;  // below this, waking threads costs more than it saves
 
 // y rows for x rows [0, m) and W rows [0, a.n): Rows::template run<M>(a, m0, n0, n1) per task and block.
 template <typename Rows, typename Args>

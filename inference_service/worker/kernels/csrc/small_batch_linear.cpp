@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel_threshold.h"
 #include "vec8.h"
 
 namespace {
 
 constexpr int64_t kRowsPerTask = 32;                // W rows per scheduling unit (2 threads split 576 evenly)
-constexpr int64_t kMinParallelElements = 1 << 16;   // below this, waking threads costs more than it saves
 
 // Output rows [n0, n1), RN weight rows at a time: RN * M accumulators stay in registers.
 template <int M, int RN>
