@@ -74,7 +74,7 @@ class PanelledLinear(torch.nn.Module):
 
 def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     """Replace the model's eligible linears by PanelledLinear; returns how many were replaced."""
-    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    uses = parameter_uses(model)
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -83,6 +83,11 @@ def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
     for name, module in targets:
         replace_module(model, name, PanelledLinear.from_weight(module.weight, module.bias, kernel))
     return len(targets)
+
+
+def parameter_uses(model: torch.nn.Module) -> Counter[int]:
+    """How many modules hold each parameter, by id: a weight two modules share is tied."""
+    return Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
 
 
 def eligible(module: torch.nn.Linear) -> bool:

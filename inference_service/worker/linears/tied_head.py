@@ -13,14 +13,13 @@ is the same floats, held once.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 
 from inference_service.worker.kernels import panels
 from inference_service.worker.kernels.bindings import PanelLinear
-from inference_service.worker.linears.panelled import PanelledLinear, eligible
+from inference_service.worker.linears.panelled import PanelledLinear, eligible, parameter_uses
 
 
 class PanelledEmbedding(torch.nn.Module):
@@ -59,8 +58,7 @@ def install(model: torch.nn.Module, kernel: PanelLinear) -> int:
         return 0
     if head.weight is not embed.weight or embed.max_norm is not None or not eligible(head):
         return 0
-    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
-    if uses[id(embed.weight)] != 2:
+    if parameter_uses(model)[id(embed.weight)] != 2:
         return 0
     table = panels.panelled(embed.weight.detach())
     transformers_model.set_input_embeddings(PanelledEmbedding(table))
